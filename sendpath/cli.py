@@ -1,0 +1,94 @@
+"""The ``sendpath`` command: one entry point, one subcommand per face of the project."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from sendpath import __version__
+from sendpath.errors import SendpathError
+
+__all__ = ["build_parser", "main"]
+
+DEFAULT_MESSAGE = "What happens after I press send on a chat message?"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser for every subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="sendpath",
+        description="An LLM serving stack that shows what happens after a user presses send.",
+    )
+    parser.add_argument("--version", action="version", version=f"sendpath {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.add_parser("version", help="print the version and exit")
+    gen = sub.add_parser(
+        "generate",
+        help="answer one message in this process (no server) and stream the answer",
+        description="Load the model in this process, answer one message and stream the answer.",
+    )
+    gen.add_argument("message", nargs="?", default=DEFAULT_MESSAGE, help="the user message")
+    gen.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file or HF directory (default: built-in SmolLM2-135M-Instruct)",
+    )
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--system", default=None, help="a system message to put first")
+    gen.add_argument(
+        "--raw", action="store_true", help="complete the text as is, without the chat template"
+    )
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from sendpath.llm import LLM
+    from sendpath.request import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    if args.raw:
+        print(args.message, end="", flush=True)
+        print(llm.generate(args.message, params)[0].outputs[0].text)
+        return 0
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages.append({"role": "user", "content": args.message})
+    print(f"> {args.message}", flush=True)
+    for delta in llm.stream_chat(messages, params):
+        print(delta, end="", flush=True)
+    print()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "version":
+            print(f"sendpath {__version__}")
+            return 0
+        if args.command == "generate":
+            return _generate(args)
+    except SendpathError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+    parser.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

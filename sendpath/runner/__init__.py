@@ -1,0 +1,1 @@
+"""Runners: the only place (with model/) where tensors are built."""

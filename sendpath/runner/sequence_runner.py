@@ -1,0 +1,115 @@
+"""Run one sequence at a time over a contiguous KV cache: prefill, then decode token by token.
+
+The simplest correct way to generate, used by the offline ``LLM`` API and kept as the
+reference that batched execution must match token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+from sendpath.engine.outputs import OutputStream
+from sendpath.model.llama import LlamaConfig
+from sendpath.model.loader import LoadedModel
+from sendpath.model.sampler import make_generator, sample
+from sendpath.request import SamplingParams
+
+__all__ = ["ContiguousKVCache", "GeneratedToken", "SequenceRunner"]
+
+
+class ContiguousKVCache:
+    """An ``AttentionBackend`` for one sequence: K/V in [layers, max_len, Hkv, Dh] buffers.
+
+    A forward pass writes its T new tokens at ``length .. length+T``; the caller moves
+    ``length`` forward with ``advance(T)`` once every layer has run.
+    """
+
+    def __init__(
+        self, config: LlamaConfig, max_len: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        shape = (config.num_layers, max_len, config.num_kv_heads, config.head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        t, start = q.shape[0], self.length
+        end = start + t
+        self.k[layer, start:end] = k
+        self.v[layer, start:end] = v
+        keys = self.k[layer, :end].transpose(0, 1)  # [Hkv, end, Dh]
+        values = self.v[layer, :end].transpose(0, 1)  # [Hkv, end, Dh]
+        mask = None
+        if t > 1 and start > 0:  # new tokens see the whole past and the causal part of now
+            rows = torch.arange(start, end, device=q.device)[:, None]
+            mask = torch.arange(end, device=q.device)[None, :] <= rows  # [T, end]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),  # [H, T, Dh]
+            keys,
+            values,
+            attn_mask=mask,
+            is_causal=t > 1 and start == 0,
+            enable_gqa=True,
+        )  # [H, T, Dh]
+        return out.transpose(0, 1)  # [T, H, Dh]
+
+    def advance(self, num_tokens: int) -> None:
+        self.length += num_tokens
+
+
+@dataclass
+class GeneratedToken:
+    """One decode step's result for the caller: the id, the new text, and done-or-not."""
+
+    token_id: int
+    text: str
+    finished: bool
+
+
+class SequenceRunner:
+    """Generates for one prompt at a time on a loaded model."""
+
+    def __init__(self, loaded: LoadedModel, max_model_len: int | None = None) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.max_model_len = max_model_len or loaded.max_model_len
+
+    @torch.inference_mode()
+    def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
+        """Logits [P, V] of every prompt position (for parity checks against a reference)."""
+        cache = self._cache(len(prompt_ids))
+        hidden = self._forward(cache, prompt_ids)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, stream: OutputStream
+    ) -> Iterator[GeneratedToken]:
+        """Prefill the prompt, then decode until ``stream`` says the request is finished."""
+        gen = None if params.greedy else make_generator(params.seed, self.model.device)
+        cache = self._cache(min(self.max_model_len, len(prompt_ids) + params.max_tokens))
+        hidden = self._forward(cache, prompt_ids)[-1:]
+        while True:
+            token = sample(self.model.compute_logits(hidden), [params], [gen])[0]
+            text = stream.append(token)
+            yield GeneratedToken(token, text, stream.finished)
+            if stream.finished:
+                return
+            hidden = self._forward(cache, [token])
+
+    def _cache(self, max_len: int) -> ContiguousKVCache:
+        return ContiguousKVCache(self.model.config, max_len, self.model.dtype, self.model.device)
+
+    def _forward(self, cache: ContiguousKVCache, ids: list[int]) -> torch.Tensor:
+        device = self.model.device
+        input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        positions = torch.arange(cache.length, cache.length + len(ids), device=device)
+        hidden = self.model(input_ids, positions, cache)
+        cache.advance(len(ids))
+        return hidden  # type: ignore[no-any-return]

@@ -1,0 +1,104 @@
+"""Shared fixtures: the built-in model (loaded once), a tiny random Llama directory, references."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from sendpath.llm import LLM
+from sendpath.model.loader import builtin_model_path
+from sendpath.model.tokenizer import Tokenizer
+
+CHAT_PROMPTS: list[list[dict[str, str]]] = [
+    [{"role": "user", "content": "What is the capital of Japan?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "List three prime numbers."},
+    ],
+    [
+        {"role": "user", "content": "Hi! Who are you?"},
+        {"role": "assistant", "content": "I am SmolLM, a small language model."},
+        {"role": "user", "content": "What can you do for me in 2024?"},
+    ],
+    [{"role": "user", "content": "Explain in one sentence why the sky is blue."}],
+]
+
+
+@pytest.fixture(scope="session")
+def builtin_llm() -> LLM:
+    """The built-in SmolLM2-135M-Instruct in float32 on the CPU."""
+    return LLM(dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer(builtin_llm: LLM) -> Tokenizer:
+    return builtin_llm.tokenizer
+
+
+@pytest.fixture(scope="session")
+def hf_builtin() -> Any:
+    """transformers' own loading of the same GGUF file: the reference implementation."""
+    transformers = pytest.importorskip("transformers")
+    path = builtin_model_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+def write_tiny_llama(
+    directory: Path,
+    tokenizer: Tokenizer,
+    *,
+    tie: bool = True,
+    rope_scaling: dict[str, Any] | None = None,
+    seed: int = 0,
+) -> Path:
+    """Save a randomly initialised 2-layer GQA Llama (transformers) with a real tokenizer."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # larger weights than the default init: sharper, less tie-prone logits
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.backend.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": tokenizer.chat_template,
+                "bos_token": tokenizer.bos_token,
+                "eos_token": tokenizer.eos_token,
+            }
+        )
+    )
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(
+    tmp_path_factory: pytest.TempPathFactory, smol_tokenizer: Tokenizer
+) -> Iterator[Path]:
+    yield write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smol_tokenizer)

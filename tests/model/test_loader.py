@@ -1,0 +1,111 @@
+"""Loading errors a user can hit, each with a message that says what to do."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sendpath.errors import ModelLoadError, UnsupportedModelError
+from sendpath.model.loader import builtin_model_path, load_model, resolve_device
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(tmp_path / "nope.gguf")
+
+
+def test_garbage_file_is_not_a_gguf(tmp_path: Path) -> None:
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"this is not a model" * 100)
+    with pytest.raises(ModelLoadError, match="as a GGUF file"):
+        load_model(bad)
+
+
+def test_truncated_gguf(tmp_path: Path) -> None:
+    src = builtin_model_path()
+    cut = tmp_path / "cut.gguf"
+    with src.open("rb") as f:
+        cut.write_bytes(f.read(1_000_000))
+    with pytest.raises(ModelLoadError):
+        load_model(cut)
+
+
+def test_unreadable_file(tmp_path: Path) -> None:
+    # A socket exists but cannot be opened for reading, even by root (CI runs as root,
+    # so a chmod 000 file would still be readable there).
+    bad = tmp_path / "model.gguf"
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(bad))
+        with pytest.raises(ModelLoadError, match="Could not read"):
+            load_model(bad)
+
+
+def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match=r"architecture 'gpt2' is not supported"):
+        load_model(path)
+
+
+def test_unsupported_hf_architecture(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    other = tmp_path / "qwen"
+    shutil.copytree(tiny_llama_dir, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2")
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="Qwen2ForCausalLM"):
+        load_model(other)
+
+
+def test_hf_directory_without_weights_or_config(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
+        load_model(tmp_path)
+    no_weights = tmp_path / "nw"
+    shutil.copytree(tiny_llama_dir, no_weights)
+    for f in no_weights.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        load_model(no_weights)
+
+
+def test_checkpoint_that_does_not_match_its_config(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    other = tmp_path / "wrong"
+    shutil.copytree(tiny_llama_dir, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="does not match its config"):
+        load_model(other)
+
+
+def test_bad_dtype_and_device() -> None:
+    with pytest.raises(ModelLoadError, match="dtype='int8'"):
+        load_model(None, dtype="int8")
+    with pytest.raises(ModelLoadError, match="not supported"):
+        resolve_device("mps")
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelLoadError, match="CUDA is not available"):
+            resolve_device("cuda")
+
+
+def test_builtin_model_config() -> None:
+    loaded = load_model(None, dtype="bfloat16")
+    cfg = loaded.config
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (30, 576, 9, 3)
+    assert cfg.tie_word_embeddings and cfg.rope_theta == 100000.0
+    assert loaded.max_model_len == 8192
+    assert loaded.model.lm_head.weight is loaded.model.embed_tokens.weight
+    assert 134_000_000 < cfg.num_params < 135_000_000
