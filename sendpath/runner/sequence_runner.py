@@ -43,21 +43,23 @@ class ContiguousKVCache:
         end = start + t
         self.k[layer, start:end] = k
         self.v[layer, start:end] = v
-        keys = self.k[layer, :end].transpose(0, 1)  # [Hkv, end, Dh]
-        values = self.v[layer, :end].transpose(0, 1)  # [Hkv, end, Dh]
+        group = q.shape[1] // k.shape[1]
+        # Heads repeated by hand: CPU SDPA's fused kernel does not take enable_gqa and
+        # falls back to a slower unfused path with it.
+        keys = self.k[layer, :end].transpose(0, 1).repeat_interleave(group, 0)  # [H, end, Dh]
+        values = self.v[layer, :end].transpose(0, 1).repeat_interleave(group, 0)  # [H, end, Dh]
         mask = None
         if t > 1 and start > 0:  # new tokens see the whole past and the causal part of now
             rows = torch.arange(start, end, device=q.device)[:, None]
             mask = torch.arange(end, device=q.device)[None, :] <= rows  # [T, end]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),  # [H, T, Dh]
-            keys,
-            values,
+        out = F.scaled_dot_product_attention(  # 4-D inputs: CPU's fused kernel wants a batch dim
+            q.transpose(0, 1)[None],  # [1, H, T, Dh]
+            keys[None],
+            values[None],
             attn_mask=mask,
             is_causal=t > 1 and start == 0,
-            enable_gqa=True,
-        )  # [H, T, Dh]
-        return out.transpose(0, 1)  # [T, H, Dh]
+        )  # [1, H, T, Dh]
+        return out[0].transpose(0, 1)  # [T, H, Dh]
 
     def advance(self, num_tokens: int) -> None:
         self.length += num_tokens
