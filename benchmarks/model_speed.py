@@ -88,9 +88,10 @@ def main() -> None:
     rows = []
     for dtype in ("float32", "bfloat16"):
         llm = LLM(dtype=dtype, device="cpu")
-        hf = AutoModelForCausalLM.from_pretrained(
+        hf: Any = AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype)
-        ).eval()
+        )
+        hf.eval()
         text = "The quick brown fox jumps over the lazy dog. " * 200
         long_ids = llm.tokenizer.encode(text)[: args.prompt_len]
         short_ids = llm.tokenizer.encode_chat([{"role": "user", "content": "Tell me a story."}])
