@@ -32,9 +32,10 @@ def ours(llm: LLM, ids: list[int], new_tokens: int) -> tuple[float, float]:
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     stamps: list[float] = []
     start = time.perf_counter()
-    stream = llm._stream(ids, params)
-    for _ in llm._runner.generate(ids, params, stream):
-        stamps.append(time.perf_counter())
+    llm.engine.add_request(ids, params)
+    while llm.engine.has_unfinished_requests():
+        if llm.engine.step():
+            stamps.append(time.perf_counter())
     assert len(stamps) == new_tokens
     return stamps[0] - start, stamps[-1] - stamps[0]
 

@@ -11,6 +11,7 @@ __all__ = [
     "InvalidSamplingParamsError",
     "ModelLoadError",
     "PromptTooLongError",
+    "QueueFullError",
     "SendpathError",
     "UnsupportedModelError",
 ]
@@ -69,3 +70,17 @@ class PromptTooLongError(InvalidRequestError):
         )
         self.prompt_tokens = prompt_tokens
         self.max_model_len = max_model_len
+
+
+class QueueFullError(SendpathError):
+    """The engine's waiting queue is at ``max_queued_requests``: try again shortly (HTTP 503)."""
+
+    type = "overloaded_error"
+    code = "queue_full"
+    status_code = 503
+
+    def __init__(self, max_queued: int) -> None:
+        super().__init__(
+            f"The server's queue is full ({max_queued} requests waiting). Retry in a moment."
+        )
+        self.max_queued = max_queued

@@ -1,17 +1,19 @@
-"""The offline API, in the spirit of vLLM's: ``LLM(model).generate(...)`` / ``.chat(...)``."""
+"""The offline API, in the spirit of vLLM's: ``LLM(model).generate(...)`` / ``.chat(...)``.
+
+All prompts of one call go into the engine together and run with continuous batching.
+"""
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from sendpath.engine.outputs import CompletionOutput, OutputStream, RequestOutput
-from sendpath.errors import InvalidRequestError, PromptTooLongError
-from sendpath.model.loader import load_model
+from sendpath.config import CacheConfig, EngineConfig, SchedulerConfig
+from sendpath.engine.core import EngineCore, Prompt
+from sendpath.engine.outputs import CompletionOutput, RequestOutput
+from sendpath.errors import InvalidRequestError
 from sendpath.model.tokenizer import ChatMessage
 from sendpath.request import SamplingParams
-from sendpath.runner.sequence_runner import SequenceRunner
 
 __all__ = ["LLM"]
 
@@ -20,7 +22,9 @@ class LLM:
     """Loads a model once and generates for prompts or conversations in this process.
 
     ``model=None`` is the built-in SmolLM2-135M-Instruct. ``dtype`` is ``"auto"`` (float32
-    on CPU, bfloat16 on CUDA), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+    on CPU, bfloat16 on CUDA), ``"float32"``, ``"bfloat16"`` or ``"float16"``. The engine
+    options (``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``,
+    ``kv_cache_memory_gib``, ``num_blocks``, ``enable_prefix_caching``) are vLLM's.
     """
 
     def __init__(
@@ -30,19 +34,26 @@ class LLM:
         dtype: str = "auto",
         device: str | None = None,
         max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        block_size: int = 16,
+        kv_cache_memory_gib: float = 1.0,
+        num_blocks: int | None = None,
+        enable_prefix_caching: bool = True,
     ) -> None:
-        self.loaded = load_model(model, dtype=dtype, device=device)
-        self.tokenizer = self.loaded.tokenizer
-        limit = self.loaded.max_model_len
-        if max_model_len is not None and not 1 < max_model_len <= limit:
-            raise InvalidRequestError(
-                f"max_model_len must be between 2 and the model's context ({limit}), "
-                f"got {max_model_len}.",
-                param="max_model_len",
-            )
-        self.max_model_len = max_model_len or limit
-        self._runner = SequenceRunner(self.loaded, self.max_model_len)
-        self._ids = itertools.count()
+        config = EngineConfig(
+            model=None if model is None else str(model),
+            dtype=dtype,
+            device=device,
+            max_model_len=max_model_len,
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+            cache=CacheConfig(block_size, num_blocks, kv_cache_memory_gib, enable_prefix_caching),
+        )
+        self.engine = EngineCore.from_config(config)
+        assert self.engine.loaded is not None
+        self.loaded = self.engine.loaded
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
 
     def generate(
         self,
@@ -51,13 +62,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Complete each prompt (text, or token ids) as plain text, no chat template."""
         items: list[str | list[int]] = [prompts] if isinstance(prompts, str) else [*prompts]
-        params = sampling_params or SamplingParams()
-        outs = []
-        for item in items:
-            ids = self.tokenizer.encode(item) if isinstance(item, str) else list(item)
-            prompt = item if isinstance(item, str) else None
-            outs.append(self._complete(prompt, ids, params))
-        return outs
+        return self._run(items, sampling_params or SamplingParams())
 
     def chat(
         self,
@@ -68,37 +73,52 @@ class LLM:
         if not messages:
             raise InvalidRequestError("messages must not be empty.", param="messages")
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
-        params = sampling_params or SamplingParams()
-        outs = []
-        for conv in convs:
-            prompt = self.tokenizer.apply_chat_template(conv)  # type: ignore[arg-type]
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-            outs.append(self._complete(prompt, ids, params))
-        return outs
+        return self._run(convs, sampling_params or SamplingParams())  # type: ignore[arg-type]
 
     def stream_chat(
         self, messages: Sequence[ChatMessage], sampling_params: SamplingParams | None = None
     ) -> Iterator[str]:
         """Yield the answer's text deltas as they are generated."""
-        ids = self.tokenizer.encode_chat(messages)
-        params = sampling_params or SamplingParams()
-        for step in self._runner.generate(ids, params, self._stream(ids, params)):
-            if step.text:
-                yield step.text
+        request = self.engine.add_request(messages, sampling_params or SamplingParams())
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.text:
+                        yield out.text
+                    if out.finished:
+                        return
+        finally:
+            self.engine.abort(request.request_id)  # no-op once finished
 
-    def _stream(self, ids: list[int], params: SamplingParams) -> OutputStream:
-        params.validate()
-        if not ids:
-            raise InvalidRequestError("The prompt is empty.", param="prompt")
-        if len(ids) >= self.max_model_len:
-            raise PromptTooLongError(len(ids), self.max_model_len)
-        return OutputStream(self.tokenizer, params, len(ids), self.max_model_len)
-
-    def _complete(
-        self, prompt: str | None, ids: list[int], params: SamplingParams
-    ) -> RequestOutput:
-        stream = self._stream(ids, params)
-        for _ in self._runner.generate(ids, params, stream):
-            pass
-        out: CompletionOutput = stream.output()
-        return RequestOutput(str(next(self._ids)), prompt, ids, [out], finished=True)
+    def _run(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[RequestOutput]:
+        requests = []
+        try:
+            for prompt in prompts:
+                requests.append(self.engine.add_request(prompt, params))
+            texts = {r.request_id: "" for r in requests}
+            done: dict[str, CompletionOutput] = {}
+            while len(done) < len(requests):
+                for out in self.engine.step():
+                    texts[out.request_id] += out.text
+                    if out.finished:
+                        request = next(r for r in requests if r.request_id == out.request_id)
+                        done[out.request_id] = CompletionOutput(
+                            0,
+                            texts[out.request_id],
+                            list(request.output_token_ids),
+                            out.finish_reason,
+                            out.stop_reason,
+                        )
+        finally:
+            for r in requests:
+                self.engine.abort(r.request_id)  # frees anything left after an error
+        return [
+            RequestOutput(
+                r.request_id,
+                p if isinstance(p, str) else None,
+                r.prompt_token_ids,
+                [done[r.request_id]],
+                finished=True,
+            )
+            for r, p in zip(requests, prompts, strict=True)
+        ]

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from sendpath.errors import InvalidSamplingParamsError
+from sendpath.trace import EventType, Timeline
 
-__all__ = ["SamplingParams"]
+__all__ = ["Request", "RequestStatus", "SamplingParams"]
 
 
 @dataclass
@@ -87,3 +89,59 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and value == value
+
+
+class RequestStatus(StrEnum):
+    """Where a request is in the engine."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, its KV blocks gone: recomputed when rescheduled
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+
+@dataclass
+class Request:
+    """A request as the scheduler and KV manager see it: token ids and progress, no text.
+
+    The one rule of scheduling: ``num_computed_tokens`` catches up with ``num_tokens``.
+    Prefill, chunked prefill and decode are all "how many tokens this step".
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    priority: int = 0  # lower runs first under the priority policy
+    cache_salt: str | None = None  # tenants with different salts never share cached blocks
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first schedule)
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    timeline: Timeline = field(default_factory=Timeline)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while known tokens remain uncomputed beyond the one a decode step feeds."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    def record(self, type: EventType, time: float, num_tokens: int = 0) -> None:
+        self.timeline.record(type, time, num_tokens)

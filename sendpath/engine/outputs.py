@@ -13,7 +13,7 @@ from enum import StrEnum
 from sendpath.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from sendpath.request import SamplingParams
 
-__all__ = ["CompletionOutput", "FinishReason", "OutputStream", "RequestOutput"]
+__all__ = ["CompletionOutput", "EngineOutput", "FinishReason", "OutputStream", "RequestOutput"]
 
 
 class FinishReason(StrEnum):
@@ -44,6 +44,24 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+
+
+@dataclass
+class EngineOutput:
+    """What one engine step produced for one request: new ids, new text, done or not."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str  # the new text (a delta), stop strings held back until safe
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_output_tokens: int = 0  # generated so far, this one included
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 class OutputStream:

@@ -1,0 +1,64 @@
+"""Component configs: one small dataclass each, validated when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["CacheConfig", "EngineConfig", "SchedulerConfig"]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How much work one engine step may take, and who goes first.
+
+    ``max_num_batched_tokens`` is the per-step token budget (decodes + prefill chunks);
+    a prompt longer than what is left of it is prefilled in chunks over several steps.
+    ``max_queued_requests`` bounds the waiting queue (``None`` = unbounded).
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_queued_requests: int | None = None
+    policy: str = "fcfs"  # "fcfs" or "priority"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size and how many blocks (or how many bytes) it gets."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # None: derived from kv_cache_memory_gib
+    kv_cache_memory_gib: float = 1.0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_memory_gib <= 0:
+            raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine (one model replica) needs."""
+
+    model: str | None = None  # None: the built-in SmolLM2-135M-Instruct
+    dtype: str = "auto"
+    device: str | None = None
+    max_model_len: int | None = None  # None: the model's context window
+    scheduler: SchedulerConfig = SchedulerConfig()
+    cache: CacheConfig = CacheConfig()

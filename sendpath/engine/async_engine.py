@@ -1,0 +1,165 @@
+"""The async engine: the step loop on its own thread, an async stream per request.
+
+The event loop never runs model code. ``generate()`` hands the request to the engine
+thread (tokenize + queue happen there, errors come back to the caller), then yields the
+request's ``EngineOutput`` deltas as the thread produces them. Leaving the iterator early
+(client gone, task cancelled) aborts the request, which frees its slot and KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from typing import Any
+
+from sendpath.engine.core import EngineCore, Prompt
+from sendpath.engine.outputs import EngineOutput
+from sendpath.request import Request, SamplingParams
+
+__all__ = ["AsyncEngine", "EngineDeadError"]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (shut down, or a step failed); the request cannot finish."""
+
+
+_Item = EngineOutput | BaseException
+
+
+class AsyncEngine:
+    """Runs an ``EngineCore`` in a background thread; thread-safe to call from asyncio."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[_Item]]] = {}
+        self._stopped = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="sendpath-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive()
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        on_added: Callable[[Request], None] | None = None,
+    ) -> AsyncIterator[EngineOutput]:
+        """Queue a request and yield its outputs until it finishes.
+
+        Raises what ``EngineCore.add_request`` raises (bad prompt, queue full) before the
+        first output; ``on_added`` sees the queued ``Request`` (its id and timeline).
+        """
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[_Item] = asyncio.Queue()
+        added: Future[Request] = Future()
+
+        def add() -> None:
+            try:
+                request = self.core.add_request(prompt, params, request_id, priority, cache_salt)
+            except BaseException as exc:
+                added.set_exception(exc)
+                return
+            self._streams[request.request_id] = (loop, outputs)
+            added.set_result(request)
+
+        self._submit(add)
+        request = await asyncio.wrap_future(added)
+        if on_added is not None:
+            on_added(request)
+        finished = False
+        try:
+            while True:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread; its stream ends with finish reason ``abort``."""
+        if self._stopped.is_set():
+            return
+        self._commands.put(lambda: self._abort_now(request_id))
+
+    def call(self, fn: Callable[[EngineCore], Any]) -> Future[Any]:
+        """Run ``fn(core)`` on the engine thread between steps (stats, resets)."""
+        fut: Future[Any] = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn(self.core))
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+        self._submit(run)
+        return fut
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop; every unfinished request's stream gets ``EngineDeadError``."""
+        self._stopped.set()
+        self._commands.put(lambda: None)
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        if self._stopped.is_set() or not self._thread.is_alive():
+            raise EngineDeadError(f"the engine is not running ({self._error or 'shut down'})")
+        self._commands.put(command)
+
+    def _abort_now(self, request_id: str) -> None:
+        out = self.core.abort(request_id)
+        if out is not None:
+            self._deliver(out)
+
+    def _deliver(self, item: EngineOutput) -> None:
+        entry = self._streams.get(item.request_id)
+        if entry is None:
+            return
+        if item.finished:
+            del self._streams[item.request_id]
+        loop, outputs = entry
+        loop.call_soon_threadsafe(outputs.put_nowait, item)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                block = not self.core.has_unfinished_requests()
+                try:
+                    command = self._commands.get(block=block, timeout=0.5 if block else None)
+                    command()
+                    while True:  # everything else that is queued, before the next step
+                        self._commands.get_nowait()()
+                except queue.Empty:
+                    pass
+                if self.core.has_unfinished_requests():
+                    for out in self.core.step():
+                        self._deliver(out)
+        except BaseException as exc:  # a failed step must not leave clients hanging
+            self._error = exc
+        finally:
+            self._stopped.set()
+            while True:  # run what raced in, so no caller waits on a future forever
+                try:
+                    self._commands.get_nowait()()
+                except queue.Empty:
+                    break
+            dead = EngineDeadError(f"the engine stopped: {self._error or 'shut down'}")
+            for loop, outputs in self._streams.values():
+                loop.call_soon_threadsafe(outputs.put_nowait, dead)
+            self._streams.clear()

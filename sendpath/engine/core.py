@@ -1,0 +1,187 @@
+"""The engine core: ``step() = schedule() -> execute() -> update()``, plus requests in and out.
+
+Single-threaded and synchronous: the offline ``LLM`` drives it directly, the async engine
+drives it from its own thread. Text enters here (chat template + tokenization are timed as
+the request's ``tokenize`` stage) and leaves as ``EngineOutput`` deltas.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from sendpath.clock import Clock, RealClock
+from sendpath.config import EngineConfig, SchedulerConfig
+from sendpath.engine.outputs import EngineOutput, OutputStream
+from sendpath.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput, SchedulerStats
+from sendpath.errors import InvalidRequestError, PromptTooLongError
+from sendpath.kvcache.manager import KVCacheManager
+from sendpath.model.tokenizer import ChatMessage, Tokenizer
+from sendpath.request import Request, RequestStatus, SamplingParams
+from sendpath.trace import EventType
+
+if TYPE_CHECKING:
+    from sendpath.model.loader import LoadedModel
+
+__all__ = ["EngineCore", "Prompt", "Runner"]
+
+Prompt = str | list[int] | Sequence[ChatMessage]
+
+
+class Runner(Protocol):
+    """Executes a step plan; the model runner and the fake runner implement it."""
+
+    def add_request(self, request_id: str, params: SamplingParams) -> None: ...
+    def remove_request(self, request_id: str) -> None: ...
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput: ...
+
+
+class EngineCore:
+    """Owns the scheduler, the runner and each request's output stream."""
+
+    def __init__(
+        self,
+        runner: Runner,
+        tokenizer: Tokenizer,
+        kv: KVCacheManager,
+        scheduler_config: SchedulerConfig,
+        max_model_len: int,
+        clock: Clock | None = None,
+        model_name: str = "model",
+    ) -> None:
+        if kv.capacity_tokens < max_model_len:
+            raise ValueError(
+                f"the KV cache holds {kv.capacity_tokens} tokens, less than max_model_len "
+                f"({max_model_len}): one long request could never be scheduled. Give the "
+                "cache more memory or lower max_model_len."
+            )
+        self.clock = clock or RealClock()
+        self.model_name = model_name
+        self.loaded: LoadedModel | None = None  # set when built from a config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.scheduler = Scheduler(scheduler_config, kv, self.clock)
+        self._streams: dict[str, OutputStream] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, clock: Clock | None = None) -> EngineCore:
+        """Load the model and size the KV cache from ``config``."""
+        from sendpath.model.loader import load_model
+        from sendpath.runner.model_runner import ModelRunner, kv_bytes_per_token
+
+        loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+        limit = loaded.max_model_len
+        max_len = config.max_model_len or limit
+        if not 1 < max_len <= limit:
+            raise InvalidRequestError(
+                f"max_model_len must be between 2 and the model's context ({limit}), "
+                f"got {max_len}.",
+                param="max_model_len",
+            )
+        cache = config.cache
+        num_blocks = cache.num_blocks or int(
+            cache.kv_cache_memory_gib
+            * 2**30
+            // (kv_bytes_per_token(loaded.config, loaded.model.dtype) * cache.block_size)
+        )
+        kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        runner = ModelRunner(loaded, num_blocks, cache.block_size)
+        core = cls(runner, loaded.tokenizer, kv, config.scheduler, max_len, clock, loaded.name)
+        core.loaded = loaded
+        return core
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Tokenize (chat template for a message list) and queue a request."""
+        params.validate()
+        arrived = self.clock.now()
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif prompt and isinstance(prompt[0], int):
+            ids = [int(t) for t in prompt]  # type: ignore[arg-type]
+        elif prompt:
+            ids = self.tokenizer.encode_chat(prompt)  # type: ignore[arg-type]
+        else:
+            ids = []
+        if not ids:
+            raise InvalidRequestError("The prompt is empty.", param="prompt")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(len(ids), self.max_model_len)
+        request = Request(
+            request_id=request_id or f"req-{next(self._ids)}",
+            prompt_token_ids=ids,
+            sampling_params=params,
+            arrival_time=arrived,
+            priority=priority,
+            cache_salt=cache_salt,
+        )
+        request.record(EventType.ARRIVED, arrived)
+        request.record(EventType.TOKENIZED, self.clock.now())
+        self.scheduler.add_request(request)  # may raise QueueFullError: nothing to undo
+        self.runner.add_request(request.request_id, params)
+        self._streams[request.request_id] = OutputStream(
+            self.tokenizer, params, len(ids), self.max_model_len
+        )
+        return request
+
+    def abort(self, request_id: str) -> EngineOutput | None:
+        """Stop a request wherever it is; frees its blocks. ``None`` if already gone."""
+        stream = self._streams.pop(request_id, None)
+        request = self.scheduler.finish_request(request_id, RequestStatus.ABORTED)
+        self.runner.remove_request(request_id)
+        if stream is None or request is None:
+            return None
+        stream.abort()
+        return self._output(request, stream, [], "")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.scheduler.requests.get(request_id)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[EngineOutput]:
+        """Schedule, execute and apply one step; return what each request got from it."""
+        plan = self.scheduler.schedule()
+        result = self.runner.execute(plan)
+        outputs = []
+        for request, token in self.scheduler.update(plan, result):
+            stream = self._streams[request.request_id]
+            text = stream.append(token)
+            if stream.finished:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED)
+                self.runner.remove_request(request.request_id)
+                del self._streams[request.request_id]
+            outputs.append(self._output(request, stream, [token], text))
+        return outputs
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    @staticmethod
+    def _output(
+        request: Request, stream: OutputStream, new_ids: list[int], text: str
+    ) -> EngineOutput:
+        return EngineOutput(
+            request_id=request.request_id,
+            new_token_ids=new_ids,
+            text=text,
+            finish_reason=stream.finish_reason,
+            stop_reason=stream.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            num_output_tokens=len(request.output_token_ids),
+        )

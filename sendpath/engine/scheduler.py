@@ -1,0 +1,245 @@
+"""The scheduler: which requests compute how many tokens in the next step.
+
+One rule: each request's ``num_computed_tokens`` catches up with ``num_tokens``. Every step
+fills a token budget (``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``):
+
+1. running requests, decodes first, then ongoing prefills (their next chunk);
+   when the KV cache is out of blocks, the policy's last request (newest, or lowest
+   priority) is preempted: its blocks are freed and it goes back to the waiting queue,
+   to be recomputed from the start (from its cached prefix, if still cached);
+2. then, if nobody was preempted, waiting requests in policy order, each starting from
+   its longest cached prefix, while budget, sequence slots and blocks last.
+
+A prompt longer than the budget left is split over several steps (chunked prefill), so
+one long prompt never stalls the running decodes. Torch-free; time comes from a ``Clock``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sendpath.clock import Clock
+from sendpath.config import SchedulerConfig
+from sendpath.errors import QueueFullError
+from sendpath.kvcache.manager import KVCacheManager
+from sendpath.request import Request, RequestStatus
+from sendpath.trace import EventType
+
+from .queue import make_queue
+
+__all__ = ["RunnerOutput", "ScheduledRequest", "Scheduler", "SchedulerOutput", "SchedulerStats"]
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: compute ``token_ids`` at positions from ``start_pos``."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    sample: bool  # True when this step reaches the last known token: sample the next one
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan of one step (plain data: what the runner needs, nothing live)."""
+
+    requests: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.requests)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+@dataclass
+class RunnerOutput:
+    """What a step produced: one sampled token per request whose plan had ``sample``."""
+
+    sampled: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_computed_tokens: int  # all tokens run through the model so far (prefill + decode)
+
+
+class Scheduler:
+    """Waiting and running queues over one KV cache manager."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, clock: Clock) -> None:
+        self.config = config
+        self.kv = kv
+        self.clock = clock
+        self.waiting = make_queue(config.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.num_computed_tokens = 0
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ``QueueFullError`` when ``max_queued_requests`` are waiting."""
+        limit = self.config.max_queued_requests
+        if limit is not None and len(self.waiting) >= limit:
+            raise QueueFullError(limit)
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.WAITING
+        request.record(EventType.QUEUED, self.clock.now())
+        self.waiting.add(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request wherever it is (waiting, running); frees its blocks. Idempotent."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = status
+        event = EventType.ABORTED if status is RequestStatus.ABORTED else EventType.FINISHED
+        request.record(event, self.clock.now())
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step (mutates queues, block tables and request status)."""
+        now = self.clock.now()
+        budget = self.config.max_num_batched_tokens
+        planned: dict[str, int] = {}  # request id -> tokens this step, in planning order
+        preempted: list[str] = []
+
+        # 1. running: decodes first, then prefill chunks (stable within each group)
+        for request in sorted(self.running, key=lambda r: r.is_prefilling):
+            if request.request_id in preempted or budget == 0:
+                continue
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv.allocate_slots(request, n) is None:
+                victim = self._pick_victim(exclude=preempted)
+                self._preempt(victim, now)
+                preempted.append(victim.request_id)
+                budget += planned.pop(victim.request_id, 0)
+                if victim is request:
+                    break
+            else:
+                planned[request.request_id] = n
+                budget -= n
+
+        # 2. waiting, unless this step had to preempt
+        while (
+            not preempted
+            and len(self.waiting)
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting.peek()
+            hits, num_hit = self.kv.get_computed_blocks(request)
+            n = min(request.num_tokens - num_hit, budget)
+            if self.kv.allocate_slots(request, n, hits) is None:
+                break
+            self.waiting.pop()
+            self.kv.count_lookup(request.num_tokens, num_hit)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            request.record(EventType.SCHEDULED, now)
+            self.running.append(request)
+            planned[request.request_id] = n
+            budget -= n
+
+        out = SchedulerOutput(preempted=preempted)
+        for request_id, n in planned.items():
+            request = self.requests[request_id]
+            start = request.num_computed_tokens
+            out.requests.append(
+                ScheduledRequest(
+                    request_id=request_id,
+                    token_ids=request.all_token_ids[start : start + n],
+                    start_pos=start,
+                    block_ids=self.kv.block_ids(request_id),
+                    sample=start + n == request.num_tokens,
+                )
+            )
+        return out
+
+    def update(self, plan: SchedulerOutput, result: RunnerOutput) -> list[tuple[Request, int]]:
+        """Apply a finished step: advance progress, cache full blocks, append sampled tokens.
+
+        Returns (request, new token) pairs; requests aborted since ``schedule`` are skipped.
+        The caller decides whether a token finishes its request (``finish_request``).
+        """
+        now = self.clock.now()
+        new_tokens: list[tuple[Request, int]] = []
+        for item in plan.requests:
+            request = self.requests.get(item.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += item.num_tokens
+            self.num_computed_tokens += item.num_tokens
+            self.kv.cache_computed_blocks(request)
+            if not request.output_token_ids:
+                request.record(EventType.PREFILL_CHUNK, now, item.num_tokens)
+            if item.sample:
+                token = result.sampled[item.request_id]
+                if not request.output_token_ids:
+                    request.record(EventType.FIRST_TOKEN, now)
+                request.output_token_ids.append(token)
+                request.record(EventType.TOKEN, now)
+                new_tokens.append((request, token))
+        return new_tokens
+
+    # ------------------------------------------------------------------ preemption
+
+    def _pick_victim(self, exclude: list[str]) -> Request:
+        candidates = [
+            (self.waiting.victim_key(r), i, r)
+            for i, r in enumerate(self.running)
+            if r.request_id not in exclude
+        ]
+        return max(candidates, key=lambda c: (c[0], c[1]))[2]
+
+    def _preempt(self, request: Request, now: float) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        request.record(EventType.PREEMPTED, now)
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=self.kv.num_queries,
+            prefix_cache_hits=self.kv.num_hits,
+            num_preemptions=self.num_preemptions,
+            num_computed_tokens=self.num_computed_tokens,
+        )

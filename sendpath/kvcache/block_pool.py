@@ -1,0 +1,117 @@
+"""The block pool: fixed-size KV blocks with ref counts, a prefix-hash index and an LRU queue.
+
+A block is *free* when no request holds it (``ref_cnt == 0``). Free blocks wait in an LRU
+queue, oldest-freed first out; a free block that still has a hash stays findable in the
+prefix index until it is taken for new data, which is when its hash is dropped. So a
+request that finished a moment ago still lends its prefix to the next one.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from sendpath.kvcache.hashing import BlockHash
+
+__all__ = ["BlockPool", "KVBlock"]
+
+
+@dataclass(eq=False)
+class KVBlock:
+    """One block of ``block_size`` token slots in the KV cache tensors."""
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] = field(default=())  # set once full and hashed: for hit checks
+
+
+class BlockPool:
+    """Owns every block; hands them out, takes them back, and indexes full ones by hash."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.enable_caching = enable_caching
+        # free blocks, least recently freed first; values unused (OrderedDict as an LRU set)
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[BlockHash, KVBlock] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def free_block_ids(self) -> list[int]:
+        """Free block ids in eviction order (first out first); for tests and stats."""
+        return list(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (0.0 - 1.0)."""
+        return 1.0 - len(self._free) / len(self.blocks)
+
+    def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> KVBlock | None:
+        """The cached block with this hash whose tokens really are ``token_ids``, if any."""
+        block = self._cached.get(block_hash)
+        if block is None or block.token_ids != tuple(token_ids):
+            return None
+        return block
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[KVBlock] | None:
+        """Take ``n`` free blocks (evicting their cached hashes), or ``None`` if too few."""
+        if n > len(self._free):
+            return None
+        out = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self._cached.pop(block.block_hash, None)
+                block.block_hash, block.token_ids = None, ()
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take one more reference on each block (a prefix-cache hit); free ones leave the LRU."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def release(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference on each block, in the order given; ones reaching 0 join the LRU tail.
+
+        Callers pass a request's blocks last-first, so a prefix's tail is evicted before its
+        head, and the head (shared by the most requests) stays cached longest.
+        """
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"block {block.block_id} released more often than taken")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = None
+
+    def cache(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
+        """Index a full block under its hash (first writer wins: duplicates stay private)."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self._cached:
+            return
+        block.block_hash, block.token_ids = block_hash, tuple(token_ids)
+        self._cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (blocks in use keep their data)."""
+        for block in self._cached.values():
+            block.block_hash, block.token_ids = None, ()
+        self._cached.clear()

@@ -1,0 +1,47 @@
+"""Chained block hashes: a full block's hash covers its tokens and every block before it.
+
+``hash(block i) = H(hash(block i-1), token ids of block i, salt)``, so equal hashes mean
+equal prefixes (up to a verified collision), and a tenant salt keeps one tenant's cached
+prefix invisible to another. Hashes are stable across processes (BLAKE2b, not ``hash()``),
+so a router in another process can compute the same ones.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from hashlib import blake2b
+
+__all__ = ["BlockHash", "block_hashes", "hash_block"]
+
+BlockHash = bytes
+
+
+def hash_block(
+    parent: BlockHash | None, token_ids: Sequence[int], salt: str | None = None
+) -> BlockHash:
+    """The hash of one full block given its parent's hash (``None`` for the first block)."""
+    h = blake2b(digest_size=16)
+    h.update(parent or b"\0" * 16)
+    h.update(array("q", token_ids).tobytes())
+    if salt:
+        h.update(salt.encode())
+    return h.digest()
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    salt: str | None = None,
+    start: int = 0,
+    parent: BlockHash | None = None,
+) -> list[BlockHash]:
+    """Hashes of the full blocks of ``token_ids`` from block index ``start`` on.
+
+    ``parent`` must be the hash of block ``start - 1`` when ``start > 0``.
+    """
+    out: list[BlockHash] = []
+    for i in range(start, len(token_ids) // block_size):
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], salt)
+        out.append(parent)
+    return out

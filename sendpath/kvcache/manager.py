@@ -1,0 +1,122 @@
+"""The KV cache manager: which blocks each request holds, and the prefix cache in front of them.
+
+The scheduler asks two questions and never sees a free list:
+``get_computed_blocks(request)`` (how much of this request is already cached?) and
+``allocate_slots(request, n, hits)`` (room for n more tokens: new blocks, or ``None`` =
+cannot, preempt someone). Full blocks become findable by later requests once computed
+(``cache_computed_blocks``). The last prompt token is never served from cache: its forward
+pass is what produces the first output token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sendpath.kvcache.block_pool import BlockPool, KVBlock
+from sendpath.kvcache.hashing import BlockHash, block_hashes
+from sendpath.request import Request
+
+__all__ = ["KVCacheManager"]
+
+
+class KVCacheManager:
+    """Per-request block tables over one ``BlockPool``, with prefix-cache counters."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self._blocks: dict[str, list[KVBlock]] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}  # hashes of the request's full blocks
+        self.num_queries = 0  # prompt tokens looked up in the prefix cache
+        self.num_hits = 0  # of those, tokens served from it
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.num_blocks * self.block_size
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (block ids in token order)."""
+        return [b.block_id for b in self._blocks.get(request_id, [])]
+
+    def _request_hashes(self, request: Request) -> list[BlockHash]:
+        """Hashes of every full block of the request's known tokens (extended lazily)."""
+        hashes = self._hashes.setdefault(request.request_id, [])
+        tokens = request.all_token_ids
+        if len(tokens) // self.block_size > len(hashes):
+            parent = hashes[-1] if hashes else None
+            hashes += block_hashes(tokens, self.block_size, request.cache_salt, len(hashes), parent)
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of the request (blocks, tokens), leaving one token to compute.
+
+        Mutates nothing: the blocks are only taken by a successful ``allocate_slots``.
+        """
+        if not self.enable_prefix_caching or request.num_computed_tokens > 0:
+            return [], 0
+        tokens = request.all_token_ids
+        max_blocks = (len(tokens) - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for i, h in enumerate(self._request_hashes(request)[:max_blocks]):
+            block = self.pool.lookup(h, tokens[i * self.block_size : (i + 1) * self.block_size])
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def count_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Record one admitted request's prefix-cache query (vLLM counts tokens)."""
+        self.num_queries += num_tokens
+        self.num_hits += num_hit_tokens
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVBlock] = ()
+    ) -> list[KVBlock] | None:
+        """Room for ``num_new_tokens`` beyond what is computed (and hit); ``None`` if it can't fit.
+
+        On success the hit blocks are taken (ref count +1) and appended to the request's
+        table, followed by the newly allocated blocks, which are returned.
+        """
+        held = self._blocks.get(request.request_id, [])
+        computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        total_blocks = -(-(computed + num_new_tokens) // self.block_size)
+        needed = max(0, total_blocks - len(held) - len(new_computed_blocks))
+        hits_now_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if needed > self.pool.num_free_blocks - hits_now_free:
+            return None
+        self.pool.touch(new_computed_blocks)
+        new = self.pool.allocate(needed)
+        assert new is not None
+        self._blocks[request.request_id] = [*held, *new_computed_blocks, *new]
+        return new
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Make the request's full, computed blocks findable by later requests."""
+        if not self.enable_prefix_caching:
+            return
+        blocks = self._blocks.get(request.request_id, [])
+        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        hashes = self._request_hashes(request)
+        tokens = request.all_token_ids
+        bs = self.block_size
+        for i in range(num_full):
+            if blocks[i].block_hash is None:
+                self.pool.cache(blocks[i], hashes[i], tokens[i * bs : (i + 1) * bs])
+
+    def free(self, request: Request) -> None:
+        """Give back all of the request's blocks, last block first (its tail is evicted first)."""
+        blocks = self._blocks.pop(request.request_id, [])
+        self._hashes.pop(request.request_id, None)
+        self.pool.release(reversed(blocks))
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()

@@ -1,0 +1,181 @@
+"""The model runner: one mixed step (prefill chunks + decodes) as one batched forward pass.
+
+The KV cache is two tensors per layer of ``num_blocks * block_size`` token slots
+([L, S, Hkv, Dh]); a token at position p of a request lives in slot
+``block_ids[p // block_size] * block_size + p % block_size``. Each step:
+
+1. flattens every scheduled request's new tokens into one [T] batch with positions and slots;
+2. runs the model once; each layer writes the new K/V to their slots, then attends:
+   all decodes together (their contexts gathered into one padded [B, H, Lmax, Dh] batch
+   with a padding mask), each prefill chunk on its own (causal over cache + chunk);
+3. computes logits only for requests whose plan says ``sample``, and samples each with its
+   own parameters and generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+from sendpath.engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
+from sendpath.model.llama import LlamaConfig
+from sendpath.model.loader import LoadedModel
+from sendpath.model.sampler import make_generator, sample
+from sendpath.request import SamplingParams
+
+__all__ = ["ModelRunner", "PagedAttention", "kv_bytes_per_token"]
+
+
+def kv_bytes_per_token(config: LlamaConfig, dtype: torch.dtype) -> int:
+    """Bytes of K and V for one token across all layers."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
+
+
+@dataclass
+class _Prefill:
+    rows: slice  # this chunk's rows in the flat batch
+    slots: torch.Tensor  # [ctx] slots of the whole context (cache + chunk)
+    mask: torch.Tensor | None  # [n, ctx] causal mask, None when the chunk starts at 0
+
+
+@dataclass
+class _Decodes:
+    rows: torch.Tensor  # [B] rows of the decode tokens in the flat batch
+    slots: torch.Tensor  # [B, Lmax] context slots, padded with slot 0
+    mask: torch.Tensor  # [B, 1, 1, Lmax] True where a real context token is
+
+
+class PagedAttention:
+    """The ``AttentionBackend`` over the paged cache, set up once per step for all layers."""
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache  # [L, S, Hkv, Dh]
+        self.slot_mapping = torch.empty(0, dtype=torch.long)
+        self.prefills: list[_Prefill] = []
+        self.decodes: _Decodes | None = None
+
+    def prepare(self, items: list[ScheduledRequest], block_size: int, device: torch.device) -> None:
+        """Build slot mappings and masks for a step (not per layer)."""
+        slots_all: list[int] = []
+        self.prefills, decode_rows, decode_ctx = [], [], []
+        row = 0
+        for item in items:
+            end = item.start_pos + item.num_tokens
+            ctx = [
+                item.block_ids[p // block_size] * block_size + p % block_size for p in range(end)
+            ]
+            slots_all += ctx[item.start_pos :]
+            if item.num_tokens == 1 and item.start_pos > 0:
+                decode_rows.append(row)
+                decode_ctx.append(ctx)
+            else:
+                mask = None
+                if item.start_pos > 0:
+                    q_pos = torch.arange(item.start_pos, end, device=device)[:, None]
+                    mask = torch.arange(end, device=device)[None, :] <= q_pos
+                slots = torch.tensor(ctx, dtype=torch.long, device=device)
+                self.prefills.append(_Prefill(slice(row, row + item.num_tokens), slots, mask))
+            row += item.num_tokens
+        self.slot_mapping = torch.tensor(slots_all, dtype=torch.long, device=device)
+        self.decodes = None
+        if decode_rows:
+            lmax = max(len(c) for c in decode_ctx)
+            padded = [c + [0] * (lmax - len(c)) for c in decode_ctx]
+            lens = torch.tensor([len(c) for c in decode_ctx], device=device)
+            mask = torch.arange(lmax, device=device)[None, :] < lens[:, None]  # [B, Lmax]
+            self.decodes = _Decodes(
+                rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
+                slots=torch.tensor(padded, dtype=torch.long, device=device),
+                mask=mask[:, None, None, :],
+            )
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]  # [S, Hkv, Dh]
+        k_cache.index_copy_(0, self.slot_mapping, k)
+        v_cache.index_copy_(0, self.slot_mapping, v)
+        group = q.shape[1] // k.shape[1]
+        out = torch.empty_like(q)  # [T, H, Dh]
+        for p in self.prefills:
+            keys = k_cache[p.slots].transpose(0, 1).repeat_interleave(group, 0)  # [H, ctx, Dh]
+            values = v_cache[p.slots].transpose(0, 1).repeat_interleave(group, 0)
+            o = F.scaled_dot_product_attention(
+                q[p.rows].transpose(0, 1)[None],  # [1, H, n, Dh]
+                keys[None],
+                values[None],
+                attn_mask=p.mask,
+                is_causal=p.mask is None,
+            )  # [1, H, n, Dh]
+            out[p.rows] = o[0].transpose(0, 1)
+        if (d := self.decodes) is not None:
+            keys = k_cache[d.slots].transpose(1, 2).repeat_interleave(group, 1)  # [B, H, Lmax, Dh]
+            values = v_cache[d.slots].transpose(1, 2).repeat_interleave(group, 1)
+            o = F.scaled_dot_product_attention(
+                q[d.rows][:, :, None, :],  # [B, H, 1, Dh]
+                keys,
+                values,
+                attn_mask=d.mask,
+            )  # [B, H, 1, Dh]
+            out[d.rows] = o[:, :, 0, :]
+        return out
+
+
+class ModelRunner:
+    """Owns the KV cache tensors and each request's sampling state."""
+
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
+        self.model = loaded.model
+        self.block_size = block_size
+        cfg = loaded.config
+        shape = (cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        dtype, device = self.model.dtype, self.model.device
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.attention = PagedAttention(self.k_cache, self.v_cache)
+        self._params: dict[str, SamplingParams] = {}
+        self._generators: dict[str, torch.Generator | None] = {}
+
+    def add_request(self, request_id: str, params: SamplingParams) -> None:
+        self._params[request_id] = params
+        self._generators[request_id] = (
+            None if params.greedy else make_generator(params.seed, self.model.device)
+        )
+
+    def remove_request(self, request_id: str) -> None:
+        self._params.pop(request_id, None)
+        self._generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        """Run one step; sample for the requests whose plan says so."""
+        if plan.is_empty:
+            return RunnerOutput()
+        device = self.model.device
+        ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        for item in plan.requests:
+            ids += item.token_ids
+            positions += range(item.start_pos, item.start_pos + item.num_tokens)
+            if item.sample:
+                sample_rows.append(len(ids) - 1)
+        self.attention.prepare(plan.requests, self.block_size, device)
+        hidden = self.model(
+            torch.tensor(ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            self.attention,
+        )  # [T, D]
+        sampled = [item for item in plan.requests if item.sample]
+        if not sampled:
+            return RunnerOutput()
+        logits = self.model.compute_logits(hidden[sample_rows])  # [N, V]
+        tokens = sample(
+            logits,
+            [self._params[i.request_id] for i in sampled],
+            [self._generators[i.request_id] for i in sampled],
+        )
+        return RunnerOutput({i.request_id: t for i, t in zip(sampled, tokens, strict=True)})

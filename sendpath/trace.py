@@ -1,0 +1,123 @@
+"""The trace: one event list per request, and the stage durations derived from it.
+
+Everything that shows time (API timings, CLI waterfall, web page, metrics, simulator) reads
+the events recorded here with an injected clock. The engine records its part: arrived,
+tokenized, queued, scheduled, prefill chunks, tokens, preempted, finished or aborted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+__all__ = ["Event", "EventType", "Stage", "Timeline"]
+
+
+class Stage(StrEnum):
+    """The stages of a message's path, in order (DESIGN.md's stage table)."""
+
+    NETWORK = "network"
+    GATEWAY_AUTH = "gateway.auth"
+    GATEWAY_RATELIMIT = "gateway.ratelimit"
+    GATEWAY_SAFETY = "gateway.safety"
+    GATEWAY_QUEUE = "gateway.queue"
+    ROUTE = "route"
+    ENGINE_QUEUE = "engine.queue"
+    TOKENIZE = "tokenize"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    STREAM = "stream"
+
+
+class EventType(StrEnum):
+    """What happened to a request inside the engine."""
+
+    ARRIVED = "arrived"  # reached the engine (before tokenizing)
+    TOKENIZED = "tokenized"  # chat template + tokenization done
+    QUEUED = "queued"  # joined the waiting queue
+    SCHEDULED = "scheduled"  # got a slot (first time, and again after each preemption)
+    PREFILL_CHUNK = "prefill_chunk"  # a step computed `num_tokens` prompt tokens
+    FIRST_TOKEN = "first_token"
+    TOKEN = "token"  # every generated token, the first included
+    PREEMPTED = "preempted"  # lost its KV blocks; back to the queue, recomputed later
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(frozen=True)
+class Event:
+    type: EventType
+    time: float
+    num_tokens: int = 0
+
+
+@dataclass
+class Timeline:
+    """A request's events in time order, and what they add up to (seconds)."""
+
+    events: list[Event] = field(default_factory=list)
+
+    def record(self, type: EventType, time: float, num_tokens: int = 0) -> None:
+        self.events.append(Event(type, time, num_tokens))
+
+    def first(self, type: EventType) -> float | None:
+        return next((e.time for e in self.events if e.type is type), None)
+
+    def last(self, type: EventType) -> float | None:
+        return next((e.time for e in reversed(self.events) if e.type is type), None)
+
+    @property
+    def token_times(self) -> list[float]:
+        return [e.time for e in self.events if e.type is EventType.TOKEN]
+
+    @property
+    def end(self) -> float | None:
+        return self.last(EventType.FINISHED) or self.last(EventType.ABORTED)
+
+    def _waits(self) -> tuple[float, float]:
+        """Seconds spent queued before and after the first token (preemptions re-queue)."""
+        before = after = 0.0
+        since: float | None = None
+        seen_token = False
+        for e in self.events:
+            if e.type in (EventType.QUEUED, EventType.PREEMPTED):
+                since = e.time
+            elif e.type is EventType.SCHEDULED and since is not None:
+                if seen_token:
+                    after += e.time - since
+                else:
+                    before += e.time - since
+                since = None
+            elif e.type is EventType.FIRST_TOKEN:
+                seen_token = True
+        return before, after
+
+    @property
+    def ttft(self) -> float | None:
+        """Arrival to first token."""
+        start, first = self.first(EventType.ARRIVED), self.first(EventType.FIRST_TOKEN)
+        return None if start is None or first is None else first - start
+
+    @property
+    def itls(self) -> list[float]:
+        """Gaps between consecutive tokens (inter-token latencies)."""
+        times = self.token_times
+        return [b - a for a, b in zip(times, times[1:], strict=False)]
+
+    def stages(self) -> dict[Stage, float]:
+        """The engine's stage durations: tokenize, engine.queue, prefill, decode."""
+        out: dict[Stage, float] = {}
+        arrived, tokenized = self.first(EventType.ARRIVED), self.first(EventType.TOKENIZED)
+        if arrived is not None and tokenized is not None:
+            out[Stage.TOKENIZE] = tokenized - arrived
+        before, after = self._waits()
+        out[Stage.ENGINE_QUEUE] = before + after
+        scheduled, first = self.first(EventType.SCHEDULED), self.first(EventType.FIRST_TOKEN)
+        queued = self.first(EventType.QUEUED)
+        if scheduled is not None and queued is not None:
+            end_of_prefill = first if first is not None else (self.end or scheduled)
+            out[Stage.PREFILL] = max(0.0, end_of_prefill - queued - before)
+        if first is not None:
+            last = self.end or self.token_times[-1]
+            out[Stage.DECODE] = max(0.0, last - first - after)
+        return out
