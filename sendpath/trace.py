@@ -7,6 +7,7 @@ tokenized, queued, scheduled, prefill chunks, tokens, preempted, finished or abo
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -102,7 +103,7 @@ class Timeline:
     def itls(self) -> list[float]:
         """Gaps between consecutive tokens (inter-token latencies)."""
         times = self.token_times
-        return [b - a for a, b in zip(times, times[1:], strict=False)]
+        return [b - a for a, b in itertools.pairwise(times)]
 
     def stages(self) -> dict[Stage, float]:
         """The engine's stage durations: tokenize, engine.queue, prefill, decode."""
