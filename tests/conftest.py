@@ -70,7 +70,7 @@ def write_tiny_llama(
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=2048,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         rope_scaling=rope_scaling,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -53,7 +53,7 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         on_added: Callable[[Request], None] | None = None,
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> AsyncGenerator[EngineOutput, None]:
         """Queue a request and yield its outputs until it finishes.
 
         Raises what ``EngineCore.add_request`` raises (bad prompt, queue full) before the

@@ -1,0 +1,132 @@
+"""AsyncEngine: concurrent streams, abort on early exit, errors, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from sendpath.config import SchedulerConfig
+from sendpath.engine.async_engine import AsyncEngine, EngineDeadError
+from sendpath.engine.core import EngineCore
+from sendpath.engine.outputs import EngineOutput
+from sendpath.errors import PromptTooLongError, QueueFullError
+from sendpath.kvcache.manager import KVCacheManager
+from sendpath.model.loader import LoadedModel, load_model
+from sendpath.request import SamplingParams
+from sendpath.runner.model_runner import ModelRunner
+
+BLOCKS, BLOCK = 64, 16
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir: Path) -> LoadedModel:
+    return load_model(tiny_llama_dir, dtype="float32")
+
+
+def make_engine(tiny: LoadedModel, max_queued_requests: int | None = None) -> AsyncEngine:
+    kv = KVCacheManager(BLOCKS, BLOCK)
+    config = SchedulerConfig(max_queued_requests=max_queued_requests)
+    core = EngineCore(ModelRunner(tiny, BLOCKS, BLOCK), tiny.tokenizer, kv, config, 512)
+    return AsyncEngine(core)
+
+
+async def collect(engine: AsyncEngine, prompt: list[int], n: int) -> list[EngineOutput]:
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    return [out async for out in engine.generate(prompt, params)]
+
+
+def test_concurrent_streams_match_sequential(tiny: LoadedModel) -> None:
+    engine = make_engine(tiny)
+    prompts = [[300 + i, 301 + i, 302 + i] * (i + 1) for i in range(4)]
+
+    async def main() -> list[list[EngineOutput]]:
+        return list(await asyncio.gather(*(collect(engine, p, 6) for p in prompts)))
+
+    together = asyncio.run(main())
+    alone = [asyncio.run(collect(engine, p, 6)) for p in prompts]
+    for outs, ref in zip(together, alone, strict=True):
+        assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in ref]
+        assert len(outs) == 6 and outs[-1].finish_reason == "length"
+        assert [o.finished for o in outs] == [False] * 5 + [True]
+    engine.shutdown()
+
+
+def test_leaving_early_aborts_and_frees_blocks(tiny: LoadedModel) -> None:
+    engine = make_engine(tiny)
+
+    async def main() -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        agen = engine.generate(list(range(400, 460)), params)
+        async for out in agen:
+            if out.num_output_tokens == 3:
+                break
+        await agen.aclose()  # what a server does when the client disconnects
+
+        async def stats() -> tuple[int, int]:
+            fut = engine.call(
+                lambda c: (c.scheduler.kv.pool.num_free_blocks, len(c.scheduler.requests))
+            )
+            free, live = await asyncio.wrap_future(fut)
+            return int(free), int(live)
+
+        for _ in range(100):
+            if await stats() == (BLOCKS, 0):
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"blocks not freed: {await stats()}")
+
+    asyncio.run(main())
+    engine.shutdown()
+
+
+def test_cancelled_task_aborts(tiny: LoadedModel) -> None:
+    engine = make_engine(tiny)
+
+    async def main() -> None:
+        task = asyncio.create_task(collect(engine, list(range(100, 140)), 400))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            n = await asyncio.wrap_future(engine.call(lambda c: len(c.scheduler.requests)))
+            if n == 0:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("cancelled request still in the engine")
+
+    asyncio.run(main())
+    engine.shutdown()
+
+
+def test_errors_reach_the_caller(tiny: LoadedModel) -> None:
+    engine = make_engine(tiny, max_queued_requests=0)
+
+    async def main() -> None:
+        with pytest.raises(PromptTooLongError):
+            await collect(engine, [5] * 600, 2)
+        with pytest.raises(QueueFullError):
+            await collect(engine, [5, 6], 2)
+
+    asyncio.run(main())
+    engine.shutdown()
+
+
+def test_shutdown_fails_open_streams(tiny: LoadedModel) -> None:
+    engine = make_engine(tiny)
+
+    async def main() -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=5000, ignore_eos=True)
+        agen = engine.generate(list(range(10, 20)), params)
+        await agen.__anext__()
+        engine.shutdown()
+        with pytest.raises(EngineDeadError):
+            async for _ in agen:
+                pass
+        with pytest.raises(EngineDeadError):
+            await collect(engine, [1, 2], 1)
+
+    asyncio.run(main())
+    assert not engine.is_running

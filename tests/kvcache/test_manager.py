@@ -1,0 +1,88 @@
+"""KVCacheManager: allocation arithmetic, prefix hits, the last-token rule, salts."""
+
+from __future__ import annotations
+
+from sendpath.kvcache.hashing import block_hashes, hash_block
+from sendpath.kvcache.manager import KVCacheManager
+from tests.factories import make_request
+
+
+def compute_all(kv: KVCacheManager, request_id: str, prompt: list[int]) -> None:
+    req = make_request(request_id, prompt)
+    assert kv.allocate_slots(req, len(prompt)) is not None
+    req.num_computed_tokens = len(prompt)
+    kv.cache_computed_blocks(req)
+    kv.free(req)
+
+
+def test_hashes_chain_and_salt() -> None:
+    tokens = list(range(12))
+    hs = block_hashes(tokens, 4)
+    assert hs[0] == hash_block(None, tokens[:4])
+    assert hs[1] == hash_block(hs[0], tokens[4:8])
+    assert block_hashes(tokens, 4, salt="tenant-a") != hs
+    assert block_hashes([99, *tokens[1:]], 4)[2] != hs[2]  # a change early changes every later hash
+
+
+def test_allocate_slots_rounds_up_to_blocks() -> None:
+    kv = KVCacheManager(num_blocks=5, block_size=4)
+    req = make_request("a", 10)
+    new = kv.allocate_slots(req, 10)
+    assert new is not None and [b.block_id for b in new] == [0, 1, 2]
+    req.num_computed_tokens = 10
+    assert kv.allocate_slots(req, 2) == []  # fits in the third block
+    req.num_computed_tokens = 12
+    new = kv.allocate_slots(req, 1)
+    assert new is not None and [b.block_id for b in new] == [3]
+    assert kv.block_ids("a") == [0, 1, 2, 3]
+    assert kv.allocate_slots(make_request("b", 8), 8) is None  # only 1 block left
+    kv.free(req)
+    assert kv.pool.free_block_ids() == [4, 3, 2, 1, 0]
+
+
+def test_prefix_hit_lengths_and_last_token_rule() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    prompt = list(range(12))
+    compute_all(kv, "first", prompt)
+    # same 12 tokens: 3 full blocks cached, but the last token must be computed -> 2 blocks
+    hits, n = kv.get_computed_blocks(make_request("same", prompt))
+    assert n == 8 and [b.block_id for b in hits] == [0, 1]
+    # longer prompt sharing 12 tokens: all 3 blocks
+    hits, n = kv.get_computed_blocks(make_request("longer", [*prompt, 50, 51]))
+    assert n == 12 and [b.block_id for b in hits] == [0, 1, 2]
+    # diverging inside block 2: hits stop at block 1
+    _, n = kv.get_computed_blocks(make_request("diverge", [*prompt[:9], 77, 78, 79, 80]))
+    assert n == 8
+    # another tenant sees nothing
+    _, n = kv.get_computed_blocks(make_request("other", [*prompt, 50], salt="tenant-b"))
+    assert n == 0
+
+
+def test_hit_blocks_are_shared_and_ref_counted() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    prompt = list(range(8))
+    compute_all(kv, "first", prompt)
+    req = make_request("second", [*prompt, 1, 2])
+    hits, n = kv.get_computed_blocks(req)
+    new = kv.allocate_slots(req, 10 - n, hits)
+    assert new is not None and len(new) == 1
+    assert [b.ref_cnt for b in hits] == [1, 1]
+    assert kv.block_ids("second")[:2] == [b.block_id for b in hits]
+    third = make_request("third", [*prompt, 3])
+    hits3, _ = kv.get_computed_blocks(third)
+    assert kv.allocate_slots(third, 1, hits3) is not None
+    assert [b.ref_cnt for b in hits] == [2, 2]
+    kv.free(req)
+    kv.free(third)
+    assert kv.pool.num_free_blocks == 8
+
+
+def test_free_cached_hits_count_against_free_space() -> None:
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    compute_all(kv, "first", list(range(8)))  # blocks 0, 1 cached and free
+    req = make_request("second", [*range(8), 9, 9, 9, 9, 9])
+    hits, n = kv.get_computed_blocks(req)
+    assert n == 8
+    # 13 tokens need 4 blocks: 2 hits + 2 new, but only 1 block is free beside the hits
+    assert kv.allocate_slots(req, 5, hits) is None
+    assert [b.ref_cnt for b in hits] == [0, 0]  # a failed allocation takes nothing
