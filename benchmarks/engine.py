@@ -1,0 +1,211 @@
+"""The engine under load, in-process, beside transformers' generate on the same weights.
+
+Workloads (random prompt tokens, ignore_eos, greedy): 128 in / 128 out at concurrency 1, 8
+and 32, and 1024 in / 32 out at concurrency 4. sendpath runs its async engine with C
+concurrent clients (a new request starts when one finishes); transformers runs one request
+at a time (batch 1) and static batches of C. Reported: output tokens/s, requests/s, TTFT and
+TPOT percentiles (TPOT = (e2e - ttft) / (output tokens - 1), as vllm bench serve defines it).
+
+    .venv/bin/python benchmarks/engine.py [--only sendpath] [--workloads 128x128@32 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sendpath.config import CacheConfig, EngineConfig, SchedulerConfig
+from sendpath.engine.async_engine import AsyncEngine
+from sendpath.engine.core import EngineCore
+from sendpath.model.loader import builtin_model_path
+from sendpath.request import SamplingParams
+
+RESULTS = Path(__file__).parent / "results" / "engine.json"
+
+
+@dataclass(frozen=True)
+class Workload:
+    input_len: int
+    output_len: int
+    concurrency: int
+    num_requests: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.input_len}x{self.output_len}@{self.concurrency}"
+
+
+DEFAULT = [
+    Workload(128, 128, 1, 4),
+    Workload(128, 128, 8, 16),
+    Workload(128, 128, 32, 64),
+    Workload(1024, 32, 4, 8),
+]
+
+
+def prompts(w: Workload, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 49000) for _ in range(w.input_len)] for _ in range(w.num_requests)]
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
+
+
+def summarize(
+    engine: str, w: Workload, wall: float, ttfts: list[float], e2es: list[float]
+) -> dict[str, Any]:
+    tpots = [(e - t) / (w.output_len - 1) for t, e in zip(ttfts, e2es, strict=True)]
+    return {
+        "engine": engine,
+        "workload": w.name,
+        "input_len": w.input_len,
+        "output_len": w.output_len,
+        "concurrency": w.concurrency,
+        "num_requests": w.num_requests,
+        "duration_s": round(wall, 2),
+        "request_throughput": round(w.num_requests / wall, 3),
+        "output_throughput": round(w.num_requests * w.output_len / wall, 1),
+        "mean_ttft_ms": round(1000 * statistics.mean(ttfts), 1),
+        "median_ttft_ms": round(1000 * statistics.median(ttfts), 1),
+        "p99_ttft_ms": round(1000 * pct(ttfts, 99), 1),
+        "mean_tpot_ms": round(1000 * statistics.mean(tpots), 2),
+        "median_tpot_ms": round(1000 * statistics.median(tpots), 2),
+        "p99_tpot_ms": round(1000 * pct(tpots, 99), 2),
+    }
+
+
+async def run_sendpath(engine: AsyncEngine, w: Workload) -> dict[str, Any]:
+    params = SamplingParams(temperature=0.0, max_tokens=w.output_len, ignore_eos=True)
+    work = prompts(w)
+    ttfts: list[float] = []
+    e2es: list[float] = []
+    sem = asyncio.Semaphore(w.concurrency)
+
+    async def one(prompt: list[int]) -> None:
+        async with sem:
+            start = time.perf_counter()
+            first = None
+            n = 0
+            async for out in engine.generate(prompt, params):
+                n += len(out.new_token_ids)
+                first = first or time.perf_counter()
+            assert n == w.output_len and first is not None
+            ttfts.append(first - start)
+            e2es.append(time.perf_counter() - start)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(p) for p in work))
+    return summarize("sendpath", w, time.perf_counter() - start, ttfts, e2es)
+
+
+class _Stamps:
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def run_transformers(model: Any, w: Workload, batch: int) -> dict[str, Any]:
+    """Static batches of ``batch`` requests (all prompts the same length: no padding)."""
+    work = prompts(w)
+    ttfts: list[float] = []
+    e2es: list[float] = []
+    start = time.perf_counter()
+    for i in range(0, len(work), batch):
+        group = torch.tensor(work[i : i + batch])
+        stamps = _Stamps()
+        t0 = time.perf_counter()
+        model.generate(
+            group,
+            max_new_tokens=w.output_len,
+            min_new_tokens=w.output_len,
+            do_sample=False,
+            pad_token_id=0,
+            streamer=stamps if batch == 1 else None,
+        )
+        end = time.perf_counter()
+        # batch 1: first token from the streamer (call 0 is the prompt); batches: unknown
+        first = stamps.times[1] if batch == 1 else end
+        ttfts += [first - t0] * len(group)
+        e2es += [end - t0] * len(group)
+    row = summarize(f"transformers (batch {batch})", w, time.perf_counter() - start, ttfts, e2es)
+    if batch > 1:  # a static batch streams nothing: only throughput and e2e mean anything
+        for key in [k for k in row if "ttft" in k or "tpot" in k]:
+            row[key] = None
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", choices=["sendpath", "transformers"], default=None)
+    parser.add_argument("--workloads", nargs="*", default=None, help="e.g. 128x128@32")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    workloads = DEFAULT
+    if args.workloads:
+        workloads = [w for w in DEFAULT if w.name in args.workloads]
+    rows: list[dict[str, Any]] = []
+    if args.only != "transformers":
+        config = EngineConfig(
+            dtype="float32",
+            device="cpu",
+            scheduler=SchedulerConfig(
+                max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens
+            ),
+            cache=CacheConfig(kv_cache_memory_gib=2.0, enable_prefix_caching=False),
+        )
+        engine = AsyncEngine(EngineCore.from_config(config))
+        asyncio.run(run_sendpath(engine, Workload(16, 4, 2, 2)))  # warm-up
+        for w in workloads:
+            rows.append(asyncio.run(run_sendpath(engine, w)))
+            print(json.dumps(rows[-1]), flush=True)
+        engine.shutdown()
+    if args.only != "sendpath":
+        from transformers import AutoModelForCausalLM
+
+        path = builtin_model_path()
+        hf: Any = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
+        hf.eval()
+        with torch.inference_mode():
+            run_transformers(hf, Workload(16, 4, 1, 1), 1)  # warm-up
+            for w in workloads:
+                for batch in sorted({1, w.concurrency}):
+                    rows.append(run_transformers(hf, w, batch))
+                    print(json.dumps(rows[-1]), flush=True)
+    result = {
+        "benchmark": "engine",
+        "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized), float32, CPU",
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
+        "torch": torch.__version__,
+        "sendpath_engine": {
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "prefix_caching": False,
+        },
+        "rows": rows,
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
