@@ -17,6 +17,7 @@ from typing import Any
 
 from sendpath.engine.core import EngineCore, Prompt
 from sendpath.engine.outputs import EngineOutput
+from sendpath.engine.scheduler import SchedulerStats
 from sendpath.request import Request, SamplingParams
 
 __all__ = ["AsyncEngine", "EngineDeadError"]
@@ -108,6 +109,11 @@ class AsyncEngine:
 
         self._submit(run)
         return fut
+
+    async def stats(self) -> SchedulerStats:
+        """Running, waiting, KV usage, prefix-cache and preemption counters, read between steps."""
+        stats: SchedulerStats = await asyncio.wrap_future(self.call(lambda core: core.stats()))
+        return stats
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop; every unfinished request's stream gets ``EngineDeadError``."""

@@ -110,20 +110,31 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(nn.Module):
-    """y = x @ weight with the weight stored [in, out].
+    """y = x W^T without bias, W stored [out, in] as in checkpoints, or [in, out] when faster.
 
-    Same maths as ``nn.Linear`` without bias; this layout makes the one-row products of
-    batch-1 decode ~1.6x faster on CPU BLAS (a plain, not transposed, gemm operand) and
-    costs nothing at larger batches. Loaders hand it Hugging Face [out, in] weights
-    transposed.
+    ``use_transposed_layout()`` keeps W^T ([in, out]) and computes ``x @ W^T`` as a plain
+    gemm: on CPU in float32 this makes batch-1 decode's one-row products ~1.6x faster and
+    costs nothing at larger batches. (In bfloat16 on CPU the same layout is ~20x slower,
+    so it is used for float32 only.)
     """
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(in_features, out_features))
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.transposed = False
+
+    def use_transposed_layout(self) -> None:
+        if not self.transposed:
+            self.weight = nn.Parameter(self.weight.detach().t().contiguous(), requires_grad=False)
+            self.transposed = True
+
+    @property
+    def weight_out_in(self) -> torch.Tensor:
+        """W as [out, in], whatever the storage layout."""
+        return self.weight.t() if self.transposed else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.weight
+        return x @ self.weight if self.transposed else F.linear(x, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -212,8 +223,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # Tied models get a transposed copy of the embeddings here (+V*D memory, faster
-        # decode); ``num_params`` still counts them once.
+        # Tied models get a copy of the embeddings here (+V*D memory, so the head can take
+        # the faster layout); ``num_params`` still counts them once.
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -20,7 +20,7 @@ import torch
 from sendpath.errors import ModelLoadError, UnsupportedModelError
 from sendpath.model.gguf_tokenizer import tokenizer_from_gguf
 from sendpath.model.hf_tokenizer import tokenizer_from_hf_dir
-from sendpath.model.llama import LlamaConfig, LlamaModel, RopeScaling, rope_inv_freq
+from sendpath.model.llama import Linear, LlamaConfig, LlamaModel, RopeScaling, rope_inv_freq
 from sendpath.model.tokenizer import Tokenizer
 
 __all__ = ["DTYPES", "LoadedModel", "builtin_model_path", "load_model", "resolve_device"]
@@ -136,9 +136,6 @@ def _materialize(
             fused[p + norm + ".weight"] = weights[p + norm + ".weight"]
     head = weights["embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
     fused["lm_head.weight"] = head
-    for key in fused:  # our Linear stores [in, out]; checkpoints store [out, in]
-        if key.endswith("_proj.weight") or key == "lm_head.weight":
-            fused[key] = fused[key].t()
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     for key, shape in expected.items():
         if key not in fused:
@@ -152,6 +149,10 @@ def _materialize(
     state = {k: v.to(device=dev, dtype=dtype).contiguous() for k, v in fused.items()}
     model.load_state_dict(state, strict=False, assign=True)
     model.inv_freq = rope_inv_freq(cfg).to(dev)  # buffers built on "meta" hold no values
+    if dev.type == "cpu" and dtype == torch.float32:
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.use_transposed_layout()
     return model.eval()
 
 

@@ -45,6 +45,9 @@ def test_concurrent_streams_match_sequential(tiny: LoadedModel) -> None:
         return list(await asyncio.gather(*(collect(engine, p, 6) for p in prompts)))
 
     together = asyncio.run(main())
+    stats = asyncio.run(engine.stats())
+    assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
+    assert stats.num_computed_tokens == sum(len(p) + 5 for p in prompts)
     alone = [asyncio.run(collect(engine, p, 6)) for p in prompts]
     for outs, ref in zip(together, alone, strict=True):
         assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in ref]

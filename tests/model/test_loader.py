@@ -107,5 +107,6 @@ def test_builtin_model_config() -> None:
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (30, 576, 9, 3)
     assert cfg.tie_word_embeddings and cfg.rope_theta == 100000.0
     assert loaded.max_model_len == 8192
-    assert torch.equal(loaded.model.lm_head.weight.t(), loaded.model.embed_tokens.weight)
+    assert torch.equal(loaded.model.lm_head.weight_out_in, loaded.model.embed_tokens.weight)
+    assert not loaded.model.lm_head.transposed  # bfloat16 keeps the checkpoint layout
     assert 134_000_000 < cfg.num_params < 135_000_000
