@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -45,7 +46,83 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--raw", action="store_true", help="complete the text as is, without the chat template"
     )
+    rep = sub.add_parser(
+        "replica",
+        help="serve one model replica over an OpenAI-compatible HTTP API",
+        description="Serve one model replica: /v1/chat/completions, /v1/completions, "
+        "/v1/models, /health, /load and /metrics.",
+    )
+    rep.add_argument("--host", default="127.0.0.1")
+    rep.add_argument("--port", type=int, default=8001)
+    rep.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file or HF directory (default: built-in SmolLM2-135M-Instruct)",
+    )
+    rep.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients send (default: from the path)",
+    )
+    rep.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    rep.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    rep.add_argument(
+        "--max-model-len", type=int, default=None, help="context window (default: the model's)"
+    )
+    rep.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one batch")
+    rep.add_argument(
+        "--max-num-batched-tokens", type=int, default=512, help="token budget of one engine step"
+    )
+    rep.add_argument(
+        "--max-queued-requests", type=int, default=None, help="past this many waiting, answer 503"
+    )
+    rep.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
+    rep.add_argument(
+        "--kv-cache-memory-gib", type=float, default=1.0, help="memory for the KV cache"
+    )
+    rep.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    rep.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"], help="queue order")
     return parser
+
+
+def _replica(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from sendpath.config import CacheConfig, EngineConfig, ReplicaConfig, SchedulerConfig
+    from sendpath.server.app import create_app, served_name
+
+    try:
+        config = ReplicaConfig(
+            engine=EngineConfig(
+                model=args.model,
+                dtype=args.dtype,
+                device=args.device,
+                max_model_len=args.max_model_len,
+                scheduler=SchedulerConfig(
+                    max_num_seqs=args.max_num_seqs,
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    max_queued_requests=args.max_queued_requests,
+                    policy=args.policy,
+                ),
+                cache=CacheConfig(
+                    block_size=args.block_size,
+                    kv_cache_memory_gib=args.kv_cache_memory_gib,
+                    enable_prefix_caching=not args.no_prefix_caching,
+                ),
+            ),
+            served_model_name=args.served_model_name,
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"sendpath replica: serving {served_name(config)} on http://{args.host}:{args.port} "
+        "(the model loads in the background; GET /health says when it is ready)",
+        flush=True,
+    )
+    logging.basicConfig(level=logging.INFO, format="sendpath %(name)s: %(message)s")
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -83,6 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "generate":
             return _generate(args)
+        if args.command == "replica":
+            return _replica(args)
     except SendpathError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CacheConfig", "EngineConfig", "SchedulerConfig"]
+__all__ = ["CacheConfig", "EngineConfig", "ReplicaConfig", "SchedulerConfig"]
 
 
 @dataclass(frozen=True)
@@ -62,3 +62,17 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context window
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """One replica server: its engine, its name on the API and its HTTP limits."""
+
+    engine: EngineConfig = EngineConfig()
+    served_model_name: str | None = None  # None: derived from the model path
+    max_body_bytes: int = 8 * 2**20
+    retry_after_s: int = 1  # sent with 503s
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")

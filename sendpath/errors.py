@@ -10,9 +10,12 @@ __all__ = [
     "InvalidRequestError",
     "InvalidSamplingParamsError",
     "ModelLoadError",
+    "ModelNotFoundError",
     "PromptTooLongError",
     "QueueFullError",
+    "RequestTooLargeError",
     "SendpathError",
+    "ServiceUnavailableError",
     "UnsupportedModelError",
 ]
 
@@ -84,3 +87,40 @@ class QueueFullError(SendpathError):
             f"The server's queue is full ({max_queued} requests waiting). Retry in a moment."
         )
         self.max_queued = max_queued
+
+
+class ModelNotFoundError(SendpathError):
+    """The request names a model this server does not serve (HTTP 404)."""
+
+    type = "invalid_request_error"
+    code = "model_not_found"
+    status_code = 404
+
+    def __init__(self, model: str, served: str) -> None:
+        super().__init__(
+            f"The model {model!r} does not exist on this server; it serves {served!r} "
+            "(GET /v1/models lists it).",
+            param="model",
+        )
+
+
+class RequestTooLargeError(SendpathError):
+    """The request body is over the server's size limit (HTTP 413)."""
+
+    type = "invalid_request_error"
+    code = "request_too_large"
+    status_code = 413
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(
+            f"The request body is {size} bytes, over this server's limit of {limit} bytes. "
+            "Send a shorter prompt."
+        )
+
+
+class ServiceUnavailableError(SendpathError):
+    """The server cannot take requests right now (loading, draining): retry (HTTP 503)."""
+
+    type = "overloaded_error"
+    code = "service_unavailable"
+    status_code = 503

@@ -20,7 +20,7 @@ from sendpath.engine.outputs import EngineOutput
 from sendpath.engine.scheduler import SchedulerStats
 from sendpath.request import Request, SamplingParams
 
-__all__ = ["AsyncEngine", "EngineDeadError"]
+__all__ = ["AsyncEngine", "EngineDeadError", "RequestStream"]
 
 
 class EngineDeadError(RuntimeError):
@@ -46,27 +46,26 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive()
 
-    async def generate(
+    async def add(
         self,
         prompt: Prompt,
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
-        on_added: Callable[[Request], None] | None = None,
-    ) -> AsyncGenerator[EngineOutput, None]:
-        """Queue a request and yield its outputs until it finishes.
-
-        Raises what ``EngineCore.add_request`` raises (bad prompt, queue full) before the
-        first output; ``on_added`` sees the queued ``Request`` (its id and timeline).
-        """
+        strict_max_tokens: bool = False,
+    ) -> RequestStream:
+        """Queue a request; raises what ``EngineCore.add_request`` raises (bad prompt,
+        queue full). Iterate the returned stream for its outputs."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[_Item] = asyncio.Queue()
         added: Future[Request] = Future()
 
         def add() -> None:
             try:
-                request = self.core.add_request(prompt, params, request_id, priority, cache_salt)
+                request = self.core.add_request(
+                    prompt, params, request_id, priority, cache_salt, strict_max_tokens
+                )
             except BaseException as exc:
                 added.set_exception(exc)
                 return
@@ -75,21 +74,24 @@ class AsyncEngine:
 
         self._submit(add)
         request = await asyncio.wrap_future(added)
-        if on_added is not None:
-            on_added(request)
-        finished = False
+        return RequestStream(self, request, outputs)
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncGenerator[EngineOutput, None]:
+        """Queue a request and yield its outputs until it finishes (``add`` + iterate)."""
+        stream = await self.add(prompt, params, request_id, priority, cache_salt)
         try:
-            while True:
-                item = await outputs.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            if not finished:
-                self.abort(request.request_id)
+            async for out in stream:
+                yield out
+        finally:  # an early exit: do not wait for the inner iterator's finaliser
+            if not stream.finished:
+                stream.abort()
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its stream ends with finish reason ``abort``."""
@@ -169,3 +171,31 @@ class AsyncEngine:
             for loop, outputs in self._streams.values():
                 loop.call_soon_threadsafe(outputs.put_nowait, dead)
             self._streams.clear()
+
+
+class RequestStream:
+    """One request's outputs as an async iterator; leaving it early aborts the request."""
+
+    def __init__(self, engine: AsyncEngine, request: Request, outputs: asyncio.Queue[_Item]):
+        self.engine = engine
+        self.request = request  # its timeline is final once the stream has finished
+        self._outputs = outputs
+        self.finished = False
+
+    async def __aiter__(self) -> AsyncGenerator[EngineOutput, None]:
+        try:
+            while not self.finished:
+                item = await self._outputs.get()
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    raise item
+                self.finished = item.finished
+                yield item
+        finally:
+            if not self.finished:
+                self.abort()
+
+    def abort(self) -> None:
+        """Stop the request now (client gone); its blocks are freed by the engine thread."""
+        self.finished = True
+        self.engine.abort(self.request.request_id)

@@ -102,8 +102,13 @@ class EngineCore:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        strict_max_tokens: bool = False,
     ) -> Request:
-        """Tokenize (chat template for a message list) and queue a request."""
+        """Tokenize (chat template for a message list) and queue a request.
+
+        ``strict_max_tokens``: refuse a request whose prompt + max_tokens exceeds the
+        context (the OpenAI API's rule) instead of stopping it at the context's end.
+        """
         params.validate()
         arrived = self.clock.now()
         if isinstance(prompt, str):
@@ -118,6 +123,14 @@ class EngineCore:
             raise InvalidRequestError("The prompt is empty.", param="prompt")
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(len(ids), self.max_model_len)
+        if strict_max_tokens and len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's context window is {self.max_model_len} tokens, but the request "
+                f"asks for {len(ids) + params.max_tokens} ({len(ids)} in the prompt, "
+                f"{params.max_tokens} in max_tokens). Lower max_tokens to at most "
+                f"{self.max_model_len - len(ids)}.",
+                param="max_tokens",
+            )
         request = Request(
             request_id=request_id or f"req-{next(self._ids)}",
             prompt_token_ids=ids,

@@ -1,0 +1,1 @@
+"""The replica server: one engine behind an OpenAI-compatible HTTP API."""

@@ -1,0 +1,100 @@
+"""OpenAI response bodies, stream chunks, usage and the ``timings`` object."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sendpath.engine.outputs import EngineOutput
+from sendpath.errors import SendpathError
+from sendpath.request import Request
+from sendpath.trace import Stage
+
+__all__ = ["Chunker", "error_body", "server_timing", "sse", "timings_ms", "usage"]
+
+_ENGINE_STAGES = (Stage.ENGINE_QUEUE, Stage.TOKENIZE, Stage.PREFILL, Stage.DECODE)
+
+
+def error_body(exc: SendpathError) -> dict[str, Any]:
+    """OpenAI's error shape."""
+    return {
+        "error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}
+    }
+
+
+def usage(request: Request) -> dict[str, Any]:
+    prompt, completion = request.num_prompt_tokens, len(request.output_token_ids)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": request.num_cached_tokens},
+    }
+
+
+def timings_ms(request: Request) -> dict[str, float]:
+    """Milliseconds per engine stage, plus ``ttft`` and ``total`` (arrival to finish)."""
+    tl = request.timeline
+    stages = tl.stages()
+    out = {s.value: round(stages[s] * 1000, 3) for s in _ENGINE_STAGES if s in stages}
+    if tl.ttft is not None:
+        out["ttft"] = round(tl.ttft * 1000, 3)
+    if tl.events and tl.end is not None:
+        out["total"] = round((tl.end - tl.events[0].time) * 1000, 3)
+    return out
+
+
+def server_timing(timings: dict[str, float]) -> str:
+    """The W3C Server-Timing header value for a timings object."""
+    return ", ".join(f"{name};dur={ms}" for name, ms in timings.items())
+
+
+class Chunker:
+    """Builds the bodies and SSE chunks of one chat or completion response."""
+
+    def __init__(self, kind: str, response_id: str, model: str, created: int) -> None:
+        self.kind, self.id, self.model, self.created = kind, response_id, model, created
+
+    def _base(self, streaming: bool) -> dict[str, Any]:
+        if self.kind == "chat":
+            obj = "chat.completion.chunk" if streaming else "chat.completion"
+        else:
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def chunk(
+        self, text: str | None, finish_reason: str | None = None, role: bool = False
+    ) -> dict[str, Any]:
+        """One streamed choice delta (``text=None``: an empty delta, e.g. the finish chunk)."""
+        if self.kind == "chat":
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": 0, "delta": delta}
+        else:
+            choice = {"index": 0, "text": text or ""}
+        choice.update(logprobs=None, finish_reason=finish_reason)
+        return {**self._base(True), "choices": [choice]}
+
+    def usage_chunk(self, request: Request) -> dict[str, Any]:
+        return {**self._base(True), "choices": [], "usage": usage(request)}
+
+    def body(self, text: str, last: EngineOutput, request: Request) -> dict[str, Any]:
+        """The whole non-streaming response."""
+        if self.kind == "chat":
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
+        else:
+            choice = {"index": 0, "text": text}
+        choice.update(logprobs=None, finish_reason=str(last.finish_reason))
+        return {
+            **self._base(False),
+            "choices": [choice],
+            "usage": usage(request),
+            "timings": timings_ms(request),
+        }
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

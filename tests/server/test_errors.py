@@ -1,0 +1,116 @@
+"""Every client mistake gets OpenAI's error shape, the right status, and never a 5xx."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server.conftest import MAX_LEN, Server
+
+OK = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def with_(**changes: Any) -> bytes:
+    body = {**OK, **changes}
+    return json.dumps({k: v for k, v in body.items() if v is not ...}).encode()
+
+
+CASES: list[tuple[str, bytes, int, str | None, str]] = [
+    ("malformed json", b'{"model": "tiny", "messages": [', 400, None, "not valid JSON"),
+    ("not an object", b"[1, 2]", 400, None, "JSON object"),
+    (
+        "non-utf8",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "\xff\xfe"}]}',
+        400,
+        None,
+        "UTF-8",
+    ),
+    ("wrong type: temperature", with_(temperature="hot"), 400, "temperature", "Invalid value"),
+    ("wrong type: messages", with_(messages="hello"), 400, "messages", "Invalid value"),
+    (
+        "wrong type: content",
+        with_(messages=[{"role": "user", "content": 5}]),
+        400,
+        "messages.0.content",
+        "Invalid",
+    ),
+    ("missing messages", with_(messages=...), 400, "messages", "Missing required parameter"),
+    ("missing model", with_(model=...), 400, "model", "Missing required parameter"),
+    ("empty messages", with_(messages=[]), 400, "messages", "must not be empty"),
+    (
+        "unknown role",
+        with_(messages=[{"role": "wizard", "content": "x"}]),
+        400,
+        "messages.0.role",
+        "wizard",
+    ),
+    ("n > 1", with_(n=2), 400, "n", "n=1"),
+    ("temperature < 0", with_(temperature=-0.5), 400, "temperature", ">= 0"),
+    ("top_p = 0", with_(top_p=0.0), 400, "top_p", "(0, 1]"),
+    ("top_p > 1", with_(top_p=1.5), 400, "top_p", "(0, 1]"),
+    ("max_tokens < 1", with_(max_tokens=0), 400, "max_tokens", ">= 1"),
+    (
+        "max_tokens beyond context",
+        with_(max_tokens=MAX_LEN),
+        400,
+        "max_tokens",
+        "context window is 2048",
+    ),
+    ("penalty", with_(presence_penalty=0.5), 400, "presence_penalty", "not supported"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "body", "status", "param", "text"), CASES, ids=[c[0] for c in CASES]
+)
+def test_bad_chat_requests(
+    server: Server, name: str, body: bytes, status: int, param: str | None, text: str
+) -> None:
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        content=body,
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] == param
+    assert text in err["message"]
+
+
+def test_unknown_model_is_404(server: Server) -> None:
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=with_(model="gpt-9"))
+    assert r.status_code == 404
+    assert (
+        r.json()["error"]["code"] == "model_not_found" and "'tiny'" in r.json()["error"]["message"]
+    )
+
+
+def test_prompt_longer_than_context_says_both_numbers(server: Server) -> None:
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": [7] * 3000})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded"
+    assert "3000 tokens" in err["message"] and "2048 tokens" in err["message"]
+
+
+def test_body_over_the_limit_is_413(server: Server) -> None:
+    big = with_(messages=[{"role": "user", "content": "x" * 70_000}])
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=big)
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "request_too_large"
+
+
+def test_completion_prompt_mistakes(server: Server) -> None:
+    for prompt, text in [
+        ("", "must not be empty"),
+        (["a", "b"], "one prompt"),
+        (3, "Invalid value"),
+    ]:
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": prompt})
+        assert r.status_code == 400 and text in r.json()["error"]["message"]
+    assert server.idle()
