@@ -63,9 +63,9 @@ class SamplingParams:
                 f"top_k must be an integer >= 1, or 0 / -1 to disable it, got {self.top_k!r}.",
             ),
             (
-                self.seed is None or _is_int(self.seed),
+                self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64),
                 "seed",
-                f"seed must be an integer, got {self.seed!r}.",
+                f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}.",
             ),
             (
                 all(isinstance(s, str) and s for s in self.stop),

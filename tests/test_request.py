@@ -22,6 +22,7 @@ from sendpath.request import SamplingParams
         ({"max_tokens": True}, "max_tokens"),
         ({"top_k": -2}, "top_k"),
         ({"seed": "7"}, "seed"),
+        ({"seed": 2**70}, "seed"),
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ],

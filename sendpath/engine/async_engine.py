@@ -133,16 +133,20 @@ class AsyncEngine:
     def _abort_now(self, request_id: str) -> None:
         out = self.core.abort(request_id)
         if out is not None:
-            self._deliver(out)
+            self._deliver([out])
 
-    def _deliver(self, item: EngineOutput) -> None:
-        entry = self._streams.get(item.request_id)
-        if entry is None:
-            return
-        if item.finished:
-            del self._streams[item.request_id]
-        loop, outputs = entry
-        loop.call_soon_threadsafe(outputs.put_nowait, item)
+    def _deliver(self, items: list[EngineOutput]) -> None:
+        """Hand a step's outputs to their streams: one wake-up per event loop, not per item."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[_Item], _Item]]] = {}
+        for item in items:
+            entry = self._streams.get(item.request_id)
+            if entry is None:
+                continue
+            if item.finished:
+                del self._streams[item.request_id]
+            batches.setdefault(entry[0], []).append((entry[1], item))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_put_all, batch)
 
     def _loop(self) -> None:
         try:
@@ -156,8 +160,7 @@ class AsyncEngine:
                 except queue.Empty:
                     pass
                 if self.core.has_unfinished_requests():
-                    for out in self.core.step():
-                        self._deliver(out)
+                    self._deliver(self.core.step())
         except BaseException as exc:  # a failed step must not leave clients hanging
             self._error = exc
         finally:
@@ -171,6 +174,11 @@ class AsyncEngine:
             for loop, outputs in self._streams.values():
                 loop.call_soon_threadsafe(outputs.put_nowait, dead)
             self._streams.clear()
+
+
+def _put_all(batch: list[tuple[asyncio.Queue[_Item], _Item]]) -> None:
+    for queue_, item in batch:
+        queue_.put_nowait(item)
 
 
 class RequestStream:

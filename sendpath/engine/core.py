@@ -141,8 +141,12 @@ class EngineCore:
         )
         request.record(EventType.ARRIVED, arrived)
         request.record(EventType.TOKENIZED, self.clock.now())
-        self.scheduler.add_request(request)  # may raise QueueFullError: nothing to undo
         self.runner.add_request(request.request_id, params)
+        try:
+            self.scheduler.add_request(request)  # QueueFullError: nothing may stay behind
+        except BaseException:
+            self.runner.remove_request(request.request_id)
+            raise
         self._streams[request.request_id] = OutputStream(
             self.tokenizer, params, len(ids), self.max_model_len
         )

@@ -65,7 +65,7 @@ class Replica:
     def status(self) -> str:
         if self.draining:
             return "draining"
-        if self.load_error is not None:
+        if self.load_error is not None or (self.engine is not None and not self.engine.is_running):
             return "failed"
         return "ok" if self.engine is not None else "loading"
 
@@ -78,7 +78,7 @@ class Replica:
         self.engine = AsyncEngine(core)
 
     def ready_engine(self) -> AsyncEngine:
-        if self.engine is None or self.draining:
+        if self.engine is None or self.status != "ok":
             raise ServiceUnavailableError(f"The server is {self.status}; retry in a moment.")
         return self.engine
 
@@ -230,7 +230,7 @@ async def _events(
             yield sse(chunker.chunk("", role=True))
         async for out in stream:
             if out.text:
-                yield sse(chunker.chunk(out.text))
+                yield chunker.delta_sse(out.text)
             if not out.finished:
                 continue
             if out.finish_reason == "abort":

@@ -19,6 +19,7 @@ from sendpath.request import SamplingParams
 __all__ = ["ParsedRequest", "parse_chat", "parse_completion"]
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+_TYPE_TAGS = {"str", "int", "float", "bool", "none"}
 
 
 class _Strict(BaseModel):
@@ -108,7 +109,10 @@ def _validate(model: type[_Common], body: dict[str, Any]) -> Any:
         return model.model_validate(body)
     except ValidationError as exc:
         err = exc.errors()[0]
-        param = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("str", "list")))
+        # drop pydantic's union-member tags ("str", "list[TextPart]") from the field path
+        param = ".".join(
+            str(p) for p in err["loc"] if str(p) not in _TYPE_TAGS and "[" not in str(p)
+        )
         if err["type"] == "missing":
             message = f"Missing required parameter: '{param}'."
         elif err["type"] == "too_short":

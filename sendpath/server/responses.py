@@ -54,6 +54,17 @@ class Chunker:
 
     def __init__(self, kind: str, response_id: str, model: str, created: int) -> None:
         self.kind, self.id, self.model, self.created = kind, response_id, model, created
+        # The per-token event, pre-rendered around its text: the hot path of a stream
+        # encodes only the new text (same bytes as sse(self.chunk(text)) with compact JSON).
+        head = json.dumps(self._base(True), ensure_ascii=False, separators=(",", ":"))[:-1]
+        field = '"delta":{"content":' if kind == "chat" else '"text":'
+        close = "}" if kind == "chat" else ""
+        self._delta_head = f'data: {head},"choices":[{{"index":0,{field}'
+        self._delta_tail = f'{close},"logprobs":null,"finish_reason":null}}]}}\n\n'
+
+    def delta_sse(self, text: str) -> str:
+        """The SSE event for one text delta."""
+        return self._delta_head + json.dumps(text, ensure_ascii=False) + self._delta_tail
 
     def _base(self, streaming: bool) -> dict[str, Any]:
         if self.kind == "chat":
@@ -97,4 +108,4 @@ class Chunker:
 
 
 def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"

@@ -60,6 +60,8 @@ CASES: list[tuple[str, bytes, int, str | None, str]] = [
         "context window is 2048",
     ),
     ("penalty", with_(presence_penalty=0.5), 400, "presence_penalty", "not supported"),
+    ("seed out of range", with_(seed=2**70), 400, "seed", "seed must be an integer"),
+    ("wrong type: stream", with_(stream="yes"), 400, "stream", "Invalid value"),
 ]
 
 
