@@ -151,6 +151,30 @@ def run_transformers(model: Any, w: Workload, batch: int) -> dict[str, Any]:
     return row
 
 
+def bench_config(max_num_batched_tokens: int = 512) -> EngineConfig:
+    """The engine every benchmark here runs: float32 on the CPU, no prefix caching."""
+    return EngineConfig(
+        dtype="float32",
+        device="cpu",
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens),
+        cache=CacheConfig(kv_cache_memory_gib=2.0, enable_prefix_caching=False),
+    )
+
+
+def run_in_process(
+    workloads: list[Workload], max_num_batched_tokens: int = 512
+) -> list[dict[str, Any]]:
+    """Each workload through the async engine in this process, after a warm-up."""
+    engine = AsyncEngine(EngineCore.from_config(bench_config(max_num_batched_tokens)))
+    rows = []
+    asyncio.run(run_sendpath(engine, Workload(16, 4, 2, 2)))  # warm-up
+    for w in workloads:
+        rows.append(asyncio.run(run_sendpath(engine, w)))
+        print(json.dumps(rows[-1]), flush=True)
+    engine.shutdown()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", choices=["sendpath", "transformers"], default=None)
@@ -163,20 +187,7 @@ def main() -> None:
         workloads = [w for w in DEFAULT if w.name in args.workloads]
     rows: list[dict[str, Any]] = []
     if args.only != "transformers":
-        config = EngineConfig(
-            dtype="float32",
-            device="cpu",
-            scheduler=SchedulerConfig(
-                max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens
-            ),
-            cache=CacheConfig(kv_cache_memory_gib=2.0, enable_prefix_caching=False),
-        )
-        engine = AsyncEngine(EngineCore.from_config(config))
-        asyncio.run(run_sendpath(engine, Workload(16, 4, 2, 2)))  # warm-up
-        for w in workloads:
-            rows.append(asyncio.run(run_sendpath(engine, w)))
-            print(json.dumps(rows[-1]), flush=True)
-        engine.shutdown()
+        rows += run_in_process(workloads, args.max_num_batched_tokens)
     if args.only != "sendpath":
         from transformers import AutoModelForCausalLM
 

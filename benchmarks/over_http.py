@@ -1,7 +1,7 @@
 """The engine benchmark's workloads over HTTP against `sendpath replica`, beside in-process.
 
-Starts `sendpath replica` (same engine settings as benchmarks/engine.py), drives it with
-streaming `/v1/completions` requests (prompt token ids, ignore_eos, greedy) from C
+Starts `sendpath replica` (the settings of benchmarks/engine.py's `bench_config`), drives it
+with streaming `/v1/completions` requests (prompt token ids, ignore_eos, greedy) from C
 concurrent httpx clients, as the peers' figures in the engine issue were measured, and runs
 the in-process engine on the same workloads in the same run: the ratio is the cost of the
 HTTP layer (uvicorn, JSON, SSE, the client).
@@ -27,10 +27,7 @@ from typing import Any
 import httpx
 import torch
 
-from benchmarks.engine import DEFAULT, Workload, prompts, run_sendpath, summarize
-from sendpath.config import CacheConfig, EngineConfig, SchedulerConfig
-from sendpath.engine.async_engine import AsyncEngine
-from sendpath.engine.core import EngineCore
+from benchmarks.engine import DEFAULT, Workload, prompts, run_in_process, summarize
 
 RESULTS = Path(__file__).parent / "results" / "over_http.json"
 BATCHED_TOKENS = 512
@@ -89,19 +86,7 @@ def main() -> None:
     workloads = [w for w in DEFAULT if not args.workloads or w.name in args.workloads]
     rows: list[dict[str, Any]] = []
 
-    config = EngineConfig(
-        dtype="float32",
-        device="cpu",
-        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=BATCHED_TOKENS),
-        cache=CacheConfig(kv_cache_memory_gib=2.0, enable_prefix_caching=False),
-    )
-    engine = AsyncEngine(EngineCore.from_config(config))
-    asyncio.run(run_sendpath(engine, Workload(16, 4, 2, 2)))  # warm-up
-    for w in workloads:
-        rows.append(asyncio.run(run_sendpath(engine, w)))
-        print(json.dumps(rows[-1]), flush=True)
-    engine.shutdown()
-    del engine
+    rows += run_in_process(workloads, BATCHED_TOKENS)
 
     port = free_port()
     cmd = [
