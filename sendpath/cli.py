@@ -120,7 +120,7 @@ def _replica(args: argparse.Namespace) -> int:
         "(the model loads in the background; GET /health says when it is ready)",
         flush=True,
     )
-    logging.basicConfig(level=logging.INFO, format="sendpath %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")
     return 0
 
