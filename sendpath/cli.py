@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from sendpath import __version__
 from sendpath.errors import SendpathError
@@ -82,7 +83,69 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rep.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     rep.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"], help="queue order")
+    keys = sub.add_parser(
+        "keys",
+        help="create, list, revoke API keys and show their usage",
+        description="API keys for the gateway, stored hashed in SQLite under the data directory.",
+    )
+    keys.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="where keys live (default: $SENDPATH_DATA_DIR or ~/.local/share/sendpath)",
+    )
+    ksub = keys.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
+    kc = ksub.add_parser("create", help="create a key and print it once (its last output line)")
+    kc.add_argument("--name", required=True)
+    kc.add_argument("--rpm", type=int, default=None, help="requests per minute (default: no limit)")
+    kc.add_argument("--tpm", type=int, default=None, help="tokens per minute (default: no limit)")
+    kc.add_argument(
+        "--daily-tokens", type=int, default=None, help="tokens per UTC day (default: no limit)"
+    )
+    ksub.add_parser("list", help="list keys (never their secrets)")
+    kr = ksub.add_parser("revoke", help="revoke a key; takes effect on its next request")
+    kr.add_argument("name")
+    ku = ksub.add_parser("usage", help="today's tokens and requests per key (UTC)")
+    ku.add_argument("name", nargs="?", default=None)
     return parser
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from sendpath.gateway.keys import KeyStore, KeyStoreError, default_data_dir
+
+    store = KeyStore(args.data_dir or default_data_dir())
+
+    def limit(value: int | None) -> str:
+        return "-" if value is None else str(value)
+
+    try:
+        if args.keys_command == "create":
+            key, secret = store.create(args.name, args.rpm, args.tpm, args.daily_tokens)
+            print(
+                f"created key {key.name!r} (rpm {limit(key.rpm)}, tpm {limit(key.tpm)}, "
+                f"daily tokens {limit(key.daily_tokens)}); it is shown once, keep it now:"
+            )
+            print(secret)
+        elif args.keys_command == "list":
+            print(f"{'NAME':<20} {'KEY':<12} {'RPM':>8} {'TPM':>10} {'DAILY':>12}  STATUS")
+            for k in store.list():
+                status = "active" if k.active else "revoked"
+                print(
+                    f"{k.name:<20} {k.hint + '...':<12} {limit(k.rpm):>8} {limit(k.tpm):>10} "
+                    f"{limit(k.daily_tokens):>12}  {status}"
+                )
+        elif args.keys_command == "revoke":
+            store.revoke(args.name)
+            print(f"revoked key {args.name!r}")
+        else:
+            rows = store.usage(args.name)
+            print(f"{'NAME':<20} {'TOKENS':>12} {'REQUESTS':>10}   (today, UTC)")
+            for name, (tokens, requests) in sorted(rows.items()):
+                print(f"{name:<20} {tokens:>12} {requests:>10}")
+    except KeyStoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _replica(args: argparse.Namespace) -> int:
@@ -162,6 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args)
         if args.command == "replica":
             return _replica(args)
+        if args.command == "keys":
+            return _keys(args)
     except SendpathError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -102,3 +104,14 @@ def tiny_llama_dir(
     tmp_path_factory: pytest.TempPathFactory, smol_tokenizer: Tokenizer
 ) -> Iterator[Path]:
     yield write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smol_tokenizer)
+
+
+def require_program(name: str, package: str) -> str:
+    """The path of a program the test needs; skip without it, except in CI, where it fails."""
+    path = shutil.which(name)
+    if path is None:
+        reason = f"{name} is not installed (Debian package {package}; .ci/run installs it)"
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must not skip: {reason}")
+        pytest.skip(reason)
+    return path

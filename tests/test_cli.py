@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -42,3 +43,18 @@ def test_generate_reports_errors_clearly() -> None:
     res = run("generate", "hi", "--temperature", "-1")
     assert res.returncode == 2
     assert "temperature must be >= 0" in res.stderr
+
+
+def test_keys_commands(tmp_path: Path) -> None:
+    base = ["keys", "--data-dir", str(tmp_path)]
+    res = run(*base, "create", "--name", "alice", "--tpm", "1000")
+    assert res.returncode == 0
+    secret = res.stdout.strip().splitlines()[-1]
+    assert secret.startswith("sk-sp-")
+    listed = run(*base, "list").stdout
+    assert "alice" in listed and "1000" in listed and secret not in listed
+    dup = run(*base, "create", "--name", "alice")
+    assert dup.returncode == 2 and "already exists" in dup.stderr
+    assert run(*base, "revoke", "alice").returncode == 0
+    assert "revoked" in run(*base, "list").stdout
+    assert run(*base, "usage").returncode == 0

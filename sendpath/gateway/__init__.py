@@ -1,0 +1,1 @@
+"""The gateway: API keys, rate limits and quotas, safety, admission (torch-free)."""

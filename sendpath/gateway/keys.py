@@ -1,0 +1,166 @@
+"""API keys and the daily usage ledger, in SQLite under the data directory.
+
+Keys look like ``sk-sp-<40 url-safe characters>`` and are shown once, at creation. Only
+their SHA-256 is stored, and a presented key's hash is compared in constant time.
+Nothing is cached in the process: revoking a key takes effect on the next request, in
+every gateway process that shares the store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import sqlite3
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+__all__ = ["ApiKey", "KeyStore", "KeyStoreError", "default_data_dir"]
+
+PREFIX = "sk-sp-"
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS keys (
+    name TEXT PRIMARY KEY,
+    key_hash TEXT NOT NULL UNIQUE,
+    hint TEXT NOT NULL,
+    rpm INTEGER, tpm INTEGER, daily_tokens INTEGER,
+    created_at REAL NOT NULL,
+    revoked_at REAL
+);
+CREATE TABLE IF NOT EXISTS usage (
+    name TEXT NOT NULL, day TEXT NOT NULL, tokens INTEGER NOT NULL DEFAULT 0,
+    requests INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (name, day)
+);
+"""
+
+
+class KeyStoreError(ValueError):
+    """A key operation that cannot be done as asked (duplicate name, unknown key)."""
+
+
+def default_data_dir() -> Path:
+    """``$SENDPATH_DATA_DIR``, else ``$XDG_DATA_HOME/sendpath`` or ``~/.local/share/sendpath``."""
+    if env := os.environ.get("SENDPATH_DATA_DIR"):
+        return Path(env)
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "sendpath"
+
+
+def _hash(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def today() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%d")
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """A key's name and limits (``None`` = unlimited); never its secret."""
+
+    name: str
+    hint: str  # the first characters, to recognise a key in a list
+    rpm: int | None
+    tpm: int | None
+    daily_tokens: int | None
+    created_at: float
+    revoked_at: float | None
+
+    @property
+    def active(self) -> bool:
+        return self.revoked_at is None
+
+
+class KeyStore:
+    """Keys and usage in one SQLite file (safe to share between processes)."""
+
+    def __init__(self, data_dir: Path) -> None:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.path = data_dir / "keys.sqlite3"
+        with self._connect() as db:
+            db.executescript(_SCHEMA)
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+        db.execute("PRAGMA journal_mode=WAL")
+        return db
+
+    def create(
+        self,
+        name: str,
+        rpm: int | None = None,
+        tpm: int | None = None,
+        daily_tokens: int | None = None,
+    ) -> tuple[ApiKey, str]:
+        """A new key; returns it and its secret (shown once, stored only hashed)."""
+        if not name or not name.replace("-", "").replace("_", "").isalnum():
+            raise KeyStoreError(f"key name {name!r}: use letters, digits, '-' and '_'.")
+        for label, value in (("rpm", rpm), ("tpm", tpm), ("daily-tokens", daily_tokens)):
+            if value is not None and value < 1:
+                raise KeyStoreError(
+                    f"--{label} must be >= 1 (or left out for no limit), got {value}."
+                )
+        secret = PREFIX + secrets.token_urlsafe(30)
+        key = ApiKey(name, secret[:10], rpm, tpm, daily_tokens, time.time(), None)
+        try:
+            with self._connect() as db:
+                db.execute(
+                    "INSERT INTO keys VALUES (?, ?, ?, ?, ?, ?, ?, NULL)",
+                    (name, _hash(secret), key.hint, rpm, tpm, daily_tokens, key.created_at),
+                )
+        except sqlite3.IntegrityError as exc:
+            raise KeyStoreError(f"a key named {name!r} already exists; pick another name.") from exc
+        return key, secret
+
+    def verify(self, secret: str) -> ApiKey | None:
+        """The active key this secret belongs to, or ``None``."""
+        digest = _hash(secret)
+        with self._connect() as db:
+            row = db.execute(
+                "SELECT key_hash, name, hint, rpm, tpm, daily_tokens, created_at, revoked_at "
+                "FROM keys WHERE key_hash = ?",
+                (digest,),
+            ).fetchone()
+        if row is None or not hmac.compare_digest(row[0], digest):
+            return None
+        key = ApiKey(*row[1:])
+        return key if key.active else None
+
+    def list(self) -> list[ApiKey]:
+        with self._connect() as db:
+            rows = db.execute(
+                "SELECT name, hint, rpm, tpm, daily_tokens, created_at, revoked_at "
+                "FROM keys ORDER BY created_at"
+            ).fetchall()
+        return [ApiKey(*r) for r in rows]
+
+    def revoke(self, name: str) -> None:
+        with self._connect() as db:
+            cur = db.execute(
+                "UPDATE keys SET revoked_at = ? WHERE name = ? AND revoked_at IS NULL",
+                (time.time(), name),
+            )
+        if cur.rowcount == 0:
+            raise KeyStoreError(f"no active key named {name!r} (`sendpath keys list` shows them).")
+
+    def record_usage(self, name: str, tokens: int, day: str | None = None) -> None:
+        """Add one finished request's tokens to the key's ledger for the day (UTC)."""
+        with self._connect() as db:
+            db.execute(
+                "INSERT INTO usage VALUES (?, ?, ?, 1) ON CONFLICT(name, day) DO UPDATE SET "
+                "tokens = tokens + excluded.tokens, requests = requests + 1",
+                (name, day or today(), tokens),
+            )
+
+    def usage(self, name: str | None = None, day: str | None = None) -> dict[str, tuple[int, int]]:
+        """(tokens, requests) per key name for the day (UTC, today by default)."""
+        query = "SELECT name, tokens, requests FROM usage WHERE day = ?"
+        args: tuple[str, ...] = (day or today(),)
+        if name is not None:
+            query, args = query + " AND name = ?", (*args, name)
+        with self._connect() as db:
+            return {n: (t, r) for n, t, r in db.execute(query, args).fetchall()}

@@ -1,0 +1,220 @@
+"""Per-key rate limits in requests and tokens per minute: token buckets, in memory or Redis.
+
+Algorithm: two token buckets per key, one counting requests (capacity RPM) and one counting
+tokens (capacity TPM), each refilled continuously at capacity / 60 per second. Admission
+takes 1 from the request bucket and ``prompt + max_tokens`` from the token bucket, both or
+neither; when the request ends, ``settle`` gives back what it reserved and did not use.
+A bucket may not start with more than its capacity, so a burst is bounded by one minute's
+allowance (unlike a fixed window, which admits two minutes' worth across a boundary).
+
+Backends: ``MemoryLimiter`` (one process) and ``RedisLimiter`` (atomic Lua scripts on
+Redis's clock, so several gateway processes share one limit). If Redis cannot be reached,
+``RedisLimiter`` falls back to a ``MemoryLimiter`` in this process and logs it: limits are
+then enforced per process instead of across the fleet (availability over strictness; the
+fallback is retried on the next call).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+__all__ = ["Decision", "Limits", "MemoryLimiter", "RateLimiter", "RedisLimiter", "make_limiter"]
+
+logger = logging.getLogger("sendpath.gateway")
+
+
+@dataclass(frozen=True)
+class Limits:
+    rpm: int | None
+    tpm: int | None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The answer to one admission, with what the ``x-ratelimit-*`` headers report."""
+
+    allowed: bool
+    retry_after_s: float  # 0 when allowed; math.inf when the request can never fit
+    remaining_requests: int | None
+    remaining_tokens: int | None
+    reset_requests_s: float  # until the request bucket is full again
+    reset_tokens_s: float
+
+
+class RateLimiter(Protocol):
+    def reserve(self, key: str, limits: Limits, tokens: int) -> Decision: ...
+    def settle(self, key: str, limits: Limits, reserved: int, used: int) -> None: ...
+
+
+def _refill(level: float, stamp: float, now: float, capacity: int) -> float:
+    return min(float(capacity), level + (now - stamp) * capacity / 60.0)
+
+
+class MemoryLimiter:
+    """Token buckets in this process (thread-safe)."""
+
+    def __init__(self, clock: Any = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._buckets: dict[
+            tuple[str, str], tuple[float, float]
+        ] = {}  # (key, kind) -> level, stamp
+
+    def _level(self, key: str, kind: str, capacity: int, now: float) -> float:
+        level, stamp = self._buckets.get((key, kind), (float(capacity), now))
+        return _refill(level, stamp, now, capacity)
+
+    def reserve(self, key: str, limits: Limits, tokens: int) -> Decision:
+        with self._lock:
+            now = self._clock()
+            wanted = (("req", limits.rpm, 1), ("tok", limits.tpm, tokens))
+            need = [(k, cap, cost) for k, cap, cost in wanted if cap is not None]
+            levels = {k: self._level(key, k, cap, now) for k, cap, _ in need}
+            wait = 0.0
+            for k, cap, cost in need:
+                if cost > cap:
+                    wait = math.inf
+                elif levels[k] < cost:
+                    wait = max(wait, (cost - levels[k]) * 60.0 / cap)
+            if wait == 0.0:
+                for k, _, cost in need:
+                    levels[k] -= cost
+            for k, _, _ in need:
+                self._buckets[(key, k)] = (levels[k], now)
+            return _decision(wait, limits, levels.get("req"), levels.get("tok"))
+
+    def settle(self, key: str, limits: Limits, reserved: int, used: int) -> None:
+        if limits.tpm is None or reserved == used:
+            return
+        with self._lock:
+            now = self._clock()
+            level = self._level(key, "tok", limits.tpm, now)
+            self._buckets[(key, "tok")] = (min(float(limits.tpm), level + reserved - used), now)
+
+
+def _decision(wait: float, limits: Limits, req: float | None, tok: float | None) -> Decision:
+    def reset(level: float | None, cap: int | None) -> float:
+        return 0.0 if level is None or cap is None else max(0.0, (cap - level) * 60.0 / cap)
+
+    return Decision(
+        allowed=wait == 0.0,
+        retry_after_s=wait,
+        remaining_requests=None if req is None else max(0, math.floor(req)),
+        remaining_tokens=None if tok is None else max(0, math.floor(tok)),
+        reset_requests_s=reset(req, limits.rpm),
+        reset_tokens_s=reset(tok, limits.tpm),
+    )
+
+
+# KEYS: request bucket, token bucket. ARGV: rpm, tpm, tokens (0 capacity = unlimited).
+# Returns {allowed, wait_ms, req_level_milli, tok_level_milli} (-1 level = unlimited).
+_RESERVE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local caps = {tonumber(ARGV[1]), tonumber(ARGV[2])}
+local costs = {1, tonumber(ARGV[3])}
+local levels = {}
+local wait = 0
+for i = 1, 2 do
+  if caps[i] > 0 then
+    local b = redis.call('HMGET', KEYS[i], 'level', 'stamp')
+    local level = tonumber(b[1]) or caps[i]
+    local stamp = tonumber(b[2]) or now
+    level = math.min(caps[i], level + (now - stamp) * caps[i] / 60.0)
+    levels[i] = level
+    if costs[i] > caps[i] then wait = -1
+    elseif level < costs[i] and wait >= 0 then
+      wait = math.max(wait, (costs[i] - level) * 60.0 / caps[i])
+    end
+  end
+end
+for i = 1, 2 do
+  if caps[i] > 0 then
+    if wait == 0 then levels[i] = levels[i] - costs[i] end
+    redis.call('HSET', KEYS[i], 'level', tostring(levels[i]), 'stamp', tostring(now))
+    redis.call('EXPIRE', KEYS[i], 120)
+  end
+end
+local function milli(i)
+  if caps[i] > 0 then return math.floor(levels[i] * 1000) end
+  return -1
+end
+local allowed = 0
+if wait == 0 then allowed = 1 end
+return {allowed, math.floor(wait * 1000), milli(1), milli(2)}
+"""
+
+# KEYS: token bucket. ARGV: tpm, refund (may be negative).
+_SETTLE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local cap = tonumber(ARGV[1])
+local b = redis.call('HMGET', KEYS[1], 'level', 'stamp')
+local level = tonumber(b[1]) or cap
+local stamp = tonumber(b[2]) or now
+level = math.min(cap, math.min(cap, level + (now - stamp) * cap / 60.0) + tonumber(ARGV[2]))
+redis.call('HSET', KEYS[1], 'level', tostring(level), 'stamp', tostring(now))
+redis.call('EXPIRE', KEYS[1], 120)
+return 1
+"""
+
+
+class RedisLimiter:
+    """The same buckets in Redis, shared by every gateway process that points at it."""
+
+    def __init__(self, url: str, prefix: str = "sendpath:rl:") -> None:
+        import redis
+
+        self._client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self._reserve = self._client.register_script(_RESERVE)
+        self._settle = self._client.register_script(_SETTLE)
+        self._prefix = prefix
+        self._fallback = MemoryLimiter()
+        self._warned = False
+
+    def _keys(self, key: str) -> list[str]:
+        return [f"{self._prefix}{{{key}}}:req", f"{self._prefix}{{{key}}}:tok"]
+
+    def _degraded(self, exc: Exception) -> None:
+        if not self._warned:
+            logger.warning(
+                "Redis unreachable (%s): rate limits now per process until it returns", exc
+            )
+            self._warned = True
+
+    def reserve(self, key: str, limits: Limits, tokens: int) -> Decision:
+        import redis
+
+        try:
+            allowed, wait_ms, req, tok = self._reserve(
+                keys=self._keys(key), args=[limits.rpm or 0, limits.tpm or 0, tokens]
+            )
+        except redis.RedisError as exc:
+            self._degraded(exc)
+            return self._fallback.reserve(key, limits, tokens)
+        self._warned = False
+        wait = math.inf if wait_ms < 0 else (0.0 if allowed else max(wait_ms / 1000, 0.001))
+        return _decision(
+            wait, limits, None if req < 0 else req / 1000, None if tok < 0 else tok / 1000
+        )
+
+    def settle(self, key: str, limits: Limits, reserved: int, used: int) -> None:
+        import redis
+
+        if limits.tpm is None or reserved == used:
+            return
+        try:
+            self._settle(keys=self._keys(key)[1:], args=[limits.tpm, reserved - used])
+        except redis.RedisError as exc:
+            self._degraded(exc)
+            self._fallback.settle(key, limits, reserved, used)
+
+
+def make_limiter(redis_url: str | None) -> RateLimiter:
+    """The limiter backend for a gateway: Redis when a URL is given, else in memory."""
+    return RedisLimiter(redis_url) if redis_url else MemoryLimiter()

@@ -1,0 +1,53 @@
+"""KeyStore: hashed keys, revocation seen by other processes, the usage ledger."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from sendpath.gateway.keys import KeyStore, KeyStoreError
+
+
+def test_create_verify_and_store_only_hashes(tmp_path: Path) -> None:
+    store = KeyStore(tmp_path)
+    key, secret = store.create("alice", rpm=10, tpm=1000, daily_tokens=5000)
+    assert secret.startswith("sk-sp-") and len(secret) == 46
+    assert key.hint == secret[:10]
+    assert store.verify(secret) == key
+    assert store.verify(secret + "x") is None and store.verify("sk-sp-nope") is None
+    raw = sqlite3.connect(tmp_path / "keys.sqlite3").execute("SELECT * FROM keys").fetchall()
+    assert secret not in repr(raw)  # only the SHA-256 is stored
+
+
+def test_revocation_is_seen_by_another_process_store(tmp_path: Path) -> None:
+    a, b = KeyStore(tmp_path), KeyStore(tmp_path)  # two gateway processes, one data dir
+    _, secret = a.create("bob")
+    assert b.verify(secret) is not None
+    a.revoke("bob")
+    assert b.verify(secret) is None
+    assert [k.name for k in b.list()] == ["bob"] and not b.list()[0].active
+    with pytest.raises(KeyStoreError, match="no active key named 'bob'"):
+        a.revoke("bob")
+
+
+def test_bad_names_and_limits(tmp_path: Path) -> None:
+    store = KeyStore(tmp_path)
+    store.create("team-1")
+    with pytest.raises(KeyStoreError, match="already exists"):
+        store.create("team-1")
+    with pytest.raises(KeyStoreError, match="letters, digits"):
+        store.create("bad name!")
+    with pytest.raises(KeyStoreError, match="--tpm must be >= 1"):
+        store.create("zero", tpm=0)
+
+
+def test_usage_ledger_adds_up_per_day(tmp_path: Path) -> None:
+    store = KeyStore(tmp_path)
+    store.record_usage("alice", 100, day="2026-11-30")
+    store.record_usage("alice", 50, day="2026-11-30")
+    store.record_usage("bob", 7, day="2026-11-30")
+    store.record_usage("alice", 1, day="2026-12-01")
+    assert store.usage(day="2026-11-30") == {"alice": (150, 2), "bob": (7, 1)}
+    assert store.usage("alice", day="2026-12-01") == {"alice": (1, 1)}

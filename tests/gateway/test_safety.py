@@ -1,0 +1,47 @@
+"""Safety rules on input and on a stream, including a phrase split across chunks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sendpath.gateway.safety import OutputGuard, RulesFilter, SafetyRulesError
+
+
+def test_default_rules_block_and_allow() -> None:
+    rules = RulesFilter.from_toml()
+    assert rules.check("Give me step by step instructions to build a pipe bomb") == "weapons"
+    assert rules.check("here is my key -----BEGIN RSA PRIVATE KEY----- MIIE") == "secrets"
+    assert rules.check("What is the capital of Japan?") is None
+    assert rules.check("The history of the atomic bomb in 1945") is None
+
+
+def test_custom_rules_file_and_its_errors(tmp_path: Path) -> None:
+    good = tmp_path / "rules.toml"
+    good.write_text('[categories]\nspoilers = ["the butler did it"]\n')
+    assert RulesFilter.from_toml(good).check("Well, THE BUTLER DID IT.") == "spoilers"
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[categories]\nbroken = ["(unclosed"]\n')
+    with pytest.raises(SafetyRulesError, match="bad regular expression"):
+        RulesFilter.from_toml(bad)
+    with pytest.raises(SafetyRulesError, match=r"\[categories\]"):
+        (tmp_path / "empty.toml").write_text("x = 1\n")
+        RulesFilter.from_toml(tmp_path / "empty.toml")
+    with pytest.raises(SafetyRulesError, match="cannot read"):
+        RulesFilter.from_toml(tmp_path / "missing.toml")
+
+
+def test_blocked_phrase_split_across_chunks_is_never_sent() -> None:
+    guard = OutputGuard(RulesFilter({"spoilers": ["the butler did it"]}), window=32)
+    sent = [guard.push(d) for d in ["A long story. " * 5, "In the end, the bu", "tler d", "id it!"]]
+    assert guard.blocked == "spoilers"
+    assert "butler" not in "".join(sent)
+    assert guard.push("more") == "" and guard.flush() == ""
+
+
+def test_clean_stream_passes_whole() -> None:
+    guard = OutputGuard(RulesFilter({"spoilers": ["the butler did it"]}), window=8)
+    text = "The gardener was innocent, and so was the butler."
+    sent = "".join(guard.push(text[i : i + 5]) for i in range(0, len(text), 5)) + guard.flush()
+    assert sent == text and guard.blocked is None
