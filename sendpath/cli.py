@@ -178,6 +178,13 @@ def _replica(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.model is not None and not Path(args.model).expanduser().exists():
+        print(
+            f"error: model path {args.model!r} does not exist; pass a .gguf file or a "
+            "Hugging Face model directory.",
+            file=sys.stderr,
+        )
+        return 2
     print(
         f"sendpath replica: serving {served_name(config)} on http://{args.host}:{args.port} "
         "(the model loads in the background; GET /health says when it is ready)",

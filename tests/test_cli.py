@@ -58,3 +58,11 @@ def test_keys_commands(tmp_path: Path) -> None:
     assert run(*base, "revoke", "alice").returncode == 0
     assert "revoked" in run(*base, "list").stdout
     assert run(*base, "usage").returncode == 0
+
+
+def test_replica_refuses_a_missing_model_path() -> None:
+    res = run("replica", "--model", "/does/not/exist.gguf", "--port", "1")
+    assert res.returncode == 2
+    assert "model path '/does/not/exist.gguf' does not exist" in res.stderr
+    bad = run("replica", "--max-num-seqs", "0")
+    assert bad.returncode == 2 and "max_num_seqs must be >= 1" in bad.stderr

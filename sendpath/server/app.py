@@ -74,7 +74,8 @@ class Replica:
             core = await asyncio.to_thread(EngineCore.from_config, self.config.engine)
         except BaseException as exc:
             self.load_error = exc
-            raise
+            logger.error("the model could not be loaded, /health says 'failed': %s", exc)
+            return
         self.engine = AsyncEngine(core)
 
     def ready_engine(self) -> AsyncEngine:

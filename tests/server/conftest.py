@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
+from fastapi import FastAPI
 
 from sendpath.config import ReplicaConfig, SchedulerConfig
 from sendpath.engine.async_engine import AsyncEngine
@@ -65,6 +66,13 @@ def serve(
     app = create_app(
         ReplicaConfig(served_model_name="tiny", max_body_bytes=64 * 1024), AsyncEngine(core)
     )
+    with serve_app(app) as url:
+        yield Server(url, app.state.replica)
+
+
+@contextmanager
+def serve_app(app: FastAPI) -> Iterator[str]:
+    """Run an ASGI app with uvicorn on a free loopback port in a thread; yield its URL."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -76,7 +84,7 @@ def serve(
         assert time.monotonic() < deadline, "server did not start"
         time.sleep(0.01)
     try:
-        yield Server(f"http://127.0.0.1:{port}", app.state.replica)
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(10)

@@ -8,8 +8,13 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
+
+from sendpath.config import EngineConfig, ReplicaConfig
+from sendpath.server.app import create_app
+from tests.server.conftest import serve_app
 
 
 def free_port() -> int:
@@ -70,3 +75,18 @@ def test_replica_serves_the_builtin_model_and_stops_cleanly() -> None:
     assert proc.returncode in (0, -signal.SIGTERM), out
     assert "replica SmolLM2-135M-Instruct stopped: engine shut down" in out
     assert f"serving SmolLM2-135M-Instruct on {url}" in out
+
+
+def test_a_model_that_fails_to_load_makes_health_say_failed(tmp_path: Path) -> None:
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a model at all" * 10)
+    app = create_app(ReplicaConfig(engine=EngineConfig(model=str(bad))))
+    with serve_app(app) as url:
+        deadline = time.monotonic() + 30
+        while (r := httpx.get(f"{url}/health")).json()["status"] == "loading":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert r.status_code == 503 and r.json() == {"status": "failed"}
+        chat = httpx.post(f"{url}/v1/chat/completions", json={"model": "broken", "messages": []})
+        assert chat.status_code == 503 and chat.headers["retry-after"] == "1"
+        assert "failed" in chat.json()["error"]["message"]
