@@ -95,17 +95,17 @@ class LLM:
         try:
             for prompt in prompts:
                 requests.append(self.engine.add_request(prompt, params))
-            texts = {r.request_id: "" for r in requests}
+            by_id = {r.request_id: r for r in requests}
+            texts = dict.fromkeys(by_id, "")
             done: dict[str, CompletionOutput] = {}
             while len(done) < len(requests):
                 for out in self.engine.step():
                     texts[out.request_id] += out.text
                     if out.finished:
-                        request = next(r for r in requests if r.request_id == out.request_id)
                         done[out.request_id] = CompletionOutput(
                             0,
                             texts[out.request_id],
-                            list(request.output_token_ids),
+                            list(by_id[out.request_id].output_token_ids),
                             out.finish_reason,
                             out.stop_reason,
                         )

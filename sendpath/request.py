@@ -100,10 +100,6 @@ class RequestStatus(StrEnum):
     FINISHED = "finished"
     ABORTED = "aborted"
 
-    @property
-    def is_finished(self) -> bool:
-        return self in (RequestStatus.FINISHED, RequestStatus.ABORTED)
-
 
 @dataclass
 class Request:

@@ -165,9 +165,6 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def get_request(self, request_id: str) -> Request | None:
-        return self.scheduler.requests.get(request_id)
-
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[EngineOutput]:

@@ -53,10 +53,6 @@ class SchedulerOutput:
     preempted: list[str] = field(default_factory=list)
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.requests)
-
-    @property
     def is_empty(self) -> bool:
         return not self.requests
 

@@ -63,9 +63,6 @@ class BlockPool:
             return None
         return block
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
-
     def allocate(self, n: int) -> list[KVBlock] | None:
         """Take ``n`` free blocks (evicting their cached hashes), or ``None`` if too few."""
         if n > len(self._free):
@@ -109,9 +106,3 @@ class BlockPool:
             return
         block.block_hash, block.token_ids = block_hash, tuple(token_ids)
         self._cached[block_hash] = block
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached hash (blocks in use keep their data)."""
-        for block in self._cached.values():
-            block.block_hash, block.token_ids = None, ()
-        self._cached.clear()

@@ -32,6 +32,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self._blocks: dict[str, list[KVBlock]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}  # hashes of the request's full blocks
+        self._num_cached: dict[str, int] = {}  # leading blocks already offered to the index
         self.num_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_hits = 0  # of those, tokens served from it
 
@@ -105,18 +106,20 @@ class KVCacheManager:
             return
         blocks = self._blocks.get(request.request_id, [])
         num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        start = self._num_cached.get(request.request_id, 0)
+        if num_full <= start:  # most decode steps: no block filled up
+            return
         hashes = self._request_hashes(request)
         tokens = request.all_token_ids
         bs = self.block_size
-        for i in range(num_full):
+        for i in range(start, num_full):
             if blocks[i].block_hash is None:
                 self.pool.cache(blocks[i], hashes[i], tokens[i * bs : (i + 1) * bs])
+        self._num_cached[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
         """Give back all of the request's blocks, last block first (its tail is evicted first)."""
         blocks = self._blocks.pop(request.request_id, [])
         self._hashes.pop(request.request_id, None)
+        self._num_cached.pop(request.request_id, None)
         self.pool.release(reversed(blocks))
-
-    def reset_prefix_cache(self) -> None:
-        self.pool.reset_prefix_cache()
