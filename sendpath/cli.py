@@ -7,9 +7,13 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sendpath import __version__
 from sendpath.errors import SendpathError
+
+if TYPE_CHECKING:
+    from sendpath.config import GatewayConfig
 
 __all__ = ["build_parser", "main"]
 
@@ -83,6 +87,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rep.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     rep.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"], help="queue order")
+    gw = sub.add_parser(
+        "gateway",
+        help="the gateway alone, in front of replicas that already run (--replica URL)",
+        description="API keys, rate limits, quotas, safety filter and admission in front of "
+        "OpenAI-compatible replicas (ours, vLLM, llama.cpp).",
+    )
+    gw.add_argument("--host", default="127.0.0.1")
+    gw.add_argument("--port", type=int, default=8000)
+    gw.add_argument(
+        "--replica",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeat for several)",
+    )
+    gw.add_argument(
+        "--workers", type=int, default=1, help="gateway processes on this port (use --redis)"
+    )
+    add_gateway_args(gw)
     keys = sub.add_parser(
         "keys",
         help="create, list, revoke API keys and show their usage",
@@ -108,6 +131,122 @@ def build_parser() -> argparse.ArgumentParser:
     ku = ksub.add_parser("usage", help="today's tokens and requests per key (UTC)")
     ku.add_argument("name", nargs="?", default=None)
     return parser
+
+
+def add_gateway_args(p: argparse.ArgumentParser) -> None:
+    """The gateway's flags (shared by `gateway` and `serve`)."""
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="keys and usage (default: $SENDPATH_DATA_DIR or ~/.local/share/sendpath)",
+    )
+    p.add_argument("--no-auth", action="store_true", help="accept requests without an API key")
+    p.add_argument(
+        "--redis",
+        default=None,
+        metavar="URL",
+        help="share rate limits across gateway processes (default: in this process)",
+    )
+    p.add_argument(
+        "--safety-rules", default=None, metavar="FILE", help="TOML [categories] of regexes"
+    )
+    p.add_argument("--no-safety", action="store_true", help="turn the safety filter off")
+    p.add_argument(
+        "--prefix-cache-isolation",
+        default="per-key",
+        choices=["per-key", "shared"],
+        help="per-key: a tenant's cached prefixes are invisible to others (default)",
+    )
+    p.add_argument(
+        "--max-inflight-per-replica", type=int, default=64, help="beyond this, requests queue"
+    )
+    p.add_argument(
+        "--max-queued-requests", type=int, default=1024, help="past this many waiting, 503"
+    )
+    p.add_argument(
+        "--queue-timeout", type=float, default=30.0, help="seconds a request may wait, then 503"
+    )
+    p.add_argument(
+        "--default-reserve-tokens",
+        type=int,
+        default=1024,
+        help="tokens a request without max_tokens reserves against its key's TPM",
+    )
+
+
+def gateway_config(args: argparse.Namespace, replicas: Sequence[str]) -> GatewayConfig:
+    """The GatewayConfig the flags describe (raises ValueError on a bad value)."""
+    from sendpath.config import GatewayConfig
+
+    return GatewayConfig(
+        replicas=tuple(replicas),
+        data_dir=str(args.data_dir) if args.data_dir else None,
+        require_keys=not args.no_auth,
+        redis_url=args.redis,
+        safety_rules=args.safety_rules,
+        safety=not args.no_safety,
+        prefix_cache_isolation=args.prefix_cache_isolation,
+        max_inflight_per_replica=args.max_inflight_per_replica,
+        max_queued_requests=args.max_queued_requests,
+        queue_timeout_s=args.queue_timeout,
+        default_reserve_tokens=args.default_reserve_tokens,
+    )
+
+
+def announce_first_key(config: GatewayConfig) -> None:
+    """With keys required and none yet, create key 'default' and print it once."""
+    from sendpath.gateway.app import ensure_first_key, key_store
+
+    if not config.require_keys:
+        return
+    store = key_store(config)
+    secret = ensure_first_key(store)
+    if secret is not None:
+        print(
+            f"no API keys in {store.path.parent} yet: created key 'default' (no limits). It is "
+            "shown once; clients send it as 'Authorization: Bearer <key>':",
+            flush=True,
+        )
+        print(secret, flush=True)
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    import os
+
+    import uvicorn
+
+    from sendpath.gateway.app import CONFIG_ENV, config_to_env, create_gateway_app
+    from sendpath.gateway.safety import SafetyRulesError
+
+    try:
+        config = gateway_config(args, args.replica)
+        if args.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {args.workers}")
+        app = create_gateway_app(config)  # also checks the rules file and the data dir
+    except (ValueError, SafetyRulesError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    announce_first_key(config)
+    print(
+        f"sendpath gateway: http://{args.host}:{args.port} -> {', '.join(config.replicas)} "
+        f"({args.workers} worker{'s' if args.workers > 1 else ''})",
+        flush=True,
+    )
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    if args.workers == 1:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        return 0
+    os.environ[CONFIG_ENV] = config_to_env(config)
+    uvicorn.run(
+        "sendpath.gateway.app:app_from_env",
+        factory=True,
+        host=args.host,
+        port=args.port,
+        workers=args.workers,
+        log_level="warning",
+    )
+    return 0
 
 
 def _keys(args: argparse.Namespace) -> int:
@@ -234,6 +373,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _replica(args)
         if args.command == "keys":
             return _keys(args)
+        if args.command == "gateway":
+            return _gateway(args)
     except SendpathError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2

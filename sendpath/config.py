@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CacheConfig", "EngineConfig", "ReplicaConfig", "SchedulerConfig"]
+__all__ = ["CacheConfig", "EngineConfig", "GatewayConfig", "ReplicaConfig", "SchedulerConfig"]
 
 
 @dataclass(frozen=True)
@@ -74,5 +74,51 @@ class ReplicaConfig:
     retry_after_s: int = 1  # sent with 503s
 
     def __post_init__(self) -> None:
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+
+
+ISOLATION_MODES = ("per-key", "shared")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """The gateway: where replicas are, where keys live, and the admission bounds.
+
+    ``max_inflight_per_replica`` requests are forwarded to each replica at once; beyond
+    that they wait in the gateway's queue (fair across keys) for ``queue_timeout_s``, and
+    past ``max_queued_requests`` waiting a request is refused at once (503 + Retry-After).
+    ``default_reserve_tokens`` is what a request without ``max_tokens`` reserves against
+    its key's tokens-per-minute limit until its real usage is known.
+    """
+
+    replicas: tuple[str, ...] = ()
+    data_dir: str | None = None  # None: sendpath.gateway.keys.default_data_dir()
+    require_keys: bool = True
+    redis_url: str | None = None
+    safety_rules: str | None = None  # None: the rules file that ships with sendpath
+    safety: bool = True
+    prefix_cache_isolation: str = "per-key"
+    max_inflight_per_replica: int = 64
+    max_queued_requests: int = 1024
+    queue_timeout_s: float = 30.0
+    default_reserve_tokens: int = 1024
+    max_body_bytes: int = 8 * 2**20
+    retry_after_s: int = 1
+    upstream_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.prefix_cache_isolation not in ISOLATION_MODES:
+            raise ValueError(
+                f"prefix_cache_isolation must be one of {ISOLATION_MODES}, "
+                f"got {self.prefix_cache_isolation!r}"
+            )
+        for name in ("max_inflight_per_replica", "default_reserve_tokens", "retry_after_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if self.queue_timeout_s <= 0 or self.upstream_timeout_s <= 0:
+            raise ValueError("queue_timeout_s and upstream_timeout_s must be > 0")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")

@@ -7,12 +7,16 @@ turn it into ``{"error": {...}}`` without a second table of messages.
 from __future__ import annotations
 
 __all__ = [
+    "AuthenticationError",
+    "ContentFilterError",
     "InvalidRequestError",
     "InvalidSamplingParamsError",
     "ModelLoadError",
     "ModelNotFoundError",
     "PromptTooLongError",
     "QueueFullError",
+    "QuotaExceededError",
+    "RateLimitError",
     "RequestTooLargeError",
     "SendpathError",
     "ServiceUnavailableError",
@@ -124,3 +128,45 @@ class ServiceUnavailableError(SendpathError):
     type = "overloaded_error"
     code = "service_unavailable"
     status_code = 503
+
+
+class AuthenticationError(SendpathError):
+    """No API key, a malformed one, an unknown one or a revoked one (HTTP 401)."""
+
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+    status_code = 401
+
+
+class RateLimitError(SendpathError):
+    """Over a per-minute limit (HTTP 429); ``type`` says which: "requests" or "tokens"."""
+
+    code = "rate_limit_exceeded"
+    status_code = 429
+
+    def __init__(self, message: str, kind: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.type = kind
+        self.headers = headers or {}  # Retry-After and the x-ratelimit-* headers
+
+
+class QuotaExceededError(SendpathError):
+    """The key's daily token quota is used up (HTTP 429, OpenAI's ``insufficient_quota``)."""
+
+    type = "insufficient_quota"
+    code = "insufficient_quota"
+    status_code = 429
+
+
+class ContentFilterError(InvalidRequestError):
+    """The input breaks a safety category (HTTP 400, code ``content_filter``)."""
+
+    code = "content_filter"
+
+    def __init__(self, category: str, param: str = "messages") -> None:
+        super().__init__(
+            f"The request was blocked by the safety filter (category: {category}). "
+            "Rephrase the message; the operator sets the rules with --safety-rules.",
+            param=param,
+        )
+        self.category = category

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sendpath.llm import LLM
-from sendpath.model.loader import builtin_model_path
+from sendpath.model.loader import LoadedModel, builtin_model_path, load_model
 from sendpath.model.tokenizer import Tokenizer
 
 CHAT_PROMPTS: list[list[dict[str, str]]] = [
@@ -104,6 +104,12 @@ def tiny_llama_dir(
     tmp_path_factory: pytest.TempPathFactory, smol_tokenizer: Tokenizer
 ) -> Iterator[Path]:
     yield write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smol_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_llama_dir: Path) -> LoadedModel:
+    """The tiny random Llama, loaded once in float32."""
+    return load_model(tiny_llama_dir, dtype="float32")
 
 
 def require_program(name: str, package: str) -> str:

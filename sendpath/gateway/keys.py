@@ -118,6 +118,11 @@ class KeyStore:
 
     def verify(self, secret: str) -> ApiKey | None:
         """The active key this secret belongs to, or ``None``."""
+        key = self.lookup(secret)
+        return key if key is not None and key.active else None
+
+    def lookup(self, secret: str) -> ApiKey | None:
+        """The key this secret belongs to, revoked or not, or ``None``."""
         digest = _hash(secret)
         with self._connect() as db:
             row = db.execute(
@@ -127,8 +132,12 @@ class KeyStore:
             ).fetchone()
         if row is None or not hmac.compare_digest(row[0], digest):
             return None
-        key = ApiKey(*row[1:])
-        return key if key.active else None
+        return ApiKey(*row[1:])
+
+    def is_empty(self) -> bool:
+        with self._connect() as db:
+            count: int = db.execute("SELECT COUNT(*) FROM keys").fetchone()[0]
+        return count == 0
 
     def list(self) -> list[ApiKey]:
         with self._connect() as db:

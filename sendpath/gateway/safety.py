@@ -2,17 +2,23 @@
 
 A check maps text to the category it breaks, or ``None``. The default is a rules filter:
 regular expressions per category from a TOML file (``[categories]`` name = [patterns]).
-On a stream, ``OutputGuard`` holds back the last ``window`` characters of what it has seen,
-so a blocked phrase split across chunks is still caught before any of it is sent.
+
+On a stream, ``OutputGuard`` holds back only text that could still become a blocked
+phrase: the rules filter asks each pattern for a *partial* match reaching the end of what
+has been generated (the ``regex`` module's ``partial=True``), and everything before the
+earliest such match is safe to send now. So a phrase split across chunks is caught before
+any of it is sent, while ordinary text streams with no delay. A hard cap (``window``)
+bounds how much may be held back; checks that cannot say hold back the whole window.
 """
 
 from __future__ import annotations
 
-import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+
+import regex
 
 __all__ = ["DEFAULT_RULES", "OutputGuard", "RulesFilter", "SafetyCheck", "SafetyRulesError"]
 
@@ -28,18 +34,25 @@ class SafetyCheck(Protocol):
         """The category ``text`` breaks, or ``None`` if it is allowed."""
         ...
 
+    def hold_from(self, text: str) -> int:
+        """The earliest index of ``text`` where a match could still start if more text
+        followed (``len(text)`` when none could)."""
+        ...
+
 
 class RulesFilter:
     """Categories of case-insensitive regular expressions."""
 
     def __init__(self, categories: dict[str, list[str]]) -> None:
-        self.categories: dict[str, list[re.Pattern[str]]] = {}
+        self.categories: dict[str, list[regex.Pattern[str]]] = {}
         for name, patterns in categories.items():
             if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
                 raise SafetyRulesError(f"category {name!r} must be a list of regular expressions")
             try:
-                self.categories[name] = [re.compile(p, re.IGNORECASE | re.DOTALL) for p in patterns]
-            except re.error as exc:
+                self.categories[name] = [
+                    regex.compile(p, regex.IGNORECASE | regex.DOTALL) for p in patterns
+                ]
+            except regex.error as exc:
                 raise SafetyRulesError(f"category {name!r}: bad regular expression: {exc}") from exc
 
     @classmethod
@@ -59,14 +72,24 @@ class RulesFilter:
                 return name
         return None
 
+    def hold_from(self, text: str) -> int:
+        start = len(text)
+        for patterns in self.categories.values():
+            for p in patterns:
+                m = p.search(text, partial=True)
+                if m is not None and m.partial:
+                    start = min(start, m.start())
+        return start
+
 
 @dataclass
 class OutputGuard:
-    """Streams text through a check, holding back ``window`` characters until they are safe."""
+    """Streams text through a check, holding back what could still become a blocked phrase
+    (at most ``window`` characters)."""
 
     check: SafetyCheck
     window: int = 256
-    _seen: str = ""  # released text's tail (context for matches that straddle it)
+    _seen: str = ""  # released text's tail: context for lookbehinds and word boundaries
     _pending: str = ""
     blocked: str | None = None
 
@@ -75,10 +98,12 @@ class OutputGuard:
         if self.blocked is not None:
             return ""
         self._pending += delta
-        if (category := self.check.check(self._seen + self._pending)) is not None:
+        text = self._seen + self._pending
+        if (category := self.check.check(text)) is not None:
             self.blocked, self._pending = category, ""
             return ""
-        cut = max(0, len(self._pending) - self.window)
+        hold = max(self.check.hold_from(text) - len(self._seen), len(self._pending) - self.window)
+        cut = min(len(self._pending), max(0, hold))
         out, self._pending = self._pending[:cut], self._pending[cut:]
         self._seen = (self._seen + out)[-self.window :]
         return out

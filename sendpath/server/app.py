@@ -185,6 +185,7 @@ async def _serve(
         parsed.prompt,
         parsed.params,
         priority=parsed.priority,
+        cache_salt=parsed.cache_salt,
         strict_max_tokens=parsed.max_tokens_given,
     )
     prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"

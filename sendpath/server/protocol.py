@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sendpath.errors import InvalidRequestError
 from sendpath.request import SamplingParams
 
-__all__ = ["ParsedRequest", "parse_chat", "parse_completion"]
+__all__ = ["ParsedRequest", "load_json", "parse_chat", "parse_completion"]
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _TYPE_TAGS = {"str", "int", "float", "bool", "none"}
@@ -58,6 +58,7 @@ class _Common(_Strict):
     logprobs: bool | int | None = None
     user: str | None = None
     priority: int = 0
+    cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's field: tenant prefix cache
 
 
 class ChatBody(_Common):
@@ -83,9 +84,10 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     priority: int
+    cache_salt: str | None
 
 
-def _load(raw: bytes) -> dict[str, Any]:
+def load_json(raw: bytes) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -145,7 +147,7 @@ def _params(body: _Common, max_tokens: int | None, default_max: int) -> Sampling
 
 def parse_chat(raw: bytes, default_max: int) -> ParsedRequest:
     """Validate a /v1/chat/completions body."""
-    body: ChatBody = _validate(ChatBody, _load(raw))
+    body: ChatBody = _validate(ChatBody, load_json(raw))
     messages = []
     for i, m in enumerate(body.messages):
         if m.role not in ROLES:
@@ -171,12 +173,13 @@ def parse_chat(raw: bytes, default_max: int) -> ParsedRequest:
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         priority=body.priority,
+        cache_salt=body.cache_salt,
     )
 
 
 def parse_completion(raw: bytes, default_max: int) -> ParsedRequest:
     """Validate a /v1/completions body (prompt: text, token ids, or a one-item list of text)."""
-    body: CompletionBody = _validate(CompletionBody, _load(raw))
+    body: CompletionBody = _validate(CompletionBody, load_json(raw))
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         if len(prompt) != 1:
@@ -195,4 +198,5 @@ def parse_completion(raw: bytes, default_max: int) -> ParsedRequest:
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         priority=body.priority,
+        cache_salt=body.cache_salt,
     )

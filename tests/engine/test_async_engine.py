@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 
@@ -13,16 +12,11 @@ from sendpath.engine.core import EngineCore
 from sendpath.engine.outputs import EngineOutput
 from sendpath.errors import PromptTooLongError, QueueFullError
 from sendpath.kvcache.manager import KVCacheManager
-from sendpath.model.loader import LoadedModel, load_model
+from sendpath.model.loader import LoadedModel
 from sendpath.request import SamplingParams
 from sendpath.runner.model_runner import ModelRunner
 
 BLOCKS, BLOCK = 64, 16
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_llama_dir: Path) -> LoadedModel:
-    return load_model(tiny_llama_dir, dtype="float32")
 
 
 def make_engine(tiny: LoadedModel, max_queued_requests: int | None = None) -> AsyncEngine:

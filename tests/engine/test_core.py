@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from sendpath.clock import VirtualClock
@@ -11,17 +9,12 @@ from sendpath.config import SchedulerConfig
 from sendpath.engine.core import EngineCore
 from sendpath.errors import InvalidRequestError, PromptTooLongError, QueueFullError
 from sendpath.kvcache.manager import KVCacheManager
-from sendpath.model.loader import LoadedModel, load_model
+from sendpath.model.loader import LoadedModel
 from sendpath.request import SamplingParams
 from sendpath.runner.model_runner import ModelRunner
 from sendpath.trace import EventType, Stage
 
 BLOCK = 16
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_llama_dir: Path) -> LoadedModel:
-    return load_model(tiny_llama_dir, dtype="float32")
 
 
 def make_core(

@@ -5,14 +5,11 @@ from __future__ import annotations
 import math
 import multiprocessing
 import socket
-import subprocess
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from sendpath.gateway.ratelimit import Limits, MemoryLimiter, RedisLimiter
-from tests.conftest import require_program
 
 
 class FakeClock:
@@ -50,29 +47,6 @@ def test_settle_refunds_unused_tokens_and_too_large_never_fits() -> None:
     d = lim.reserve("k", limits, 5000)
     assert not d.allowed and d.retry_after_s == math.inf
     assert lim.reserve("other", limits, 1000).allowed  # keys are independent
-
-
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    server = require_program("redis-server", "redis-server")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.terminate()
-    proc.wait(10)
 
 
 def test_redis_bucket_matches_memory_semantics(redis_url: str) -> None:

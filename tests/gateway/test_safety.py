@@ -45,3 +45,17 @@ def test_clean_stream_passes_whole() -> None:
     text = "The gardener was innocent, and so was the butler."
     sent = "".join(guard.push(text[i : i + 5]) for i in range(0, len(text), 5)) + guard.flush()
     assert sent == text and guard.blocked is None
+
+
+def test_only_a_possible_match_is_held_back() -> None:
+    guard = OutputGuard(RulesFilter({"spoilers": ["the butler did it"]}))
+    assert guard.push("It was a dark night. ") == "It was a dark night. "  # no delay
+    assert guard.push("Then the bu") == "Then "  # "the bu" could become the phrase
+    assert guard.push("s came.") == "the bus came."  # it did not: released at once
+    assert guard.flush() == "" and guard.blocked is None
+
+
+def test_hold_back_is_capped_by_the_window() -> None:
+    guard = OutputGuard(RulesFilter({"long": ["start.{0,500}end"]}), window=16)
+    out = guard.push("start" + "x" * 40)
+    assert out == ("start" + "x" * 40)[:-16]

@@ -9,7 +9,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
@@ -20,7 +19,7 @@ from sendpath.config import ReplicaConfig, SchedulerConfig
 from sendpath.engine.async_engine import AsyncEngine
 from sendpath.engine.core import EngineCore
 from sendpath.kvcache.manager import KVCacheManager
-from sendpath.model.loader import LoadedModel, load_model
+from sendpath.model.loader import LoadedModel
 from sendpath.runner.model_runner import ModelRunner
 from sendpath.server.app import Replica, create_app
 
@@ -89,11 +88,6 @@ def serve_app(app: FastAPI) -> Iterator[str]:
         server.should_exit = True
         thread.join(10)
         sock.close()
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_llama_dir: Path) -> LoadedModel:
-    return load_model(tiny_llama_dir, dtype="float32")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,160 @@
+"""The gateway's HTTP app: the middleware stack in front of the replica pool.
+
+``create_gateway_app`` builds it from a ``GatewayConfig``. Several gateway processes can
+serve one port (``sendpath gateway --workers N``): uvicorn imports ``app_from_env`` in each
+worker, which reads the config from ``$SENDPATH_GATEWAY_CONFIG``; they share keys and the
+usage ledger through SQLite and the rate limits through Redis (``--redis``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from sendpath.clock import Clock, RealClock
+from sendpath.config import GatewayConfig
+from sendpath.errors import SendpathError, ServiceUnavailableError
+from sendpath.gateway.admission import AdmissionQueue
+from sendpath.gateway.context import GatewayContext
+from sendpath.gateway.keys import KeyStore, default_data_dir
+from sendpath.gateway.middleware import (
+    AdmissionMiddleware,
+    AuthMiddleware,
+    BodyMiddleware,
+    RateLimitMiddleware,
+    SafetyMiddleware,
+    TraceMiddleware,
+)
+from sendpath.gateway.proxy import Proxy
+from sendpath.gateway.ratelimit import RateLimiter, make_limiter
+from sendpath.gateway.safety import DEFAULT_RULES, OutputGuard, RulesFilter, SafetyCheck
+from sendpath.router.pool import Endpoint, ReplicaPool
+from sendpath.server.responses import error_body
+
+__all__ = ["CONFIG_ENV", "app_from_env", "create_gateway_app", "ensure_first_key"]
+
+CONFIG_ENV = "SENDPATH_GATEWAY_CONFIG"
+
+
+def key_store(config: GatewayConfig) -> KeyStore:
+    return KeyStore(Path(config.data_dir) if config.data_dir else default_data_dir())
+
+
+def ensure_first_key(store: KeyStore) -> str | None:
+    """On a first start (no keys at all), create key 'default' and return its secret."""
+    if not store.is_empty():
+        return None
+    _, secret = store.create("default")
+    return secret
+
+
+def create_gateway_app(
+    config: GatewayConfig,
+    clock: Clock | None = None,
+    limiter: RateLimiter | None = None,
+    safety: SafetyCheck | None = None,
+) -> FastAPI:
+    """The gateway app; ``limiter`` and ``safety`` override what the config would build."""
+    clock = clock or RealClock()
+    keys = key_store(config)
+    limiter = limiter or make_limiter(config.redis_url)
+    if safety is None and config.safety:
+        safety = RulesFilter.from_toml(Path(config.safety_rules or DEFAULT_RULES))
+    pool = ReplicaPool(config.replicas, config.max_inflight_per_replica)
+    queue = AdmissionQueue(pool.capacity, config.max_queued_requests, config.queue_timeout_s)
+    turn = itertools.count()
+
+    def choose(ctx: GatewayContext) -> Endpoint:
+        candidates = pool.candidates()
+        if not candidates:
+            raise ServiceUnavailableError("No replica can take the request now; retry shortly.")
+        return candidates[next(turn) % len(candidates)]
+
+    checker = safety
+    proxy = Proxy(
+        choose,
+        (lambda: OutputGuard(checker)) if checker is not None else None,
+        config.upstream_timeout_s,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await proxy.aclose()
+
+    app = FastAPI(title="sendpath gateway", lifespan=lifespan)
+    app.state.pool, app.state.queue, app.state.keys = pool, queue, keys
+
+    @app.exception_handler(SendpathError)
+    async def sendpath_error(request: Request, exc: SendpathError) -> JSONResponse:
+        headers = {"Retry-After": str(config.retry_after_s)} if exc.status_code == 503 else None
+        return JSONResponse(error_body(exc), status_code=exc.status_code, headers=headers)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        healthy = sum(e.healthy for e in pool.endpoints)
+        status = "ok" if healthy else "unavailable"
+        return JSONResponse(
+            {
+                "status": status,
+                "replicas": len(pool.endpoints),
+                "healthy": healthy,
+                "in_flight": queue.num_in_flight,
+                "waiting": queue.num_waiting,
+            },
+            status_code=200 if healthy else 503,
+        )
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        endpoint = choose(GatewayContext(clock, clock.now()))
+        upstream = await proxy.client.get(endpoint.url + "/v1/models")
+        return Response(upstream.content, upstream.status_code, media_type="application/json")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await proxy.forward(request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy.forward(request)
+
+    # add_middleware wraps: the last added runs first.
+    app.add_middleware(AdmissionMiddleware, queue=queue, retry_after_s=config.retry_after_s)
+    if safety is not None:
+        app.add_middleware(SafetyMiddleware, check=safety)
+    app.add_middleware(
+        RateLimitMiddleware,
+        limiter=limiter,
+        keys=keys,
+        default_reserve=config.default_reserve_tokens,
+    )
+    app.add_middleware(BodyMiddleware, max_bytes=config.max_body_bytes)
+    app.add_middleware(
+        AuthMiddleware,
+        keys=keys,
+        required=config.require_keys,
+        per_key_salt=config.prefix_cache_isolation == "per-key",
+    )
+    app.add_middleware(TraceMiddleware, clock=clock)
+    return app
+
+
+def config_to_env(config: GatewayConfig) -> str:
+    return json.dumps(dataclasses.asdict(config))
+
+
+def app_from_env() -> FastAPI:
+    """The app factory each ``--workers`` process imports: config from the environment."""
+    raw: dict[str, Any] = json.loads(os.environ[CONFIG_ENV])
+    raw["replicas"] = tuple(raw["replicas"])
+    return create_gateway_app(GatewayConfig(**raw))

@@ -1,0 +1,257 @@
+"""Forwarding a generation request to a replica and relaying its answer.
+
+The body goes on as the client sent it, with two changes: under per-key isolation the
+key's ``cache_salt`` replaces any the client set, and a stream always asks the replica for
+usage (``stream_options.include_usage``) so the rate limiter can settle with real numbers;
+the usage chunk reaches the client only if it asked for it.
+
+A stream is relayed event by event. Text goes through the output guard, which holds back
+only what could still become a blocked phrase; a blocked stream ends with finish_reason
+``content_filter`` (the replica is disconnected, which aborts the request there). The last
+event gets the gateway's ``timings`` merged with the replica's. A replica that fails after
+the first byte yields an explicit SSE error event and no ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from sendpath.errors import ServiceUnavailableError
+from sendpath.gateway.context import GatewayContext, context
+from sendpath.gateway.safety import OutputGuard
+from sendpath.router.pool import Endpoint
+from sendpath.server.responses import error_body, server_timing, sse
+from sendpath.trace import Stage
+
+__all__ = ["Proxy"]
+
+# Response headers worth passing on from a replica.
+_PASS_HEADERS = ("retry-after", "x-request-id")
+
+
+def _text_of(choice: dict[str, Any]) -> str | None:
+    if "delta" in choice:
+        content = choice["delta"].get("content")
+        return content if isinstance(content, str) else None
+    text = choice.get("text")
+    return text if isinstance(text, str) else None
+
+
+def _with_text(chunk: dict[str, Any], text: str) -> dict[str, Any]:
+    """A copy of a stream chunk whose one choice carries ``text`` (and no finish)."""
+    choice = dict(chunk["choices"][0])
+    if "delta" in choice:
+        choice["delta"] = {**choice["delta"], "content": text}
+    else:
+        choice["text"] = text
+    choice["finish_reason"] = None
+    return {**chunk, "choices": [choice]}
+
+
+def _finished(chunk: dict[str, Any], reason: str) -> dict[str, Any]:
+    choice = dict(chunk["choices"][0])
+    if "delta" in choice:
+        choice["delta"] = {}
+    else:
+        choice["text"] = ""
+    choice["finish_reason"] = reason
+    return {**chunk, "choices": [choice]}
+
+
+class Proxy:
+    """Sends requests to replicas over one pooled HTTP client."""
+
+    def __init__(
+        self,
+        choose: Callable[[GatewayContext], Endpoint],
+        guard: Callable[[], OutputGuard] | None,
+        timeout_s: float,
+    ) -> None:
+        self.choose = choose
+        self.guard = guard
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=5.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    async def forward(self, request: Request) -> Response:
+        """Forward one POST to ``/v1/chat/completions`` or ``/v1/completions``."""
+        ctx = context(request.scope)
+        assert ctx.body is not None
+        body = dict(ctx.body)
+        if ctx.cache_salt is not None:
+            body["cache_salt"] = ctx.cache_salt
+        streaming = body.get("stream") is True
+        options = body.get("stream_options")
+        options = options if isinstance(options, dict) else {}
+        wants_usage = options.get("include_usage") is True
+        if streaming:
+            body["stream_options"] = {**options, "include_usage": True}
+        # route: choosing the replica, connecting and sending the request. It ends when
+        # the request body is sent (httpx's trace hook), not when the answer starts.
+        t0 = sent = ctx.clock.now()
+
+        async def trace(event: str, info: dict[str, Any]) -> None:
+            nonlocal sent
+            if event.endswith("send_request_body.complete"):
+                sent = ctx.clock.now()
+
+        endpoint = self.choose(ctx)
+        ctx.replica = endpoint.url
+        endpoint.in_flight += 1
+        try:
+            upstream = await self.client.send(
+                self.client.build_request(
+                    "POST", endpoint.url + request.url.path, json=body, extensions={"trace": trace}
+                ),
+                stream=True,
+            )
+        except httpx.HTTPError as exc:
+            endpoint.in_flight -= 1
+            raise ServiceUnavailableError(
+                f"The replica at {endpoint.url} could not be reached ({type(exc).__name__}); "
+                "retry in a moment."
+            ) from exc
+        finally:
+            ctx.spans[Stage.ROUTE] = max(sent, t0) - t0
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() in _PASS_HEADERS}
+        if upstream.status_code != 200 or not streaming:
+            try:
+                raw = await upstream.aread()
+            finally:
+                await upstream.aclose()
+                endpoint.in_flight -= 1
+            if upstream.status_code != 200:
+                return Response(raw, upstream.status_code, headers, media_type="application/json")
+            return self._answer(ctx, json.loads(raw), headers)
+        events = self._relay(ctx, upstream, endpoint, wants_usage)
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+    def _answer(
+        self, ctx: GatewayContext, data: dict[str, Any], headers: dict[str, str]
+    ) -> JSONResponse:
+        """A whole (non-streamed) answer: usage, the output check, merged timings."""
+        u = data.get("usage") or {}
+        ctx.usage = (int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0)))
+        choice = (data.get("choices") or [{}])[0]
+        message = choice.get("message")
+        text = message.get("content") if isinstance(message, dict) else choice.get("text")
+        if self.guard is not None and isinstance(text, str):
+            guard = self.guard()
+            with ctx.span(Stage.STREAM):
+                released = guard.push(text) + guard.flush()
+            if guard.blocked is not None:
+                if isinstance(message, dict):
+                    message["content"] = released
+                else:
+                    choice["text"] = released
+                choice["finish_reason"] = "content_filter"
+        data["timings"] = ctx.timings_ms(data.get("timings"))
+        headers["Server-Timing"] = server_timing(data["timings"])
+        return JSONResponse(data, headers=headers)
+
+    async def _relay(
+        self,
+        ctx: GatewayContext,
+        upstream: httpx.Response,
+        endpoint: Endpoint,
+        wants_usage: bool,
+    ) -> AsyncIterator[str]:
+        guard = self.guard() if self.guard is not None else None
+        tail: list[dict[str, Any]] = []  # the finish chunk and usage chunk, held for timings
+        upstream_timings: dict[str, Any] | None = None
+        stream_time = 0.0
+
+        def finish() -> list[str]:
+            events = [c for c in tail if c.get("choices") or wants_usage]
+            if events:
+                events[-1]["timings"] = ctx.timings_ms(upstream_timings)
+            return [sse(c) for c in events] + ["data: [DONE]\n\n"]
+
+        try:
+            lines = upstream.aiter_lines()
+            async for line in lines:
+                if not line.startswith("data:"):
+                    continue
+                t0 = ctx.clock.now()
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    ctx.spans[Stage.STREAM] = stream_time + ctx.clock.now() - t0
+                    for event in finish():
+                        yield event
+                    return
+                chunk = json.loads(payload)
+                if "error" in chunk:  # the replica's own error event: pass it on, no [DONE]
+                    yield sse(chunk)
+                    return
+                upstream_timings = chunk.pop("timings", None) or upstream_timings
+                if chunk.get("usage"):
+                    u = chunk["usage"]
+                    ctx.usage = (int(u["prompt_tokens"]), int(u["completion_tokens"]))
+                choices = chunk.get("choices") or []
+                if not choices:
+                    tail.append(chunk)
+                    continue
+                text, reason = _text_of(choices[0]), choices[0].get("finish_reason")
+                out: list[dict[str, Any]] = []
+                if text:
+                    ctx.streamed_chunks += 1
+                    released = guard.push(text) if guard is not None else text
+                    if guard is not None and guard.blocked is not None:
+                        ctx.spans[Stage.STREAM] = stream_time + ctx.clock.now() - t0
+                        tail[:] = [_finished(chunk, "content_filter")]
+                        if wants_usage and ctx.usage is None:
+                            tail.append(self._estimated_usage(chunk, ctx))
+                        for event in finish():
+                            yield event
+                        return
+                    if released:
+                        out.append(_with_text(chunk, released))
+                if reason is not None:
+                    rest = guard.flush() if guard is not None else ""
+                    if rest:
+                        out.append(_with_text(chunk, rest))
+                    tail.append(_finished(chunk, reason) if text else chunk)
+                elif not text:
+                    out.append(chunk)  # the role chunk
+                for c in out:
+                    if ctx.first_token_at is None and _text_of(c["choices"][0]):
+                        ctx.first_token_at = ctx.clock.now()
+                    yield sse(c)
+                stream_time += ctx.clock.now() - t0
+            yield sse(self._broken(endpoint, "the replica closed the stream before [DONE]"))
+        except httpx.HTTPError as exc:
+            yield sse(self._broken(endpoint, f"{type(exc).__name__}: {exc}"))
+        finally:
+            with anyio.CancelScope(shield=True):
+                await upstream.aclose()
+            endpoint.in_flight -= 1
+
+    @staticmethod
+    def _estimated_usage(chunk: dict[str, Any], ctx: GatewayContext) -> dict[str, Any]:
+        prompt, completion = ctx.prompt_tokens, ctx.streamed_chunks
+        usage = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+        return {**chunk, "choices": [], "usage": usage}
+
+    @staticmethod
+    def _broken(endpoint: Endpoint, why: str) -> dict[str, Any]:
+        return error_body(
+            ServiceUnavailableError(
+                f"The replica at {endpoint.url} failed mid-stream ({why}); the answer is "
+                "incomplete. Retry the request."
+            )
+        )

@@ -1,0 +1,1 @@
+"""The router: which replica answers a request (policies, pool, health); torch-free."""
