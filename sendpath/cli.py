@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sendpath import __version__
 from sendpath.errors import SendpathError
@@ -59,34 +59,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rep.add_argument("--host", default="127.0.0.1")
     rep.add_argument("--port", type=int, default=8001)
-    rep.add_argument(
-        "--model",
-        default=None,
-        help="GGUF file or HF directory (default: built-in SmolLM2-135M-Instruct)",
+    add_engine_args(rep)
+    srv = sub.add_parser(
+        "serve",
+        help="the whole stack: gateway + N local replicas on the built-in model (make serve)",
+        description="Start N local replica processes (and/or use --replica URLs), wait until "
+        "they are healthy, and serve the gateway in front of them. Ctrl-C or SIGTERM stops "
+        "everything cleanly.",
     )
-    rep.add_argument(
-        "--served-model-name",
-        default=None,
-        help="the model id clients send (default: from the path)",
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--replicas", type=int, default=1, help="local replica processes (1)")
+    srv.add_argument(
+        "--replica",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="also route to this OpenAI-compatible server (vLLM, llama.cpp; repeatable)",
     )
-    rep.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    rep.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    rep.add_argument(
-        "--max-model-len", type=int, default=None, help="context window (default: the model's)"
+    srv.add_argument(
+        "--startup-timeout", type=float, default=300.0, help="seconds to wait for replicas"
     )
-    rep.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one batch")
-    rep.add_argument(
-        "--max-num-batched-tokens", type=int, default=512, help="token budget of one engine step"
-    )
-    rep.add_argument(
-        "--max-queued-requests", type=int, default=None, help="past this many waiting, answer 503"
-    )
-    rep.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
-    rep.add_argument(
-        "--kv-cache-memory-gib", type=float, default=1.0, help="memory for the KV cache"
-    )
-    rep.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
-    rep.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"], help="queue order")
+    add_gateway_args(srv)
+    add_engine_args(srv)
     gw = sub.add_parser(
         "gateway",
         help="the gateway alone, in front of replicas that already run (--replica URL)",
@@ -133,6 +128,48 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The replica's engine flags: (flag, argparse options). `serve` passes them on to replicas.
+ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
+    ("--model", {"help": "GGUF file or HF directory (default: built-in SmolLM2-135M-Instruct)"}),
+    ("--served-model-name", {"help": "the model id clients send (default: from the path)"}),
+    ("--dtype", {"default": "auto", "choices": ["auto", "float32", "bfloat16", "float16"]}),
+    ("--device", {"help": "cpu or cuda (default: cuda if available)"}),
+    ("--max-model-len", {"type": int, "help": "context window (default: the model's)"}),
+    ("--max-num-seqs", {"type": int, "default": 64, "help": "most requests in one batch"}),
+    (
+        "--max-num-batched-tokens",
+        {"type": int, "default": 512, "help": "token budget of one engine step"},
+    ),
+    ("--max-queued-requests", {"type": int, "help": "past this many waiting, answer 503"}),
+    ("--block-size", {"type": int, "default": 16, "help": "KV cache block size in tokens"}),
+    (
+        "--kv-cache-memory-gib",
+        {"type": float, "default": 1.0, "help": "memory for the KV cache"},
+    ),
+    ("--no-prefix-caching", {"action": "store_true", "help": "turn prefix caching off"}),
+    (
+        "--scheduling-policy",
+        {"default": "fcfs", "choices": ["fcfs", "priority"], "help": "engine queue order"},
+    ),
+]
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    for flag, options in ENGINE_FLAGS:
+        p.add_argument(flag, **options)
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags of ``args`` as a replica command line (only those not at default)."""
+    out: list[str] = []
+    for flag, options in ENGINE_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is None or value == options.get("default") or value is False:
+            continue
+        out += [flag] if value is True else [flag, str(value)]
+    return out
+
+
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
     """The gateway's flags (shared by `gateway` and `serve`)."""
     p.add_argument(
@@ -140,6 +177,12 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         help="keys and usage (default: $SENDPATH_DATA_DIR or ~/.local/share/sendpath)",
+    )
+    p.add_argument(
+        "--policy",
+        default="prefix_aware",
+        choices=["prefix_aware", "least_load", "round_robin"],
+        help="how the router picks a replica (default: prefix_aware)",
     )
     p.add_argument("--no-auth", action="store_true", help="accept requests without an API key")
     p.add_argument(
@@ -162,7 +205,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         "--max-inflight-per-replica", type=int, default=64, help="beyond this, requests queue"
     )
     p.add_argument(
-        "--max-queued-requests", type=int, default=1024, help="past this many waiting, 503"
+        "--queue-size", type=int, default=1024, help="gateway queue: past this many waiting, 503"
     )
     p.add_argument(
         "--queue-timeout", type=float, default=30.0, help="seconds a request may wait, then 503"
@@ -188,9 +231,10 @@ def gateway_config(args: argparse.Namespace, replicas: Sequence[str]) -> Gateway
         safety=not args.no_safety,
         prefix_cache_isolation=args.prefix_cache_isolation,
         max_inflight_per_replica=args.max_inflight_per_replica,
-        max_queued_requests=args.max_queued_requests,
+        max_queued_requests=args.queue_size,
         queue_timeout_s=args.queue_timeout,
         default_reserve_tokens=args.default_reserve_tokens,
+        policy=args.policy,
     )
 
 
@@ -233,7 +277,7 @@ def _gateway(args: argparse.Namespace) -> int:
         f"({args.workers} worker{'s' if args.workers > 1 else ''})",
         flush=True,
     )
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    _log_setup()
     if args.workers == 1:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
         return 0
@@ -246,6 +290,54 @@ def _gateway(args: argparse.Namespace) -> int:
         workers=args.workers,
         log_level="warning",
     )
+    return 0
+
+
+def _log_setup() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from sendpath.fleet import LocalFleet, ReplicaStartError
+    from sendpath.gateway.app import create_gateway_app
+    from sendpath.gateway.safety import SafetyRulesError
+
+    if args.replicas < 1 and not args.replica:
+        print(
+            "error: nothing to serve: use --replicas N (N >= 1) or --replica URL", file=sys.stderr
+        )
+        return 2
+    if args.model is not None and not Path(args.model).expanduser().exists():
+        print(f"error: model path {args.model!r} does not exist.", file=sys.stderr)
+        return 2
+    _log_setup()
+    try:
+        fleet = LocalFleet(args.replicas, engine_argv(args))
+        gateway_config(args, ["http://placeholder"])  # check the flags before starting anything
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    with fleet:
+        print(f"sendpath serve: starting {args.replicas} replica(s)...", flush=True)
+        try:
+            fleet.wait_healthy(args.startup_timeout)
+            config = gateway_config(args, [*fleet.urls, *args.replica])
+            app = create_gateway_app(config)
+        except (ReplicaStartError, ValueError, SafetyRulesError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        announce_first_key(config)
+        print(
+            f"sendpath serve: http://{args.host}:{args.port}/v1 -> "
+            f"{len(config.replicas)} replica(s), policy {config.policy} "
+            "(Ctrl-C stops everything)",
+            flush=True,
+        )
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    print("sendpath serve: stopped", flush=True)
     return 0
 
 
@@ -304,7 +396,7 @@ def _replica(args: argparse.Namespace) -> int:
                     max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     max_queued_requests=args.max_queued_requests,
-                    policy=args.policy,
+                    policy=args.scheduling_policy,
                 ),
                 cache=CacheConfig(
                     block_size=args.block_size,
@@ -329,7 +421,7 @@ def _replica(args: argparse.Namespace) -> int:
         "(the model loads in the background; GET /health says when it is ready)",
         flush=True,
     )
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    _log_setup()
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")
     return 0
 
@@ -375,6 +467,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _keys(args)
         if args.command == "gateway":
             return _gateway(args)
+        if args.command == "serve":
+            return _serve(args)
     except SendpathError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2

@@ -106,6 +106,9 @@ class GatewayConfig:
     max_body_bytes: int = 8 * 2**20
     retry_after_s: int = 1
     upstream_timeout_s: float = 600.0
+    policy: str = "prefix_aware"  # routing: round_robin, least_load or prefix_aware
+    retry_deadline_s: float = 30.0  # retries (before the first byte) stop after this
+    health_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.prefix_cache_isolation not in ISOLATION_MODES:
@@ -118,7 +121,10 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
-        if self.queue_timeout_s <= 0 or self.upstream_timeout_s <= 0:
-            raise ValueError("queue_timeout_s and upstream_timeout_s must be > 0")
+        for name in ("queue_timeout_s", "upstream_timeout_s", "retry_deadline_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.health_interval_s <= 0:
+            raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")

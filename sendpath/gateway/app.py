@@ -8,8 +8,8 @@ usage ledger through SQLite and the rate limits through Redis (``--redis``).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-import itertools
 import json
 import os
 from collections.abc import AsyncIterator
@@ -24,7 +24,6 @@ from sendpath.clock import Clock, RealClock
 from sendpath.config import GatewayConfig
 from sendpath.errors import SendpathError, ServiceUnavailableError
 from sendpath.gateway.admission import AdmissionQueue
-from sendpath.gateway.context import GatewayContext
 from sendpath.gateway.keys import KeyStore, default_data_dir
 from sendpath.gateway.middleware import (
     AdmissionMiddleware,
@@ -37,7 +36,9 @@ from sendpath.gateway.middleware import (
 from sendpath.gateway.proxy import Proxy
 from sendpath.gateway.ratelimit import RateLimiter, make_limiter
 from sendpath.gateway.safety import DEFAULT_RULES, OutputGuard, RulesFilter, SafetyCheck
-from sendpath.router.pool import Endpoint, ReplicaPool
+from sendpath.router.policy import RouteRequest, make_policy
+from sendpath.router.pool import ReplicaPool
+from sendpath.router.router import Router
 from sendpath.server.responses import error_body
 
 __all__ = ["CONFIG_ENV", "app_from_env", "create_gateway_app", "ensure_first_key"]
@@ -69,30 +70,27 @@ def create_gateway_app(
     limiter = limiter or make_limiter(config.redis_url)
     if safety is None and config.safety:
         safety = RulesFilter.from_toml(Path(config.safety_rules or DEFAULT_RULES))
-    pool = ReplicaPool(config.replicas, config.max_inflight_per_replica)
+    pool = ReplicaPool(config.replicas, config.max_inflight_per_replica, clock)
     queue = AdmissionQueue(pool.capacity, config.max_queued_requests, config.queue_timeout_s)
-    turn = itertools.count()
-
-    def choose(ctx: GatewayContext) -> Endpoint:
-        candidates = pool.candidates()
-        if not candidates:
-            raise ServiceUnavailableError("No replica can take the request now; retry shortly.")
-        return candidates[next(turn) % len(candidates)]
-
+    router = Router(pool, make_policy(config.policy), lambda: queue.resize(pool.capacity))
     checker = safety
     proxy = Proxy(
-        choose,
+        router,
         (lambda: OutputGuard(checker)) if checker is not None else None,
         config.upstream_timeout_s,
+        config.retry_deadline_s,
     )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        checks = asyncio.create_task(router.run_checks(proxy.client, config.health_interval_s))
         yield
+        checks.cancel()
         await proxy.aclose()
 
     app = FastAPI(title="sendpath gateway", lifespan=lifespan)
     app.state.pool, app.state.queue, app.state.keys = pool, queue, keys
+    app.state.router = router
 
     @app.exception_handler(SendpathError)
     async def sendpath_error(request: Request, exc: SendpathError) -> JSONResponse:
@@ -103,20 +101,27 @@ def create_gateway_app(
     async def health() -> JSONResponse:
         healthy = sum(e.healthy for e in pool.endpoints)
         status = "ok" if healthy else "unavailable"
+        replicas = [
+            {"url": e.url, "healthy": e.healthy, "in_flight": e.in_flight, "load": e.load}
+            for e in pool.endpoints
+        ]
         return JSONResponse(
             {
                 "status": status,
-                "replicas": len(pool.endpoints),
                 "healthy": healthy,
+                "policy": router.policy.name,
                 "in_flight": queue.num_in_flight,
                 "waiting": queue.num_waiting,
+                "replicas": replicas,
             },
             status_code=200 if healthy else 503,
         )
 
     @app.get("/v1/models")
     async def models() -> Response:
-        endpoint = choose(GatewayContext(clock, clock.now()))
+        endpoint = router.choose(RouteRequest(""))
+        if endpoint is None:
+            raise ServiceUnavailableError("No healthy replica to ask; retry in a moment.")
         upstream = await proxy.client.get(endpoint.url + "/v1/models")
         return Response(upstream.content, upstream.status_code, media_type="application/json")
 

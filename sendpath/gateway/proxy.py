@@ -14,8 +14,10 @@ the first byte yields an explicit SSE error event and no ``[DONE]``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -26,7 +28,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from sendpath.errors import ServiceUnavailableError
 from sendpath.gateway.context import GatewayContext, context
 from sendpath.gateway.safety import OutputGuard
+from sendpath.router.policy import RouteRequest, route_request
 from sendpath.router.pool import Endpoint
+from sendpath.router.router import Router
 from sendpath.server.responses import error_body, server_timing, sse
 from sendpath.trace import Stage
 
@@ -65,17 +69,27 @@ def _finished(chunk: dict[str, Any], reason: str) -> dict[str, Any]:
     return {**chunk, "choices": [choice]}
 
 
+@dataclass
+class _Retry:
+    """An attempt that did not answer: try another replica, else hand back ``response``."""
+
+    response: Response | None = None
+
+
 class Proxy:
-    """Sends requests to replicas over one pooled HTTP client."""
+    """Sends requests to replicas over one pooled HTTP client, retrying before the first
+    byte reaches the client (each replica at most once, within ``retry_deadline_s``)."""
 
     def __init__(
         self,
-        choose: Callable[[GatewayContext], Endpoint],
+        router: Router,
         guard: Callable[[], OutputGuard] | None,
         timeout_s: float,
+        retry_deadline_s: float,
     ) -> None:
-        self.choose = choose
+        self.router = router
         self.guard = guard
+        self.retry_deadline_s = retry_deadline_s
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=5.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
@@ -97,8 +111,43 @@ class Proxy:
         wants_usage = options.get("include_usage") is True
         if streaming:
             body["stream_options"] = {**options, "include_usage": True}
-        # route: choosing the replica, connecting and sending the request. It ends when
-        # the request body is sent (httpx's trace hook), not when the answer starts.
+        route = route_request(ctx.body, ctx.cache_salt)
+        deadline = ctx.clock.now() + self.retry_deadline_s
+        tried: set[int] = set()
+        ctx.spans[Stage.ROUTE] = 0.0
+        fallback: Response | None = None
+        while tried == set() or ctx.clock.now() < deadline:
+            t0 = ctx.clock.now()
+            endpoint = self.router.choose(route, tried)
+            ctx.spans[Stage.ROUTE] += ctx.clock.now() - t0
+            if endpoint is None:
+                break
+            tried.add(endpoint.index)
+            ctx.replica = endpoint.url
+            answer = await self._attempt(ctx, request, endpoint, body, wants_usage, route)
+            if not isinstance(answer, _Retry):
+                answer.headers["x-sendpath-replica"] = endpoint.url
+                return answer
+            fallback = answer.response or fallback
+        if fallback is not None:
+            return fallback
+        raise ServiceUnavailableError(
+            "No healthy replica could take the request"
+            + (f" (tried {len(tried)})" if tried else "")
+            + "; retry in a moment."
+        )
+
+    async def _attempt(
+        self,
+        ctx: GatewayContext,
+        request: Request,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        wants_usage: bool,
+        route: RouteRequest,
+    ) -> Response | _Retry:
+        # route: choosing, connecting and sending the request; it ends when the body is
+        # sent (httpx's trace hook), not when the answer starts
         t0 = sent = ctx.clock.now()
 
         async def trace(event: str, info: dict[str, Any]) -> None:
@@ -106,36 +155,70 @@ class Proxy:
             if event.endswith("send_request_body.complete"):
                 sent = ctx.clock.now()
 
-        endpoint = self.choose(ctx)
-        ctx.replica = endpoint.url
         endpoint.in_flight += 1
+        held = [True]
+
+        def release() -> None:
+            if held[0]:
+                held[0] = False
+                endpoint.in_flight -= 1
+
+        url = endpoint.url + request.url.path
         try:
             upstream = await self.client.send(
-                self.client.build_request(
-                    "POST", endpoint.url + request.url.path, json=body, extensions={"trace": trace}
-                ),
+                self.client.build_request("POST", url, json=body, extensions={"trace": trace}),
                 stream=True,
             )
         except httpx.HTTPError as exc:
-            endpoint.in_flight -= 1
-            raise ServiceUnavailableError(
-                f"The replica at {endpoint.url} could not be reached ({type(exc).__name__}); "
-                "retry in a moment."
-            ) from exc
+            release()
+            self.router.failed(endpoint, f"{type(exc).__name__}: {exc}")
+            return _Retry()
         finally:
-            ctx.spans[Stage.ROUTE] = max(sent, t0) - t0
+            ctx.spans[Stage.ROUTE] += max(sent, t0) - t0
         headers = {k: v for k, v in upstream.headers.items() if k.lower() in _PASS_HEADERS}
-        if upstream.status_code != 200 or not streaming:
-            try:
-                raw = await upstream.aread()
-            finally:
-                await upstream.aclose()
-                endpoint.in_flight -= 1
+        keep_open = False  # only a stream that started stays open, for the relay
+        try:
             if upstream.status_code != 200:
-                return Response(raw, upstream.status_code, headers, media_type="application/json")
-            return self._answer(ctx, json.loads(raw), headers)
-        events = self._relay(ctx, upstream, endpoint, wants_usage)
+                return self._refused(
+                    endpoint, upstream.status_code, await upstream.aread(), headers
+                )
+            if body.get("stream") is not True:
+                raw = await _read_unless_gone(upstream, request)
+                if raw is None:  # the client left: closing the connection aborts it there
+                    return Response(status_code=499)
+                data = json.loads(raw)
+                self.router.succeeded(endpoint)
+                self.router.answered(route, endpoint, _answer_text(data))
+                return self._answer(ctx, data, headers)
+            lines = upstream.aiter_lines()
+            first = await _first_event(lines)
+            keep_open = True
+        except (httpx.HTTPError, StopAsyncIteration, ValueError) as exc:
+            self.router.failed(endpoint, f"{type(exc).__name__}: {exc}")
+            return _Retry()
+        finally:
+            if not keep_open:
+                with anyio.CancelScope(shield=True):
+                    await upstream.aclose()
+                release()
+        self.router.succeeded(endpoint)
+        events = self._relay(ctx, upstream, lines, first, endpoint, wants_usage, release, route)
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+    def _refused(
+        self, endpoint: Endpoint, status: int, raw: bytes, headers: dict[str, str]
+    ) -> Response | _Retry:
+        """A replica's error answer: the client's fault is final; busy or broken, retry."""
+        response = Response(raw, status, headers, media_type="application/json")
+        if status < 500 and status != 429:
+            return response
+        try:
+            code = json.loads(raw)["error"]["code"]
+        except (ValueError, KeyError, TypeError):
+            code = None
+        if status >= 500 and code != "queue_full":
+            self.router.failed(endpoint, f"HTTP {status}")
+        return _Retry(response)
 
     def _answer(
         self, ctx: GatewayContext, data: dict[str, Any], headers: dict[str, str]
@@ -164,13 +247,18 @@ class Proxy:
         self,
         ctx: GatewayContext,
         upstream: httpx.Response,
+        lines: AsyncIterator[str],
+        first: str,
         endpoint: Endpoint,
         wants_usage: bool,
+        release: Callable[[], None],
+        route: RouteRequest,
     ) -> AsyncIterator[str]:
         guard = self.guard() if self.guard is not None else None
         tail: list[dict[str, Any]] = []  # the finish chunk and usage chunk, held for timings
         upstream_timings: dict[str, Any] | None = None
         stream_time = 0.0
+        answer: list[str] = []  # what the replica generated (and now has cached)
 
         def finish() -> list[str]:
             events = [c for c in tail if c.get("choices") or wants_usage]
@@ -179,19 +267,20 @@ class Proxy:
             return [sse(c) for c in events] + ["data: [DONE]\n\n"]
 
         try:
-            lines = upstream.aiter_lines()
-            async for line in lines:
+            async for line in _chain(first, lines):
                 if not line.startswith("data:"):
                     continue
                 t0 = ctx.clock.now()
                 payload = line[5:].strip()
                 if payload == "[DONE]":
+                    self.router.answered(route, endpoint, "".join(answer))
                     ctx.spans[Stage.STREAM] = stream_time + ctx.clock.now() - t0
                     for event in finish():
                         yield event
                     return
                 chunk = json.loads(payload)
                 if "error" in chunk:  # the replica's own error event: pass it on, no [DONE]
+                    self.router.failed(endpoint, "an error event mid-stream")
                     yield sse(chunk)
                     return
                 upstream_timings = chunk.pop("timings", None) or upstream_timings
@@ -205,6 +294,7 @@ class Proxy:
                 text, reason = _text_of(choices[0]), choices[0].get("finish_reason")
                 out: list[dict[str, Any]] = []
                 if text:
+                    answer.append(text)
                     ctx.streamed_chunks += 1
                     released = guard.push(text) if guard is not None else text
                     if guard is not None and guard.blocked is not None:
@@ -229,13 +319,15 @@ class Proxy:
                         ctx.first_token_at = ctx.clock.now()
                     yield sse(c)
                 stream_time += ctx.clock.now() - t0
-            yield sse(self._broken(endpoint, "the replica closed the stream before [DONE]"))
+            why = "the replica closed the stream before [DONE]"
         except httpx.HTTPError as exc:
-            yield sse(self._broken(endpoint, f"{type(exc).__name__}: {exc}"))
+            why = f"{type(exc).__name__}: {exc}"
         finally:
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
-            endpoint.in_flight -= 1
+            release()
+        self.router.failed(endpoint, why)
+        yield sse(self._broken(endpoint, why))
 
     @staticmethod
     def _estimated_usage(chunk: dict[str, Any], ctx: GatewayContext) -> dict[str, Any]:
@@ -255,3 +347,43 @@ class Proxy:
                 "incomplete. Retry the request."
             )
         )
+
+
+def _answer_text(data: dict[str, Any]) -> str:
+    choice = (data.get("choices") or [{}])[0]
+    message = choice.get("message")
+    text = message.get("content") if isinstance(message, dict) else choice.get("text")
+    return text if isinstance(text, str) else ""
+
+
+async def _first_event(lines: AsyncIterator[str]) -> str:
+    """The stream's first ``data:`` line (raises StopAsyncIteration if there is none)."""
+    async for line in lines:
+        if line.startswith("data:"):
+            return line
+    raise StopAsyncIteration
+
+
+async def _chain(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    yield first
+    async for line in rest:
+        yield line
+
+
+async def _read_unless_gone(upstream: httpx.Response, request: Request) -> bytes | None:
+    """The whole upstream body, or ``None`` if the client disconnected first."""
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    read = asyncio.ensure_future(upstream.aread())
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({read, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if read.done():
+        return read.result()
+    read.cancel()
+    return None

@@ -1,25 +1,59 @@
-"""The replicas behind the gateway and what the gateway knows of each.
+"""The replicas behind the gateway and what the gateway knows of each: load and health.
 
 An ``Endpoint`` is one OpenAI-compatible server (ours, vLLM, llama.cpp): its URL, how many
-requests the gateway has in flight there and may have at most, and whether it is in
-service. The pool hands out only endpoints that are in service and below their bound.
+requests the gateway has in flight there (and may have at most), the load it last
+reported, and whether it is in service.
+
+Health, with every tunable here:
+- Active: every ``CHECK_INTERVAL_S`` the gateway asks each replica's ``/health`` (and
+  ``/load``, if it has one). A failed check takes the replica out of service; a passing one
+  puts it back, unless it is ejected and its backoff has not run out.
+- Passive: a request that cannot reach a replica, or gets a 5xx that is not "busy", is a
+  failure. ``EJECT_AFTER`` consecutive failures eject the replica for a backoff that
+  starts at ``BACKOFF_S`` and doubles on each ejection in a row up to ``MAX_BACKOFF_S``;
+  after it, the next passing check readmits it. A success resets the count.
+- Busy is not broken: a 429, or a 503 whose code is ``queue_full``, only sends the request
+  elsewhere; it never counts towards ejection.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sendpath.clock import Clock
+
 __all__ = ["Endpoint", "ReplicaPool"]
+
+CHECK_INTERVAL_S = 1.0
+CHECK_TIMEOUT_S = 2.0
+EJECT_AFTER = 2
+BACKOFF_S = 1.0
+MAX_BACKOFF_S = 30.0
 
 
 @dataclass
 class Endpoint:
     """One replica, as the gateway sees it."""
 
+    index: int
     url: str
     max_in_flight: int
     in_flight: int = 0
-    healthy: bool = True
+    up: bool = True  # the last active check passed (optimistic until the first one)
+    ejected_until: float | None = None  # set while ejected by passive failures
+    failures: int = 0  # consecutive request failures
+    ejections: int = 0  # ejections in a row (the backoff's exponent)
+    external_load: int = 0  # running + waiting at the replica that are not this gateway's
+
+    @property
+    def healthy(self) -> bool:
+        return self.up and self.ejected_until is None
+
+    @property
+    def load(self) -> int:
+        """Requests this replica is busy with: this gateway's own (exact) plus the others
+        it reported at the last check (other gateways' or direct clients')."""
+        return self.in_flight + self.external_load
 
     @property
     def has_room(self) -> bool:
@@ -29,16 +63,43 @@ class Endpoint:
 class ReplicaPool:
     """The fleet: endpoints in a fixed order (their index is their identity)."""
 
-    def __init__(self, urls: list[str] | tuple[str, ...], max_in_flight: int) -> None:
+    def __init__(self, urls: list[str] | tuple[str, ...], max_in_flight: int, clock: Clock):
         if not urls:
             raise ValueError("the gateway needs at least one replica URL (--replica URL)")
-        self.endpoints = [Endpoint(url.rstrip("/"), max_in_flight) for url in urls]
+        self.clock = clock
+        self.endpoints = [Endpoint(i, url.rstrip("/"), max_in_flight) for i, url in enumerate(urls)]
 
     @property
     def capacity(self) -> int:
         """Requests the healthy endpoints can take at once (the admission bound)."""
         return sum(e.max_in_flight for e in self.endpoints if e.healthy)
 
-    def candidates(self) -> list[Endpoint]:
-        """Endpoints that can take one more request now."""
-        return [e for e in self.endpoints if e.has_room]
+    def candidates(self, exclude: set[int] | None = None) -> list[Endpoint]:
+        """Endpoints that can take one more request now (``exclude``: already tried)."""
+        return [e for e in self.endpoints if e.has_room and e.index not in (exclude or ())]
+
+    def failed(self, endpoint: Endpoint) -> bool:
+        """A request failed there; returns True if that ejected the endpoint."""
+        endpoint.failures += 1
+        if endpoint.failures < EJECT_AFTER or endpoint.ejected_until is not None:
+            return False
+        backoff = min(MAX_BACKOFF_S, BACKOFF_S * 2**endpoint.ejections)
+        endpoint.ejected_until = self.clock.now() + backoff
+        endpoint.ejections += 1
+        return True
+
+    def succeeded(self, endpoint: Endpoint) -> None:
+        endpoint.failures = 0
+        if endpoint.ejected_until is None:
+            endpoint.ejections = 0
+
+    def checked(self, endpoint: Endpoint, ok: bool, load: int | None = None) -> None:
+        """The result of an active health check."""
+        endpoint.up = ok
+        if load is not None:
+            endpoint.external_load = max(0, load - endpoint.in_flight)
+        if not ok:
+            return
+        if endpoint.ejected_until is not None and self.clock.now() >= endpoint.ejected_until:
+            endpoint.ejected_until = None  # readmitted; ``ejections`` resets on a success
+            endpoint.failures = 0

@@ -1,0 +1,44 @@
+"""Replica health: passive ejection with exponential backoff, readmission by active checks."""
+
+from __future__ import annotations
+
+from sendpath.clock import VirtualClock
+from sendpath.router.pool import BACKOFF_S, EJECT_AFTER, ReplicaPool
+
+
+def test_ejection_backoff_and_readmission() -> None:
+    clock = VirtualClock()
+    pool = ReplicaPool(["http://a/", "http://b"], 4, clock)
+    a, b = pool.endpoints
+    assert a.url == "http://a" and pool.capacity == 8
+    for _ in range(EJECT_AFTER - 1):
+        assert not pool.failed(a)
+    assert pool.failed(a)  # ejected
+    assert not a.healthy and pool.candidates() == [b] and pool.capacity == 4
+    pool.checked(a, ok=True)  # passing, but the backoff has not run out
+    assert not a.healthy
+    clock.advance(BACKOFF_S)
+    pool.checked(a, ok=True)
+    assert a.healthy and a.failures == 0
+    for _ in range(EJECT_AFTER):
+        pool.failed(a)  # ejected again, straight after: the backoff doubles
+    clock.advance(BACKOFF_S)
+    pool.checked(a, ok=True)
+    assert not a.healthy
+    clock.advance(BACKOFF_S)
+    pool.checked(a, ok=True)
+    assert a.healthy
+    pool.succeeded(a)
+    assert a.ejections == 0  # a success ends the run of ejections
+
+
+def test_active_checks_take_out_and_put_back_and_room_is_bounded() -> None:
+    pool = ReplicaPool(["http://a"], 2, VirtualClock())
+    (a,) = pool.endpoints
+    pool.checked(a, ok=False)
+    assert pool.candidates() == [] and pool.capacity == 0
+    a.in_flight = 1
+    pool.checked(a, ok=True, load=5)  # 1 of the 5 is this gateway's own
+    assert a.external_load == 4 and a.load == 5 and pool.candidates() == [a]
+    a.in_flight = 2
+    assert pool.candidates() == [] and pool.candidates({0}) == []
