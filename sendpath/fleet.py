@@ -80,10 +80,15 @@ class LocalFleet:
                         "starting (its output is above)"
                     )
                 try:
-                    if httpx.get(url + "/health", timeout=1).status_code == 200:
-                        del pending[url]
+                    r = httpx.get(url + "/health", timeout=1)
                 except httpx.HTTPError:
-                    pass
+                    continue
+                if r.status_code == 200:
+                    del pending[url]
+                elif r.json().get("status") == "failed":
+                    raise ReplicaStartError(
+                        f"the replica for {url} could not load its model (its log is above)"
+                    )
             if pending and time.monotonic() > deadline:
                 raise ReplicaStartError(
                     f"{len(pending)} replica(s) not healthy after {timeout_s:g} s: "

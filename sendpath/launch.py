@@ -1,0 +1,305 @@
+"""Starting servers from the command line: `replica`, `gateway` and `serve`.
+
+`cli.py` parses; this module turns the flags into configs, prints what a person needs (the
+URL, the first API key) and runs uvicorn. `serve` also owns the local replica processes and
+stops them on Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from sendpath.config import GatewayConfig
+
+__all__ = [
+    "add_engine_args",
+    "add_gateway_args",
+    "engine_argv",
+    "gateway_config",
+    "run_gateway",
+    "run_replica",
+    "run_serve",
+]
+
+
+# The replica's engine flags: (flag, argparse options). `serve` passes them on to replicas.
+ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
+    ("--model", {"help": "GGUF file or HF directory (default: built-in SmolLM2-135M-Instruct)"}),
+    ("--served-model-name", {"help": "the model id clients send (default: from the path)"}),
+    ("--dtype", {"default": "auto", "choices": ["auto", "float32", "bfloat16", "float16"]}),
+    ("--device", {"help": "cpu or cuda (default: cuda if available)"}),
+    ("--max-model-len", {"type": int, "help": "context window (default: the model's)"}),
+    ("--max-num-seqs", {"type": int, "default": 64, "help": "most requests in one batch"}),
+    (
+        "--max-num-batched-tokens",
+        {"type": int, "default": 512, "help": "token budget of one engine step"},
+    ),
+    ("--max-queued-requests", {"type": int, "help": "past this many waiting, answer 503"}),
+    ("--block-size", {"type": int, "default": 16, "help": "KV cache block size in tokens"}),
+    (
+        "--kv-cache-memory-gib",
+        {"type": float, "default": 1.0, "help": "memory for the KV cache"},
+    ),
+    ("--no-prefix-caching", {"action": "store_true", "help": "turn prefix caching off"}),
+    (
+        "--scheduling-policy",
+        {"default": "fcfs", "choices": ["fcfs", "priority"], "help": "engine queue order"},
+    ),
+]
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    for flag, options in ENGINE_FLAGS:
+        p.add_argument(flag, **options)
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags of ``args`` as a replica command line (only those not at default)."""
+    out: list[str] = []
+    for flag, options in ENGINE_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is None or value == options.get("default") or value is False:
+            continue
+        out += [flag] if value is True else [flag, str(value)]
+    return out
+
+
+def add_gateway_args(p: argparse.ArgumentParser) -> None:
+    """The gateway's flags (shared by `gateway` and `serve`)."""
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="keys and usage (default: $SENDPATH_DATA_DIR or ~/.local/share/sendpath)",
+    )
+    p.add_argument(
+        "--policy",
+        default="prefix_aware",
+        choices=["prefix_aware", "least_load", "round_robin"],
+        help="how the router picks a replica (default: prefix_aware)",
+    )
+    p.add_argument("--no-auth", action="store_true", help="accept requests without an API key")
+    p.add_argument(
+        "--redis",
+        default=None,
+        metavar="URL",
+        help="share rate limits across gateway processes (default: in this process)",
+    )
+    p.add_argument(
+        "--safety-rules", default=None, metavar="FILE", help="TOML [categories] of regexes"
+    )
+    p.add_argument("--no-safety", action="store_true", help="turn the safety filter off")
+    p.add_argument(
+        "--prefix-cache-isolation",
+        default="per-key",
+        choices=["per-key", "shared"],
+        help="per-key: a tenant's cached prefixes are invisible to others (default)",
+    )
+    p.add_argument(
+        "--max-inflight-per-replica", type=int, default=64, help="beyond this, requests queue"
+    )
+    p.add_argument(
+        "--queue-size", type=int, default=1024, help="gateway queue: past this many waiting, 503"
+    )
+    p.add_argument(
+        "--queue-timeout", type=float, default=30.0, help="seconds a request may wait, then 503"
+    )
+    p.add_argument(
+        "--default-reserve-tokens",
+        type=int,
+        default=1024,
+        help="tokens a request without max_tokens reserves against its key's TPM",
+    )
+
+
+def gateway_config(args: argparse.Namespace, replicas: Sequence[str]) -> GatewayConfig:
+    """The GatewayConfig the flags describe (raises ValueError on a bad value)."""
+    return GatewayConfig(
+        replicas=tuple(replicas),
+        data_dir=str(args.data_dir) if args.data_dir else None,
+        require_keys=not args.no_auth,
+        redis_url=args.redis,
+        safety_rules=args.safety_rules,
+        safety=not args.no_safety,
+        prefix_cache_isolation=args.prefix_cache_isolation,
+        max_inflight_per_replica=args.max_inflight_per_replica,
+        max_queued_requests=args.queue_size,
+        queue_timeout_s=args.queue_timeout,
+        default_reserve_tokens=args.default_reserve_tokens,
+        policy=args.policy,
+    )
+
+
+def announce_first_key(config: GatewayConfig) -> None:
+    """With keys required and none yet, create key 'default' and print it once."""
+    from sendpath.gateway.app import ensure_first_key, key_store
+
+    if not config.require_keys:
+        return
+    store = key_store(config)
+    secret = ensure_first_key(store)
+    if secret is not None:
+        print(
+            f"no API keys in {store.path.parent} yet: created key 'default' (no limits). It is "
+            "shown once; clients send it as 'Authorization: Bearer <key>':",
+            flush=True,
+        )
+        print(secret, flush=True)
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    import os
+
+    import uvicorn
+
+    from sendpath.gateway.app import CONFIG_ENV, config_to_env, create_gateway_app
+    from sendpath.gateway.safety import SafetyRulesError
+
+    try:
+        config = gateway_config(args, args.replica)
+        if args.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {args.workers}")
+        app = create_gateway_app(config)  # also checks the rules file and the data dir
+    except (ValueError, SafetyRulesError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    announce_first_key(config)
+    print(
+        f"sendpath gateway: http://{args.host}:{args.port} -> {', '.join(config.replicas)} "
+        f"({args.workers} worker{'s' if args.workers > 1 else ''})",
+        flush=True,
+    )
+    _log_setup()
+    if args.workers == 1:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        return 0
+    os.environ[CONFIG_ENV] = config_to_env(config)
+    uvicorn.run(
+        "sendpath.gateway.app:app_from_env",
+        factory=True,
+        host=args.host,
+        port=args.port,
+        workers=args.workers,
+        log_level="warning",
+    )
+    return 0
+
+
+def _log_setup() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from sendpath.fleet import LocalFleet, ReplicaStartError
+    from sendpath.gateway.app import create_gateway_app
+    from sendpath.gateway.safety import SafetyRulesError
+
+    if args.replicas < 1 and not args.replica:
+        print(
+            "error: nothing to serve: use --replicas N (N >= 1) or --replica URL", file=sys.stderr
+        )
+        return 2
+    if args.model is not None and not Path(args.model).expanduser().exists():
+        print(f"error: model path {args.model!r} does not exist.", file=sys.stderr)
+        return 2
+    _log_setup()
+    try:
+        fleet = LocalFleet(args.replicas, engine_argv(args))
+        gateway_config(args, ["http://placeholder"])  # check the flags before starting anything
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    # While replicas start, SIGTERM stops everything as Ctrl-C does. While serving, uvicorn
+    # catches both, shuts down gracefully and then re-raises the signal: the handler below
+    # swallows it, so the replicas are stopped here instead of the process dying mid-way.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with fleet:
+            print(f"sendpath serve: starting {args.replicas} replica(s)...", flush=True)
+            try:
+                fleet.wait_healthy(args.startup_timeout)
+                config = gateway_config(args, [*fleet.urls, *args.replica])
+                app = create_gateway_app(config)
+            except (ReplicaStartError, ValueError, SafetyRulesError, OSError) as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 1
+            announce_first_key(config)
+            print(
+                f"sendpath serve: http://{args.host}:{args.port}/v1 -> "
+                f"{len(config.replicas)} replica(s), policy {config.policy} "
+                "(Ctrl-C stops everything)",
+                flush=True,
+            )
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, _ignore)
+            uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    except KeyboardInterrupt:
+        print("sendpath serve: interrupted while starting; replicas stopped", flush=True)
+        return 130
+    print("sendpath serve: stopped", flush=True)
+    return 0
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def _ignore(signum: int, frame: FrameType | None) -> None:
+    pass
+
+
+def run_replica(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from sendpath.config import CacheConfig, EngineConfig, ReplicaConfig, SchedulerConfig
+    from sendpath.server.app import create_app, served_name
+
+    try:
+        config = ReplicaConfig(
+            engine=EngineConfig(
+                model=args.model,
+                dtype=args.dtype,
+                device=args.device,
+                max_model_len=args.max_model_len,
+                scheduler=SchedulerConfig(
+                    max_num_seqs=args.max_num_seqs,
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    max_queued_requests=args.max_queued_requests,
+                    policy=args.scheduling_policy,
+                ),
+                cache=CacheConfig(
+                    block_size=args.block_size,
+                    kv_cache_memory_gib=args.kv_cache_memory_gib,
+                    enable_prefix_caching=not args.no_prefix_caching,
+                ),
+            ),
+            served_model_name=args.served_model_name,
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.model is not None and not Path(args.model).expanduser().exists():
+        print(
+            f"error: model path {args.model!r} does not exist; pass a .gguf file or a "
+            "Hugging Face model directory.",
+            file=sys.stderr,
+        )
+        return 2
+    print(
+        f"sendpath replica: serving {served_name(config)} on http://{args.host}:{args.port} "
+        "(the model loads in the background; GET /health says when it is ready)",
+        flush=True,
+    )
+    _log_setup()
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")
+    return 0
