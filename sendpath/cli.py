@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sendpath import __version__
+from sendpath.chat import add_chat_args, run_chat
 from sendpath.errors import SendpathError
 from sendpath.launch import (
     add_engine_args,
@@ -66,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--host", default="127.0.0.1")
     rep.add_argument("--port", type=int, default=8001)
     add_engine_args(rep)
+    chat = sub.add_parser(
+        "chat",
+        help="send one message to a server, stream the answer, draw where the time went",
+        description="Send one chat message to an OpenAI-compatible server (sendpath serve by "
+        "default), stream the answer, then draw each stage of its path (network included).",
+    )
+    add_chat_args(chat)
     srv = sub.add_parser(
         "serve",
         help="the whole stack: gateway + N local replicas on the built-in model (make serve)",
@@ -215,6 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_gateway(args)
         if args.command == "serve":
             return run_serve(args)
+        if args.command == "chat":
+            return run_chat(args)
     except SendpathError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2

@@ -20,6 +20,7 @@ __all__ = [
     "RequestTooLargeError",
     "SendpathError",
     "ServiceUnavailableError",
+    "TraceNotFoundError",
     "UnsupportedModelError",
 ]
 
@@ -170,3 +171,19 @@ class ContentFilterError(InvalidRequestError):
             param=param,
         )
         self.category = category
+
+
+class TraceNotFoundError(SendpathError):
+    """No trace with this id here (HTTP 404): unknown, someone else's, or too old."""
+
+    type = "invalid_request_error"
+    code = "trace_not_found"
+    status_code = 404
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(
+            f"No trace {request_id!r} here: the id is the response's `id` (or its "
+            "x-request-id header), only the key that made the request can read it, and only "
+            "the most recent requests are kept.",
+            param="request_id",
+        )

@@ -19,14 +19,15 @@ from collections.abc import Sequence
 
 import httpx
 
-__all__ = ["LocalFleet", "ReplicaStartError"]
+__all__ = ["LocalFleet", "ReplicaStartError", "free_port"]
 
 
 class ReplicaStartError(RuntimeError):
     """A local replica exited or did not become healthy in time."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port on loopback that is free now (the OS picks it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
@@ -57,7 +58,7 @@ class LocalFleet:
 
     def start(self) -> None:
         for _ in range(self.count):
-            port = _free_port()
+            port = free_port()
             self.procs.append(self._spawn(port))
             self.urls.append(f"http://127.0.0.1:{port}")
 

@@ -8,10 +8,14 @@ tokenized, queued, scheduled, prefill chunks, tokens, preempted, finished or abo
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any, Generic, TypeVar
 
-__all__ = ["Event", "EventType", "Stage", "Timeline"]
+__all__ = ["Event", "EventType", "Stage", "Timeline", "TraceStore", "event_log"]
+
+T = TypeVar("T")
 
 
 class Stage(StrEnum):
@@ -108,9 +112,12 @@ class Timeline:
     def stages(self) -> dict[Stage, float]:
         """The engine's stage durations: tokenize, engine.queue, prefill, decode."""
         out: dict[Stage, float] = {}
-        arrived, tokenized = self.first(EventType.ARRIVED), self.first(EventType.TOKENIZED)
-        if arrived is not None and tokenized is not None:
-            out[Stage.TOKENIZE] = tokenized - arrived
+        # tokenize runs to the queue (building the request included), so the four stages
+        # tile arrival to finish exactly
+        arrived = self.first(EventType.ARRIVED)
+        queued = self.first(EventType.QUEUED) or self.first(EventType.TOKENIZED)
+        if arrived is not None and queued is not None:
+            out[Stage.TOKENIZE] = queued - arrived
         before, after = self._waits()
         out[Stage.ENGINE_QUEUE] = before + after
         scheduled, first = self.first(EventType.SCHEDULED), self.first(EventType.FIRST_TOKEN)
@@ -122,3 +129,34 @@ class Timeline:
             last = self.end or self.token_times[-1]
             out[Stage.DECODE] = max(0.0, last - first - after)
         return out
+
+
+def event_log(timeline: Timeline) -> list[dict[str, Any]]:
+    """The events as JSON: type, milliseconds since the first event, tokens involved."""
+    if not timeline.events:
+        return []
+    t0 = timeline.events[0].time
+    return [
+        {"type": e.type.value, "t_ms": round((e.time - t0) * 1000, 3), "num_tokens": e.num_tokens}
+        for e in timeline.events
+    ]
+
+
+class TraceStore(Generic[T]):
+    """The most recent traces by request id; past ``capacity`` the oldest are dropped."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, T] = OrderedDict()
+
+    def put(self, request_id: str, trace: T) -> None:
+        self._items[request_id] = trace
+        self._items.move_to_end(request_id)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def get(self, request_id: str) -> T | None:
+        return self._items.get(request_id)
+
+    def __len__(self) -> int:
+        return len(self._items)

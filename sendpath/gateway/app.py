@@ -17,14 +17,18 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from sendpath.clock import Clock, RealClock
 from sendpath.config import GatewayConfig
-from sendpath.errors import SendpathError, ServiceUnavailableError
+from sendpath.errors import SendpathError, ServiceUnavailableError, TraceNotFoundError
 from sendpath.gateway.admission import AdmissionQueue
+from sendpath.gateway.context import GatewayContext, context
 from sendpath.gateway.keys import KeyStore, default_data_dir
+from sendpath.gateway.metrics import GatewayMetrics
 from sendpath.gateway.middleware import (
     AdmissionMiddleware,
     AuthMiddleware,
@@ -36,10 +40,12 @@ from sendpath.gateway.middleware import (
 from sendpath.gateway.proxy import Proxy
 from sendpath.gateway.ratelimit import RateLimiter, make_limiter
 from sendpath.gateway.safety import DEFAULT_RULES, OutputGuard, RulesFilter, SafetyCheck
+from sendpath.gateway.tracing import GatewayTrace, record, stitch
 from sendpath.router.policy import RouteRequest, make_policy
 from sendpath.router.pool import ReplicaPool
 from sendpath.router.router import Router
 from sendpath.server.responses import error_body
+from sendpath.trace import TraceStore
 
 __all__ = ["CONFIG_ENV", "app_from_env", "create_gateway_app", "ensure_first_key"]
 
@@ -73,12 +79,21 @@ def create_gateway_app(
     pool = ReplicaPool(config.replicas, config.max_inflight_per_replica, clock)
     queue = AdmissionQueue(pool.capacity, config.max_queued_requests, config.queue_timeout_s)
     router = Router(pool, make_policy(config.policy), lambda: queue.resize(pool.capacity))
+    metrics = GatewayMetrics(pool)
+    traces: TraceStore[GatewayTrace] = TraceStore()
+
+    def done(ctx: GatewayContext) -> None:
+        metrics.finished(ctx)
+        if ctx.response_id is not None:
+            traces.put(ctx.response_id, record(ctx))
+
     checker = safety
     proxy = Proxy(
         router,
         (lambda: OutputGuard(checker)) if checker is not None else None,
         config.upstream_timeout_s,
         config.retry_deadline_s,
+        done,
     )
 
     @asynccontextmanager
@@ -117,6 +132,25 @@ def create_gateway_app(
             status_code=200 if healthy else 503,
         )
 
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/traces/{response_id}")
+    async def trace(response_id: str, request: Request) -> JSONResponse:
+        found = traces.get(response_id)
+        asker = context(request.scope).key
+        if found is None or found.key != (asker.name if asker else None):
+            raise TraceNotFoundError(response_id)  # another key's trace does not exist
+        replica_trace = None
+        if found.replica is not None:
+            try:
+                r = await proxy.client.get(f"{found.replica}/v1/traces/{response_id}")
+                replica_trace = r.json() if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                replica_trace = None
+        return JSONResponse(stitch(found, replica_trace))
+
     @app.get("/v1/models")
     async def models() -> Response:
         endpoint = router.choose(RouteRequest(""))
@@ -150,7 +184,9 @@ def create_gateway_app(
         required=config.require_keys,
         per_key_salt=config.prefix_cache_isolation == "per-key",
     )
-    app.add_middleware(TraceMiddleware, clock=clock)
+    app.add_middleware(
+        TraceMiddleware, clock=clock, on_status=lambda code: metrics.responses.labels(code).inc()
+    )
     return app
 
 

@@ -25,23 +25,30 @@ from sendpath.trace import Stage
 __all__ = ["GatewayContext", "context", "estimate_prompt_tokens", "prompt_text", "send_error"]
 
 SCOPE_KEY = "sendpath.gateway"
-# The stages the gateway measures, in path order (the replica's stages go in between).
+# The gateway's own stages before the replica, in path order.
 GATEWAY_STAGES = (
     Stage.GATEWAY_AUTH,
     Stage.GATEWAY_RATELIMIT,
     Stage.GATEWAY_SAFETY,
     Stage.GATEWAY_QUEUE,
-    Stage.ROUTE,
 )
+# The replica's stages in the order they happen there (it tokenizes before queueing).
+REPLICA_STAGES = (Stage.TOKENIZE, Stage.ENGINE_QUEUE, Stage.PREFILL, Stage.DECODE)
 
 
 @dataclass
 class GatewayContext:
-    """What the gateway knows about one request so far."""
+    """What the gateway knows about one request so far (times on ``clock``).
+
+    The stitched timeline: each gateway stage ends at its mark (so reading the body counts
+    in ``gateway.ratelimit``, the first stage that needs it); ``route`` runs from admission
+    to the replica's arrival; the replica's own stages follow; ``stream`` is from the
+    replica's finish to the last event written here. The stages add up to ``total``.
+    """
 
     clock: Clock
     start: float
-    spans: dict[Stage, float] = field(default_factory=dict)
+    marks: dict[Stage, float] = field(default_factory=dict)  # when each stage ended
     key: ApiKey | None = None  # None: keys are not required and none was sent
     cache_salt: str | None = None  # set under per-key prefix-cache isolation
     body: dict[str, Any] | None = None  # the parsed JSON body (POSTs to /v1/* only)
@@ -49,16 +56,21 @@ class GatewayContext:
     usage: tuple[int, int] | None = None  # (prompt, completion) as the replica reported it
     streamed_chunks: int = 0  # text chunks relayed (the usage estimate if none is reported)
     first_token_at: float | None = None
+    relayed: list[float] = field(default_factory=list)  # when each text chunk went out
     replica: str | None = None
+    response_id: str | None = None
+    route_s: float = 0.0  # choosing + connecting + sending, over every attempt
+    replica_arrival: float | None = None  # on this clock (exact on one host, else estimated)
+    replica_timings: dict[str, float] = field(default_factory=dict)  # the replica's, in ms
+    end: float | None = None  # the last event written
 
     @contextmanager
     def span(self, stage: Stage) -> Iterator[None]:
-        """Time the block and add it to ``stage``."""
-        t0 = self.clock.now()
+        """Run a gateway stage; it ends (its mark) when the block does."""
         try:
             yield
         finally:
-            self.spans[stage] = self.spans.get(stage, 0.0) + self.clock.now() - t0
+            self.marks[stage] = self.clock.now()
 
     def used_tokens(self) -> int:
         """Tokens this request consumed: as reported, else estimated from what was relayed."""
@@ -66,25 +78,42 @@ class GatewayContext:
             return sum(self.usage)
         return self.prompt_tokens + self.streamed_chunks if self.streamed_chunks else 0
 
-    def timings_ms(self, upstream: dict[str, Any] | None = None) -> dict[str, float]:
-        """The response's ``timings``: gateway stages, the replica's stages, ``stream``,
-        then ``ttft`` and ``total`` measured here, where the client's request arrived (a
-        whole answer keeps the replica's ``ttft``)."""
+    def stage_seconds(self) -> list[tuple[Stage, float, float]]:
+        """(stage, start, duration) in seconds from ``start``, in path order."""
+        out: list[tuple[Stage, float, float]] = []
+        prev = self.start
+        for stage in GATEWAY_STAGES:
+            if stage in self.marks:
+                out.append((stage, prev - self.start, self.marks[stage] - prev))
+                prev = self.marks[stage]
+        if self.replica_arrival is None:
+            return out
+        arrival = max(prev, self.replica_arrival)
+        out.append((Stage.ROUTE, prev - self.start, arrival - prev))
+        t = arrival
+        for stage in REPLICA_STAGES:
+            if stage.value in self.replica_timings:
+                duration = self.replica_timings[stage.value] / 1000
+                out.append((stage, t - self.start, duration))
+                t += duration
+        end = self.end if self.end is not None else self.clock.now()
+        out.append((Stage.STREAM, t - self.start, max(0.0, end - t)))
+        return out
+
+    def timings_ms(self) -> dict[str, float]:
+        """The response's ``timings``: every stage in path order, then ``ttft`` and
+        ``total`` as measured here, where the client's request arrived."""
 
         def ms(seconds: float) -> float:
             return round(seconds * 1000, 3)
 
-        out = {s.value: ms(self.spans[s]) for s in GATEWAY_STAGES if s in self.spans}
-        for name, value in (upstream or {}).items():
-            if name != "total" and isinstance(value, int | float):
-                out[name] = value
-        if Stage.STREAM in self.spans:
-            out[Stage.STREAM.value] = ms(self.spans[Stage.STREAM])
+        out = {stage.value: ms(duration) for stage, _, duration in self.stage_seconds()}
         if self.first_token_at is not None:
             out["ttft"] = ms(self.first_token_at - self.start)
-        if "ttft" in out:  # after the stages, as the replica orders it
-            out["ttft"] = out.pop("ttft")
-        out["total"] = ms(self.clock.now() - self.start)
+        elif "ttft" in self.replica_timings:  # a whole answer: the replica's
+            out["ttft"] = self.replica_timings["ttft"]
+        end = self.end if self.end is not None else self.clock.now()
+        out["total"] = ms(end - self.start)
         return out
 
 

@@ -15,6 +15,7 @@ import asyncio
 import base64
 import hashlib
 import math
+from collections.abc import Callable
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -80,15 +81,26 @@ async def _shielded(coro: Any) -> None:
 
 
 class TraceMiddleware:
-    """Gives every HTTP request a ``GatewayContext`` with its arrival time."""
+    """Gives every HTTP request a ``GatewayContext`` with its arrival time, and reports
+    each response's status code (``on_status``) for the metrics."""
 
-    def __init__(self, app: ASGIApp, clock: Clock) -> None:
-        self.app, self.clock = app, clock
+    def __init__(
+        self, app: ASGIApp, clock: Clock, on_status: Callable[[int], None] = lambda code: None
+    ) -> None:
+        self.app, self.clock, self.on_status = app, clock, on_status
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            scope.setdefault("state", {})[SCOPE_KEY] = GatewayContext(self.clock, self.clock.now())
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        scope.setdefault("state", {})[SCOPE_KEY] = GatewayContext(self.clock, self.clock.now())
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.on_status(int(message["status"]))
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
 
 
 class AuthMiddleware:
@@ -226,6 +238,8 @@ class RateLimitMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ctx = context(scope) if _generates(scope) else None
         if ctx is None or ctx.key is None or ctx.body is None:
+            if ctx is not None:  # no key, no limits: the stage still ends here
+                ctx.marks[Stage.GATEWAY_RATELIMIT] = ctx.clock.now()
             await self.app(scope, receive, send)
             return
         key, limits = ctx.key, Limits(ctx.key.rpm, ctx.key.tpm)

@@ -5,20 +5,21 @@ key's ``cache_salt`` replaces any the client set, and a stream always asks the r
 usage (``stream_options.include_usage``) so the rate limiter can settle with real numbers;
 the usage chunk reaches the client only if it asked for it.
 
-A stream is relayed event by event. Text goes through the output guard, which holds back
+A stream's opening events are held until its first token exists: until then a failing
+replica only means trying another. After that the stream is relayed event by event. Text goes through the output guard, which holds back
 only what could still become a blocked phrase; a blocked stream ends with finish_reason
 ``content_filter`` (the replica is disconnected, which aborts the request there). The last
 event gets the gateway's ``timings`` merged with the replica's. A replica that fails after
-the first byte yields an explicit SSE error event and no ``[DONE]``.
+its first token yields an explicit SSE error event and no ``[DONE]``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import httpx
@@ -32,9 +33,10 @@ from sendpath.router.policy import RouteRequest, route_request
 from sendpath.router.pool import Endpoint
 from sendpath.router.router import Router
 from sendpath.server.responses import error_body, server_timing, sse
-from sendpath.trace import Stage
 
 __all__ = ["Proxy"]
+
+T = TypeVar("T")
 
 # Response headers worth passing on from a replica.
 _PASS_HEADERS = ("retry-after", "x-request-id")
@@ -78,7 +80,7 @@ class _Retry:
 
 class Proxy:
     """Sends requests to replicas over one pooled HTTP client, retrying before the first
-    byte reaches the client (each replica at most once, within ``retry_deadline_s``)."""
+    token reaches the client (each replica at most once, within ``retry_deadline_s``)."""
 
     def __init__(
         self,
@@ -86,8 +88,10 @@ class Proxy:
         guard: Callable[[], OutputGuard] | None,
         timeout_s: float,
         retry_deadline_s: float,
+        on_done: Callable[[GatewayContext], None] = lambda ctx: None,
     ) -> None:
         self.router = router
+        self.on_done = on_done  # a request finished: record its trace and metrics
         self.guard = guard
         self.retry_deadline_s = retry_deadline_s
         self.client = httpx.AsyncClient(
@@ -114,12 +118,9 @@ class Proxy:
         route = route_request(ctx.body, ctx.cache_salt)
         deadline = ctx.clock.now() + self.retry_deadline_s
         tried: set[int] = set()
-        ctx.spans[Stage.ROUTE] = 0.0
         fallback: Response | None = None
         while tried == set() or ctx.clock.now() < deadline:
-            t0 = ctx.clock.now()
             endpoint = self.router.choose(route, tried)
-            ctx.spans[Stage.ROUTE] += ctx.clock.now() - t0
             if endpoint is None:
                 break
             tried.add(endpoint.index)
@@ -146,8 +147,9 @@ class Proxy:
         wants_usage: bool,
         route: RouteRequest,
     ) -> Response | _Retry:
-        # route: choosing, connecting and sending the request; it ends when the body is
-        # sent (httpx's trace hook), not when the answer starts
+        # The replica's arrival on this clock: its x-sendpath-clock header when that reading
+        # falls inside this attempt (same host, same monotonic clock); otherwise the moment
+        # the request body was sent (httpx's trace hook).
         t0 = sent = ctx.clock.now()
 
         async def trace(event: str, info: dict[str, Any]) -> None:
@@ -173,9 +175,8 @@ class Proxy:
             release()
             self.router.failed(endpoint, f"{type(exc).__name__}: {exc}")
             return _Retry()
-        finally:
-            ctx.spans[Stage.ROUTE] += max(sent, t0) - t0
         headers = {k: v for k, v in upstream.headers.items() if k.lower() in _PASS_HEADERS}
+        ctx.replica_arrival = _arrival(upstream.headers, t0, ctx.clock.now(), sent)
         keep_open = False  # only a stream that started stays open, for the relay
         try:
             if upstream.status_code != 200:
@@ -183,15 +184,18 @@ class Proxy:
                     endpoint, upstream.status_code, await upstream.aread(), headers
                 )
             if body.get("stream") is not True:
-                raw = await _read_unless_gone(upstream, request)
+                raw = await _unless_gone(upstream.aread(), request)
                 if raw is None:  # the client left: closing the connection aborts it there
                     return Response(status_code=499)
                 data = json.loads(raw)
+                ctx.end = ctx.clock.now()
                 self.router.succeeded(endpoint)
                 self.router.answered(route, endpoint, _answer_text(data))
                 return self._answer(ctx, data, headers)
             lines = upstream.aiter_lines()
-            first = await _first_event(lines)
+            head = await _unless_gone(_head(lines), request)
+            if head is None:
+                return Response(status_code=499)
             keep_open = True
         except (httpx.HTTPError, StopAsyncIteration, ValueError) as exc:
             self.router.failed(endpoint, f"{type(exc).__name__}: {exc}")
@@ -202,7 +206,7 @@ class Proxy:
                     await upstream.aclose()
                 release()
         self.router.succeeded(endpoint)
-        events = self._relay(ctx, upstream, lines, first, endpoint, wants_usage, release, route)
+        events = self._relay(ctx, upstream, lines, head, endpoint, wants_usage, release, route)
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
     def _refused(
@@ -231,16 +235,19 @@ class Proxy:
         text = message.get("content") if isinstance(message, dict) else choice.get("text")
         if self.guard is not None and isinstance(text, str):
             guard = self.guard()
-            with ctx.span(Stage.STREAM):
-                released = guard.push(text) + guard.flush()
+            released = guard.push(text) + guard.flush()
             if guard.blocked is not None:
                 if isinstance(message, dict):
                     message["content"] = released
                 else:
                     choice["text"] = released
                 choice["finish_reason"] = "content_filter"
-        data["timings"] = ctx.timings_ms(data.get("timings"))
+        ctx.response_id = data.get("id")
+        ctx.replica_timings = _numbers(data.get("timings"))
+        ctx.end = ctx.clock.now()
+        data["timings"] = ctx.timings_ms()
         headers["Server-Timing"] = server_timing(data["timings"])
+        self.on_done(ctx)
         return JSONResponse(data, headers=headers)
 
     async def _relay(
@@ -248,7 +255,7 @@ class Proxy:
         ctx: GatewayContext,
         upstream: httpx.Response,
         lines: AsyncIterator[str],
-        first: str,
+        head: list[str],
         endpoint: Endpoint,
         wants_usage: bool,
         release: Callable[[], None],
@@ -257,28 +264,29 @@ class Proxy:
         guard = self.guard() if self.guard is not None else None
         tail: list[dict[str, Any]] = []  # the finish chunk and usage chunk, held for timings
         upstream_timings: dict[str, Any] | None = None
-        stream_time = 0.0
         answer: list[str] = []  # what the replica generated (and now has cached)
 
         def finish() -> list[str]:
             events = [c for c in tail if c.get("choices") or wants_usage]
+            ctx.replica_timings = _numbers(upstream_timings)
+            ctx.end = ctx.clock.now()
             if events:
-                events[-1]["timings"] = ctx.timings_ms(upstream_timings)
+                events[-1]["timings"] = ctx.timings_ms()
+            self.on_done(ctx)
             return [sse(c) for c in events] + ["data: [DONE]\n\n"]
 
         try:
-            async for line in _chain(first, lines):
+            async for line in _chain(head, lines):
                 if not line.startswith("data:"):
                     continue
-                t0 = ctx.clock.now()
                 payload = line[5:].strip()
                 if payload == "[DONE]":
                     self.router.answered(route, endpoint, "".join(answer))
-                    ctx.spans[Stage.STREAM] = stream_time + ctx.clock.now() - t0
                     for event in finish():
                         yield event
                     return
                 chunk = json.loads(payload)
+                ctx.response_id = ctx.response_id or chunk.get("id")
                 if "error" in chunk:  # the replica's own error event: pass it on, no [DONE]
                     self.router.failed(endpoint, "an error event mid-stream")
                     yield sse(chunk)
@@ -298,7 +306,6 @@ class Proxy:
                     ctx.streamed_chunks += 1
                     released = guard.push(text) if guard is not None else text
                     if guard is not None and guard.blocked is not None:
-                        ctx.spans[Stage.STREAM] = stream_time + ctx.clock.now() - t0
                         tail[:] = [_finished(chunk, "content_filter")]
                         if wants_usage and ctx.usage is None:
                             tail.append(self._estimated_usage(chunk, ctx))
@@ -315,10 +322,10 @@ class Proxy:
                 elif not text:
                     out.append(chunk)  # the role chunk
                 for c in out:
-                    if ctx.first_token_at is None and _text_of(c["choices"][0]):
-                        ctx.first_token_at = ctx.clock.now()
+                    if _text_of(c["choices"][0]):
+                        ctx.relayed.append(ctx.clock.now())
+                        ctx.first_token_at = ctx.first_token_at or ctx.relayed[-1]
                     yield sse(c)
-                stream_time += ctx.clock.now() - t0
             why = "the replica closed the stream before [DONE]"
         except httpx.HTTPError as exc:
             why = f"{type(exc).__name__}: {exc}"
@@ -349,6 +356,21 @@ class Proxy:
         )
 
 
+def _arrival(headers: httpx.Headers, start: float, now: float, sent: float) -> float:
+    """When the replica got the request, on this process's clock."""
+    try:
+        reported = float(headers.get("x-sendpath-clock", "nan"))
+    except ValueError:
+        return sent
+    return reported if start <= reported <= now else sent
+
+
+def _numbers(timings: Any) -> dict[str, float]:
+    if not isinstance(timings, dict):
+        return {}
+    return {k: float(v) for k, v in timings.items() if isinstance(v, int | float)}
+
+
 def _answer_text(data: dict[str, Any]) -> str:
     choice = (data.get("choices") or [{}])[0]
     message = choice.get("message")
@@ -356,34 +378,51 @@ def _answer_text(data: dict[str, Any]) -> str:
     return text if isinstance(text, str) else ""
 
 
-async def _first_event(lines: AsyncIterator[str]) -> str:
-    """The stream's first ``data:`` line (raises StopAsyncIteration if there is none)."""
+async def _head(lines: AsyncIterator[str]) -> list[str]:
+    """The stream's events up to its first token (or its end), held back so the request
+    can still go to another replica if this one fails before producing one. Raises
+    StopAsyncIteration if the stream ends without any event."""
+    head: list[str] = []
     async for line in lines:
-        if line.startswith("data:"):
-            return line
-    raise StopAsyncIteration
+        if not line.startswith("data:"):
+            continue
+        head.append(line)
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            return head
+        event = json.loads(payload)
+        choices = event.get("choices") or []
+        if "error" in event or (
+            choices and (_text_of(choices[0]) or choices[0].get("finish_reason"))
+        ):
+            return head
+    if not head:
+        raise StopAsyncIteration
+    return head
 
 
-async def _chain(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
-    yield first
+async def _chain(head: list[str], rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    for line in head:
+        yield line
     async for line in rest:
         yield line
 
 
-async def _read_unless_gone(upstream: httpx.Response, request: Request) -> bytes | None:
-    """The whole upstream body, or ``None`` if the client disconnected first."""
+async def _unless_gone(work: Awaitable[T], request: Request) -> T | None:
+    """The result of ``work``, or ``None`` if the client disconnected first (then
+    ``work`` is cancelled; closing the upstream connection aborts the request there)."""
 
     async def gone() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    read = asyncio.ensure_future(upstream.aread())
+    task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(gone())
     try:
-        await asyncio.wait({read, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
-    if read.done():
-        return read.result()
-    read.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
     return None

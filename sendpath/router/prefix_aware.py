@@ -36,7 +36,7 @@ __all__ = ["PrefixAware"]
 
 BLOCK_CHARS = 64
 MATCH_THRESHOLD = 0.5
-BALANCE_ABS = 4
+BALANCE_ABS = 2
 BALANCE_REL = 1.5
 MAX_BLOCKS = 1 << 16  # per replica: ~4 M characters, ~1 M tokens of prompts
 

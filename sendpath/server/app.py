@@ -30,10 +30,13 @@ from sendpath.errors import (
     RequestTooLargeError,
     SendpathError,
     ServiceUnavailableError,
+    TraceNotFoundError,
 )
+from sendpath.request import Request as EngineRequest
 from sendpath.server.metrics import ReplicaMetrics
 from sendpath.server.protocol import ParsedRequest, parse_chat, parse_completion
 from sendpath.server.responses import Chunker, error_body, server_timing, sse, timings_ms
+from sendpath.trace import TraceStore, event_log
 
 __all__ = ["Replica", "create_app", "served_name"]
 
@@ -60,6 +63,22 @@ class Replica:
         self.draining = False
         self.load_error: BaseException | None = None
         self.metrics = ReplicaMetrics()
+        self.traces: TraceStore[dict[str, Any]] = TraceStore()
+
+    def finished(self, response_id: str, request: EngineRequest) -> None:
+        """Record a finished request: metrics, and its trace for ``/v1/traces/{id}``."""
+        self.metrics.observe(request)
+        events = request.timeline.events
+        self.traces.put(
+            response_id,
+            {
+                "id": response_id,
+                "object": "replica.trace",
+                "clock": events[0].time if events else None,
+                "timings": timings_ms(request),
+                "events": event_log(request.timeline),
+            },
+        )
 
     @property
     def status(self) -> str:
@@ -148,6 +167,13 @@ def create_app(config: ReplicaConfig, engine: AsyncEngine | None = None) -> Fast
         stats = await replica.engine.stats() if replica.engine is not None else None
         return Response(replica.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/v1/traces/{response_id}")
+    async def trace(response_id: str) -> JSONResponse:
+        found = replica.traces.get(response_id)
+        if found is None:
+            raise TraceNotFoundError(response_id)
+        return JSONResponse(found)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         card: dict[str, Any] = {
@@ -192,7 +218,10 @@ async def _serve(
     chunker = Chunker(
         parsed.kind, f"{prefix}-{uuid.uuid4().hex}", replica.model_name, int(time.time())
     )
-    headers = {"x-request-id": chunker.id}
+    # the engine's arrival on this host's monotonic clock: a gateway on the same host
+    # stitches this replica's events into its own timeline exactly
+    arrival = stream.request.timeline.events[0].time
+    headers = {"x-request-id": chunker.id, "x-sendpath-clock": repr(arrival)}
     if parsed.stream:
         events = _events(replica, stream, chunker, parsed.include_usage)
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
@@ -208,7 +237,7 @@ async def _serve(
     if not collect.done() or collect.cancelled():
         return Response(status_code=499)
     text, last = collect.result()
-    replica.metrics.observe(stream.request)
+    replica.finished(chunker.id, stream.request)
     body = chunker.body(text, last, stream.request)
     headers["Server-Timing"] = server_timing(body["timings"])
     return JSONResponse(body, headers=headers)
@@ -245,7 +274,7 @@ async def _events(
             final["timings"] = timings
             yield sse(final)
             yield "data: [DONE]\n\n"
-            replica.metrics.observe(stream.request)
+            replica.finished(chunker.id, stream.request)
     except (EngineDeadError, SendpathError) as exc:
         err = exc if isinstance(exc, SendpathError) else ServiceUnavailableError(str(exc))
         yield sse(error_body(err))  # an explicit error event, and no [DONE]

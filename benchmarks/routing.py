@@ -1,0 +1,198 @@
+"""Routing policies side by side: 2 replicas, a multi-turn chat with a shared system prompt.
+
+For each policy (`prefix_aware`, `round_robin`, `least_load`) in one run: two fresh
+`sendpath replica` processes on the built-in model (empty caches), `sendpath gateway
+--policy P` in front, and the same workload: N conversations at once, each T turns in
+sequence (the next turn sends the whole history: system prompt, every question and every
+answer), greedy so the answers are the same under every policy. Reported per policy: the
+prefix-cache hit rate (cached / prompt tokens, from `usage`), TTFT p50/p99 measured by the
+client (time to the first text chunk), the whole run's wall time, and how conversations
+spread over the replicas.
+
+    .venv/bin/python -m benchmarks.routing [--conversations 32 --turns 4 --max-tokens 16]
+        [--out benchmarks/results/routing.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from sendpath.fleet import LocalFleet, free_port
+
+RESULTS = Path(__file__).parent / "results" / "routing.json"
+POLICIES = ("prefix_aware", "round_robin", "least_load")
+MODEL = "SmolLM2-135M-Instruct"
+SYSTEM = (
+    "You are the support assistant of a small bicycle shop in Utrecht. You answer in two "
+    "short sentences, in plain English, without lists. You know the shop opens at nine and "
+    "closes at six, repairs take two days, a new inner tube costs eight euros, and rental "
+    "bikes must be back by closing time. If you do not know something, say so and suggest "
+    "calling the shop. Never invent prices that were not given to you here."
+)
+QUESTIONS = [
+    "My back tyre is flat, what should I do?",
+    "How long will a repair take?",
+    "Can I rent a bike while mine is being fixed?",
+    "What time do I have to bring the rental back?",
+    "Do you sell helmets?",
+    "Is it cheaper to replace the tube myself?",
+]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def conversation(
+    client: httpx.AsyncClient, c: int, turns: int, max_tokens: int, out: list[dict[str, Any]]
+) -> None:
+    messages = [{"role": "system", "content": SYSTEM}]
+    for t in range(turns):
+        question = f"(customer {c}) " + QUESTIONS[(c + t) % len(QUESTIONS)]
+        messages.append({"role": "user", "content": question})
+        body = {
+            "model": MODEL,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        start = time.perf_counter()
+        ttft, text, usage = None, "", {}
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            r.raise_for_status()
+            replica = r.headers["x-sendpath-replica"]
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if event.get("usage"):
+                    usage = event["usage"]
+                for choice in event.get("choices", []):
+                    delta = choice["delta"].get("content")
+                    if delta:
+                        ttft = ttft or time.perf_counter() - start
+                        text += delta
+        messages.append({"role": "assistant", "content": text})
+        out.append(
+            {
+                "conversation": c,
+                "turn": t,
+                "replica": replica,
+                "ttft_s": ttft,
+                "prompt_tokens": usage["prompt_tokens"],
+                "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+            }
+        )
+
+
+async def workload(url: str, conversations: int, turns: int, max_tokens: int) -> list[Any]:
+    out: list[dict[str, Any]] = []
+    limits = httpx.Limits(max_connections=conversations + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as client:
+        await asyncio.gather(
+            *(conversation(client, c, turns, max_tokens, out) for c in range(conversations))
+        )
+    return out
+
+
+def run_policy(policy: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    with LocalFleet(2, ["--max-num-seqs", str(args.conversations)]) as fleet:
+        fleet.wait_healthy(300)
+        port = free_port()
+        gateway = subprocess.Popen(
+            [
+                sys.executable, "-m", "sendpath.cli", "gateway", "--port", str(port),
+                "--no-auth", "--policy", policy, "--data-dir", str(tmp),
+                *(arg for u in fleet.urls for arg in ("--replica", u)),
+            ],
+            stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        try:
+            while True:
+                try:
+                    if httpx.get(url + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.2)
+            start = time.perf_counter()
+            turns = asyncio.run(workload(url, args.conversations, args.turns, args.max_tokens))
+            wall = time.perf_counter() - start
+        finally:
+            gateway.terminate()
+            gateway.wait(30)
+    ttfts = [t["ttft_s"] * 1000 for t in turns if t["ttft_s"] is not None]
+    prompt = sum(t["prompt_tokens"] for t in turns)
+    cached = sum(t["cached_tokens"] for t in turns)
+    homes = Counter(
+        len({t["replica"] for t in turns if t["conversation"] == c})
+        for c in range(args.conversations)
+    )
+    spread = Counter(t["replica"] for t in turns if t["turn"] == 0)
+    return {
+        "policy": policy,
+        "requests": len(turns),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "hit_rate": round(cached / prompt, 4),
+        "ttft_ms_p50": round(statistics.median(ttfts), 1),
+        "ttft_ms_p99": round(percentile(ttfts, 0.99), 1),
+        "wall_s": round(wall, 1),
+        "conversations_on_one_replica": homes[1],
+        "first_turns_per_replica": sorted(spread.values()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--conversations", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES))
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
+    args = parser.parse_args()
+    tmp = Path("/tmp") / f"sendpath-routing-{int(time.time())}"
+    results = []
+    for policy in args.policies:
+        print(f"{policy}: running...", flush=True)
+        results.append(run_policy(policy, args, tmp))
+        print(json.dumps(results[-1]), flush=True)
+    args.out.parent.mkdir(exist_ok=True)
+    report = {
+        "machine": f"{platform.processor() or platform.machine()}, {platform.system()}",
+        "workload": {
+            "conversations": args.conversations,
+            "turns": args.turns,
+            "max_tokens": args.max_tokens,
+            "replicas": 2,
+            "model": MODEL,
+        },
+        "results": results,
+    }
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print("\n| policy | prefix-cache hit rate | TTFT p50 ms | TTFT p99 ms | wall s |")
+    print("|---|---:|---:|---:|---:|")
+    for r in results:
+        print(
+            f"| {r['policy']} | {r['hit_rate']:.1%} | {r['ttft_ms_p50']} | {r['ttft_ms_p99']} "
+            f"| {r['wall_s']} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Load generation and measurement against any OpenAI-compatible server (torch-free)."""
