@@ -6,11 +6,12 @@ usage (``stream_options.include_usage``) so the rate limiter can settle with rea
 the usage chunk reaches the client only if it asked for it.
 
 A stream's opening events are held until its first token exists: until then a failing
-replica only means trying another. After that the stream is relayed event by event. Text goes through the output guard, which holds back
-only what could still become a blocked phrase; a blocked stream ends with finish_reason
-``content_filter`` (the replica is disconnected, which aborts the request there). The last
-event gets the gateway's ``timings`` merged with the replica's. A replica that fails after
-its first token yields an explicit SSE error event and no ``[DONE]``.
+replica only means trying another. After that the stream is relayed event by event. Text
+goes through the output guard, which holds back only what could still become a blocked
+phrase; a blocked stream ends with finish_reason ``content_filter`` (the replica is
+disconnected, which aborts the request there). The last event carries the stitched
+``timings``. A replica that fails after its first token yields an explicit SSE error event
+and no ``[DONE]``.
 """
 
 from __future__ import annotations
