@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sendpath import __version__
+from sendpath.bench.command import add_bench_args, run_bench
 from sendpath.chat import add_chat_args, run_chat
 from sendpath.errors import SendpathError
 from sendpath.launch import (
@@ -74,6 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
         "default), stream the answer, then draw each stage of its path (network included).",
     )
     add_chat_args(chat)
+    bench = sub.add_parser(
+        "bench",
+        help="load any OpenAI-compatible server and report like `vllm bench serve`",
+        description="A load generator for any OpenAI-compatible server (sendpath, vLLM, "
+        "llama.cpp): TTFT, TPOT, ITL, E2EL, throughput, goodput, and the stage breakdown "
+        "when the server reports one. --scenario runs the seed's three situations.",
+    )
+    add_bench_args(bench)
     srv = sub.add_parser(
         "serve",
         help="the whole stack: gateway + N local replicas on the built-in model (make serve)",
@@ -225,6 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_serve(args)
         if args.command == "chat":
             return run_chat(args)
+        if args.command == "bench":
+            return run_bench(args)
     except SendpathError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2

@@ -1,0 +1,197 @@
+"""`sendpath bench`: load any OpenAI-compatible server and report as `vllm bench serve`.
+
+``--scenario`` picks one of the seed's three situations (flags given explicitly win):
+- ``quiet``: one user at a time, a short question, a long answer: decode should dominate.
+- ``overloaded``: requests arrive faster than the server can answer (16/s suits the
+  built-in model on a CPU; raise ``--rate`` for a GPU): the queue should dominate.
+- ``long-document``: a ~1,500-token pasted document, a short answer: prefill shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from sendpath.bench.report import GOODPUT_METRICS, dominant, summarize
+from sendpath.bench.runner import Load, run
+from sendpath.bench.workload import DATASETS, LengthSpec, build
+
+__all__ = ["SCENARIOS", "add_bench_args", "run_bench"]
+
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "quiet": {"dataset": "random", "concurrency": 1, "num_requests": 6,
+              "input_len": "32", "output_len": "128"},
+    "overloaded": {"dataset": "random", "rate": 16.0, "num_requests": 96,
+                   "input_len": "64", "output_len": "64"},
+    "long-document": {"dataset": "long-document", "concurrency": 1, "num_requests": 3,
+                      "input_len": "1500", "output_len": "32"},
+}  # fmt: skip
+DEFAULTS: dict[str, Any] = {
+    "dataset": "random", "num_requests": 100, "input_len": "128", "output_len": "128",
+}  # fmt: skip
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="default: %(default)s")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("SENDPATH_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+        help="bearer token (default: $SENDPATH_API_KEY, else $OPENAI_API_KEY)",
+    )
+    p.add_argument("--model", default=None, help="default: the first of GET /v1/models")
+    p.add_argument("--scenario", choices=list(SCENARIOS), default=None)
+    p.add_argument("--dataset", choices=DATASETS, default=None, help="default: random")
+    p.add_argument("--concurrency", type=int, default=None, help="requests in flight (cap)")
+    p.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second")
+    p.add_argument("--num-requests", type=int, default=None, help="default: 100")
+    p.add_argument("--input-len", default=None, help="tokens: N or LOW-HIGH (default 128)")
+    p.add_argument("--output-len", default=None, help="tokens: N or LOW-HIGH (default 128)")
+    p.add_argument("--turns", type=int, default=4, help="turns per shared-prefix conversation")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--no-ignore-eos", action="store_true", help="let answers stop early (ignore_eos off)"
+    )
+    p.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="NAME:MS",
+        help="SLOs for goodput, e.g. ttft:500 tpot:50 (names: ttft, tpot, e2el)",
+    )
+    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the report")
+    p.add_argument("--plot", type=Path, default=None, metavar="FILE.png", help="stage chart")
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    preset = SCENARIOS.get(args.scenario or "", {})
+    out = {}
+    for name in ("dataset", "concurrency", "rate", "num_requests", "input_len", "output_len"):
+        given = getattr(args, name)
+        out[name] = given if given is not None else preset.get(name, DEFAULTS.get(name))
+    if out["concurrency"] is None and out["rate"] is None:
+        out["concurrency"] = 1
+    return out
+
+
+def _goodput(specs: list[str] | None) -> dict[str, float] | None:
+    if not specs:
+        return None
+    out = {}
+    for spec in specs:
+        name, _, ms = spec.partition(":")
+        if name not in GOODPUT_METRICS or not ms:
+            raise ValueError(f"--goodput takes NAME:MS with NAME in {GOODPUT_METRICS}: {spec!r}")
+        out[name] = float(ms)
+    return out
+
+
+async def _model(url: str, api_key: str | None) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=30) as client:
+        r = await client.get("/v1/models", headers=headers)
+    if r.status_code != 200:
+        raise ValueError(f"GET /v1/models said {r.status_code}: {r.text[:300]}")
+    model: str = r.json()["data"][0]["id"]
+    return model
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """The `sendpath bench` command."""
+    console = Console(stderr=True)
+    try:
+        s = _settings(args)
+        load = Load(s["concurrency"], s["rate"], args.seed)
+        slos = _goodput(args.goodput)
+        conversations = build(
+            s["dataset"],
+            s["num_requests"],
+            LengthSpec.parse(str(s["input_len"])),
+            LengthSpec.parse(str(s["output_len"])),
+            args.seed,
+            args.turns,
+        )
+        model = args.model or asyncio.run(_model(args.url, args.api_key))
+    except (ValueError, httpx.HTTPError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    extra: dict[str, object] = {"temperature": 0.0}
+    if not args.no_ignore_eos:
+        extra["ignore_eos"] = True
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task(f"{s['dataset']} x {s['num_requests']}", total=s["num_requests"])
+        results, duration = asyncio.run(
+            run(args.url, model, conversations, load, args.api_key, extra,
+                lambda r: progress.advance(task))
+        )  # fmt: skip
+    report = summarize(results, duration, slos)
+    report.update(
+        model=model,
+        scenario=args.scenario,
+        dataset=s["dataset"],
+        max_concurrency=s["concurrency"],
+        request_rate=s["rate"] if s["rate"] is not None else "inf",
+    )
+    found = dominant(report["stages"])
+    if found is not None:
+        report["dominant_stage"] = found[0]
+    _print(report, Console())
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot is not None:
+        from sendpath.bench.plot import plot_stages
+
+        plot_stages(report, args.plot)
+    return 0 if report["completed"] else 1
+
+
+def _print(report: dict[str, Any], console: Console) -> None:
+    table = Table(title="sendpath bench", title_justify="left", box=None)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [
+        ("completed / failed", f"{report['completed']} / {report['failed']}"),
+        ("duration s", f"{report['duration']:.2f}"),
+        ("request throughput /s", f"{report['request_throughput']:.3f}"),
+        ("output tokens /s", f"{report['output_throughput']:.1f}"),
+        ("total tokens /s", f"{report['total_token_throughput']:.1f}"),
+    ]
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        rows.append(
+            (
+                f"{name.upper()} ms mean / median / p99",
+                f"{report[f'mean_{name}_ms']:.1f} / {report[f'median_{name}_ms']:.1f} / "
+                f"{report[f'p99_{name}_ms']:.1f}",
+            )
+        )
+    if "request_goodput" in report:
+        rows.append(("goodput req/s", f"{report['request_goodput']:.3f}"))
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    for error in report["errors"]:
+        console.print(f"[red]error:[/red] {error}")
+    stages = report["stages"]
+    if not stages:
+        console.print("[dim]the server reported no stage timings[/dim]")
+        return
+    st = Table(title="where the time went (mean per request)", title_justify="left", box=None)
+    st.add_column("stage")
+    st.add_column("ms", justify="right")
+    st.add_column("share", justify="right")
+    for name, v in stages.items():
+        st.add_row(name, f"{v['mean_ms']:.1f}", f"{v['share']:.1%}")
+    console.print(st)
+    found = dominant(stages)
+    if found is not None:
+        group, share, why = found
+        console.print(f"[bold]{group}[/bold] dominated ({share:.0%} of the time): {why}.")
