@@ -72,7 +72,7 @@ async def conversation(
             "stream_options": {"include_usage": True},
         }
         start = time.perf_counter()
-        ttft, text, usage = None, "", {}
+        ttft, text, usage, timings = None, "", {}, {}
         async with client.stream("POST", "/v1/chat/completions", json=body) as r:
             r.raise_for_status()
             replica = r.headers["x-sendpath-replica"]
@@ -82,6 +82,8 @@ async def conversation(
                 event = json.loads(line[6:])
                 if event.get("usage"):
                     usage = event["usage"]
+                if event.get("timings"):
+                    timings = event["timings"]
                 for choice in event.get("choices", []):
                     delta = choice["delta"].get("content")
                     if delta:
@@ -96,6 +98,7 @@ async def conversation(
                 "ttft_s": ttft,
                 "prompt_tokens": usage["prompt_tokens"],
                 "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                "timings": timings,
             }
         )
 
@@ -144,6 +147,10 @@ def run_policy(policy: str, args: argparse.Namespace, tmp: Path) -> dict[str, An
         for c in range(args.conversations)
     )
     spread = Counter(t["replica"] for t in turns if t["turn"] == 0)
+    stages = ("gateway.queue", "engine.queue", "prefill", "decode")
+    stage_ms = {
+        s: round(statistics.fmean(t["timings"].get(s, 0.0) for t in turns), 1) for s in stages
+    }
     return {
         "policy": policy,
         "requests": len(turns),
@@ -155,6 +162,7 @@ def run_policy(policy: str, args: argparse.Namespace, tmp: Path) -> dict[str, An
         "wall_s": round(wall, 1),
         "conversations_on_one_replica": homes[1],
         "first_turns_per_replica": sorted(spread.values()),
+        "mean_stage_ms": stage_ms,  # the server's view of where each request's time went
     }
 
 

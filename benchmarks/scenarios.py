@@ -1,6 +1,8 @@
 """The seed's three situations on the real server: `sendpath serve` (one replica, the
 built-in model, this machine) loaded by `sendpath bench --scenario quiet | overloaded |
-long-document`; records each report and which stage dominated.
+long-document`; records each report and which stage dominated. The overloaded scenario
+runs twice: with the default batch of 64 sequences, and with the batch bounded at 8
+(`--max-num-seqs 8`), because on a CPU the batch size decides what overload looks like.
 
     .venv/bin/python -m benchmarks.scenarios
 """
@@ -15,26 +17,28 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from sendpath.fleet import free_port
 
 RESULTS = Path(__file__).parent / "results" / "scenarios.json"
-SCENARIOS = ("quiet", "overloaded", "long-document")
+# (label, scenario, extra `sendpath serve` flags)
+RUNS = (
+    ("quiet", "quiet", []),
+    ("overloaded", "overloaded", []),
+    ("overloaded, batch <= 8", "overloaded", ["--max-num-seqs", "8"]),
+    ("long-document", "long-document", []),
+)
 
 
-def main() -> None:
-    data = Path(tempfile.mkdtemp(prefix="sendpath-scenarios-"))
+def run(label: str, scenario: str, serve_args: list[str], data: Path) -> dict[str, Any]:
     port = free_port()
     env = {**os.environ, "SENDPATH_DATA_DIR": str(data)}
-    serve = subprocess.Popen(
-        [sys.executable, "-m", "sendpath.cli", "serve", "--port", str(port), "--no-auth"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-    )
+    cmd = [sys.executable, "-m", "sendpath.cli", "serve", "--port", str(port), "--no-auth"]
+    serve = subprocess.Popen(cmd + serve_args, env=env, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    reports = {}
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -45,19 +49,25 @@ def main() -> None:
                 pass
             assert time.monotonic() < deadline and serve.poll() is None, "serve did not start"
             time.sleep(0.5)
-        for scenario in SCENARIOS:
-            out = data / f"{scenario}.json"
-            cmd = [sys.executable, "-m", "sendpath.cli", "bench", "--url", url,
-                   "--scenario", scenario, "--json", str(out)]  # fmt: skip
-            subprocess.run(cmd, check=True)
-            reports[scenario] = json.loads(out.read_text())
+        out = data / f"{scenario}.json"
+        bench = [sys.executable, "-m", "sendpath.cli", "bench", "--url", url,
+                 "--scenario", scenario, "--json", str(out)]  # fmt: skip
+        subprocess.run(bench, check=True)
+        report: dict[str, Any] = json.loads(out.read_text())
+        report["server_flags"] = serve_args
+        return report
     finally:
         serve.terminate()
         serve.wait(60)
+
+
+def main() -> None:
+    data = Path(tempfile.mkdtemp(prefix="sendpath-scenarios-"))
+    reports = {label: run(label, scenario, flags, data) for label, scenario, flags in RUNS}
     RESULTS.parent.mkdir(exist_ok=True)
     machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}"
     RESULTS.write_text(json.dumps({"machine": machine, "reports": reports}, indent=2) + "\n")
-    print("\n| scenario | requests | dominant | queue | prefill | decode | other | TTFT p50 ms |")
+    print("\n| scenario | completed | dominant | queue | prefill | decode | other | TTFT p50 ms |")
     print("|---|---:|---|---:|---:|---:|---:|---:|")
     for name, r in reports.items():
         st = r["stages"]
@@ -68,7 +78,8 @@ def main() -> None:
         grouped = {"gateway.queue", "engine.queue", "prefill", "tokenize", "decode"}
         other = sum(v["share"] for k, v in st.items() if k not in grouped)
         print(
-            f"| {name} | {r['completed']} | {r.get('dominant_stage')} | "
+            f"| {name} | {r['completed']}/{r['completed'] + r['failed']} | "
+            f"{r.get('dominant_stage')} | "
             f"{share('gateway.queue', 'engine.queue')} | {share('prefill', 'tokenize')} | "
             f"{share('decode')} | {other:.0%} | {r['median_ttft_ms']:.0f} |"
         )

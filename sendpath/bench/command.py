@@ -31,7 +31,7 @@ __all__ = ["SCENARIOS", "add_bench_args", "run_bench"]
 SCENARIOS: dict[str, dict[str, Any]] = {
     "quiet": {"dataset": "random", "concurrency": 1, "num_requests": 6,
               "input_len": "32", "output_len": "128"},
-    "overloaded": {"dataset": "random", "rate": 16.0, "num_requests": 96,
+    "overloaded": {"dataset": "random", "rate": 16.0, "num_requests": 48,
                    "input_len": "64", "output_len": "64"},
     "long-document": {"dataset": "long-document", "concurrency": 1, "num_requests": 3,
                       "input_len": "1500", "output_len": "32"},
