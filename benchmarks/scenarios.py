@@ -25,7 +25,7 @@ from sendpath.fleet import free_port
 
 RESULTS = Path(__file__).parent / "results" / "scenarios.json"
 # (label, scenario, extra `sendpath serve` flags)
-RUNS = (
+RUNS: tuple[tuple[str, str, list[str]], ...] = (
     ("quiet", "quiet", []),
     ("overloaded", "overloaded", []),
     ("overloaded, batch <= 8", "overloaded", ["--max-num-seqs", "8"]),
