@@ -111,10 +111,11 @@ _GROUPS = {
     "decode": ("decode",),
 }
 _WHY = {
-    "queue": "more requests arrived than the replicas could take, so most of the time "
-    "was spent waiting for a slot",
-    "prefill": "the prompt is long: computing it in parallel still took a visible share",
-    "decode": "the service is quiet and the answer long: tokens come one at a time",
+    "queue": "requests waited for a slot: more arrived than the replicas could take at once",
+    "prefill": "the prompts are long: computing them, even in one parallel pass, took a "
+    "large share",
+    "decode": "answers come one token per step: long answers, or a big batch that slows "
+    "every step, make decoding the bulk of the wait",
 }
 
 

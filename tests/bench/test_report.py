@@ -44,5 +44,5 @@ def test_stage_shares_include_network_and_name_the_dominant_group() -> None:
     assert stages["engine.queue"] == {"mean_ms": 600.0, "share": 0.6}
     assert stages["network"]["mean_ms"] == pytest.approx(10.0)
     group, share, why = dominant(stages)  # type: ignore[misc]
-    assert group == "queue" and share == pytest.approx(0.6) and "waiting" in why
+    assert group == "queue" and share == pytest.approx(0.6) and "waited for a slot" in why
     assert summarize([result(0.1, 1.0, 3)], 1.0)["stages"] == {}  # no timings reported
