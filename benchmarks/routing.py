@@ -10,7 +10,7 @@ client (time to the first text chunk), the whole run's wall time, and how conver
 spread over the replicas.
 
     .venv/bin/python -m benchmarks.routing [--conversations 32 --turns 4 --max-tokens 16]
-        [--out benchmarks/results/routing.json]
+        [--arrival-rate R --think S] [--out benchmarks/results/routing.json]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -57,10 +58,19 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def conversation(
-    client: httpx.AsyncClient, c: int, turns: int, max_tokens: int, out: list[dict[str, Any]]
+    client: httpx.AsyncClient,
+    c: int,
+    args: argparse.Namespace,
+    out: list[dict[str, Any]],
 ) -> None:
+    rng = random.Random(c)
+    turns, max_tokens = args.turns, args.max_tokens
+    if args.arrival_rate:  # conversations start as a Poisson process
+        await asyncio.sleep(sum(rng.expovariate(args.arrival_rate) for _ in range(c + 1)))
     messages = [{"role": "system", "content": SYSTEM}]
     for t in range(turns):
+        if t and args.think:  # the user reads the answer and types the next question
+            await asyncio.sleep(rng.expovariate(1 / args.think))
         question = f"(customer {c}) " + QUESTIONS[(c + t) % len(QUESTIONS)]
         messages.append({"role": "user", "content": question})
         body = {
@@ -103,12 +113,12 @@ async def conversation(
         )
 
 
-async def workload(url: str, conversations: int, turns: int, max_tokens: int) -> list[Any]:
+async def workload(url: str, args: argparse.Namespace) -> list[Any]:
     out: list[dict[str, Any]] = []
-    limits = httpx.Limits(max_connections=conversations + 4)
+    limits = httpx.Limits(max_connections=args.conversations + 4)
     async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as client:
         await asyncio.gather(
-            *(conversation(client, c, turns, max_tokens, out) for c in range(conversations))
+            *(conversation(client, c, args, out) for c in range(args.conversations))
         )
     return out
 
@@ -134,7 +144,7 @@ def run_policy(policy: str, args: argparse.Namespace, tmp: Path) -> dict[str, An
                 except httpx.HTTPError:
                     time.sleep(0.2)
             start = time.perf_counter()
-            turns = asyncio.run(workload(url, args.conversations, args.turns, args.max_tokens))
+            turns = asyncio.run(workload(url, args))
             wall = time.perf_counter() - start
         finally:
             gateway.terminate()
@@ -173,6 +183,15 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--policies", nargs="+", default=list(POLICIES))
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
+    parser.add_argument(
+        "--arrival-rate",
+        type=float,
+        default=None,
+        help="conversations start at this Poisson rate per second (default: all at once)",
+    )
+    parser.add_argument(
+        "--think", type=float, default=0.0, help="mean seconds a user waits between turns"
+    )
     args = parser.parse_args()
     tmp = Path("/tmp") / f"sendpath-routing-{int(time.time())}"
     results = []
@@ -187,6 +206,8 @@ def main() -> None:
             "conversations": args.conversations,
             "turns": args.turns,
             "max_tokens": args.max_tokens,
+            "arrival_rate": args.arrival_rate,
+            "think_s": args.think,
             "replicas": 2,
             "model": MODEL,
         },
