@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,34 @@ def tiny_llama_dir(
 def tiny(tiny_llama_dir: Path) -> LoadedModel:
     """The tiny random Llama, loaded once in float32."""
     return load_model(tiny_llama_dir, dtype="float32")
+
+
+def wait_for(cond: Callable[[], object], timeout: float = 20.0) -> None:
+    """Poll ``cond`` until it is true; a miss while other threads change what it reads
+    (IndexError, RuntimeError) is just "not yet"."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if cond():
+                return
+        except (IndexError, RuntimeError):
+            pass
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
 
 
 def require_program(name: str, package: str) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,14 +11,8 @@ from pathlib import Path
 
 import httpx
 
-from sendpath.fleet import LocalFleet, ReplicaStartError
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+from sendpath.fleet import LocalFleet, ReplicaStartError, free_port
+from tests.conftest import child_pids
 
 
 def _alive(pid: int) -> bool:
@@ -30,23 +23,10 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry))
-    return out
-
-
 def test_serve_starts_two_replicas_answers_and_stops_cleanly(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "sendpath.cli", "serve", "--port", str(port),
@@ -64,7 +44,7 @@ def test_serve_starts_two_replicas_answers_and_stops_cleanly(
         assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
         lines.append(proc.stdout.readline())
     secret = next(line.strip() for line in lines if line.startswith("sk-sp-"))
-    replicas = _children(proc.pid)
+    replicas = child_pids(proc.pid)
     assert len(replicas) == 2
     url = f"http://127.0.0.1:{port}"
     health = httpx.get(url + "/health").json()

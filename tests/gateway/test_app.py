@@ -14,6 +14,7 @@ import httpx
 from sendpath.clock import VirtualClock
 from sendpath.gateway.keys import KeyStore
 from sendpath.gateway.ratelimit import MemoryLimiter
+from tests.conftest import wait_for
 from tests.gateway.conftest import CHAT, content, gateway
 from tests.server.conftest import Server
 
@@ -103,17 +104,10 @@ def test_daily_quota_gives_insufficient_quota(replica: Server, tmp_path: Path) -
         secret = gw.key("small", daily_tokens=50)
         r = gw.post(secret, {**IDS, "max_tokens": 30}, "/v1/completions")
         assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == 50
-        _wait(lambda: gw.keys.usage("small") == {"small": (50, 1)})
+        wait_for(lambda: gw.keys.usage("small") == {"small": (50, 1)})
         r = gw.post(secret, {**IDS, "max_tokens": 1}, "/v1/completions")
         assert r.status_code == 429
         assert error(r)["code"] == "insufficient_quota" and "00:00 UTC" in error(r)["message"]
-
-
-def _wait(cond: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
 
 
 def _level(limiter: MemoryLimiter, key: str) -> float:
@@ -132,14 +126,14 @@ def test_short_answers_and_aborts_are_refunded(replica: Server, tmp_path: Path) 
 
         # learn the greedy answer's first deltas, then stop on the second one
         first = content(gw.stream(secret, {**CHAT, "max_tokens": 3, "temperature": 0}))
-        _wait(lambda: gw.keys.usage("refund"))
+        wait_for(lambda: gw.keys.usage("refund"))
         after_first = level()
         body = {**CHAT, "max_tokens": 1000, "temperature": 0, "stop": [first[1]]}
         r = gw.post(secret, body)
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop"
         used = r.json()["usage"]["total_tokens"]
         assert r.json()["usage"]["completion_tokens"] == 2
-        _wait(lambda: level() == after_first - used)  # 1000 + prompt reserved, the rest back
+        wait_for(lambda: level() == after_first - used)  # 1000 + prompt reserved, the rest back
         # an aborted stream is charged for what was streamed, the rest refunded
         before = level()
         long = {**CHAT, "max_tokens": 1900, "ignore_eos": True, "stream": True}
@@ -153,7 +147,7 @@ def test_short_answers_and_aborts_are_refunded(replica: Server, tmp_path: Path) 
             got = [next(lines) for _ in range(8)]
             assert any("content" in line for line in got)
         assert gw.replica.idle()  # the replica aborted it too
-        _wait(lambda: gw.keys.usage("refund")["refund"][1] == 3)
+        wait_for(lambda: gw.keys.usage("refund")["refund"][1] == 3)
         charged = before - level()
         assert 5 < charged < 100  # prompt estimate + chunks relayed, not 1900
         assert gw.keys.usage("refund")["refund"][0] == tpm - level()  # the ledger agrees

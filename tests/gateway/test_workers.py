@@ -4,8 +4,6 @@ redis-server, and the first key created and printed once on a first start."""
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,23 +13,18 @@ from pathlib import Path
 
 import httpx
 
+from sendpath.fleet import free_port
 from sendpath.gateway.keys import KeyStore
+from tests.conftest import child_pids
 from tests.server.conftest import Server
 
 RESERVE = 20 + 5  # 20 prompt ids + max_tokens 5, used in full (ignore_eos): no refunds
 BODY = {"model": "tiny", "prompt": [7] * 20, "max_tokens": 5, "ignore_eos": True}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @contextmanager
 def run_gateway(*args: str) -> Iterator[tuple[str, subprocess.Popen[str]]]:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "sendpath.cli", "gateway", "--port", str(port), *args],
         stdout=subprocess.PIPE,
@@ -56,19 +49,6 @@ def run_gateway(*args: str) -> Iterator[tuple[str, subprocess.Popen[str]]]:
         proc.wait(20)
 
 
-def _children(pid: int) -> int:
-    count = 0
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                count += 1
-    return count
-
-
 def test_four_workers_share_one_tpm_limit_through_redis(
     replica: Server, redis_url: str, tmp_path: Path
 ) -> None:
@@ -77,7 +57,7 @@ def test_four_workers_share_one_tpm_limit_through_redis(
     args = ["--replica", replica.url, "--data-dir", str(tmp_path), "--redis", redis_url]
     with run_gateway(*args, "--workers", "4") as (url, proc):
         deadline = time.monotonic() + 60
-        while _children(proc.pid) < 4:
+        while len(child_pids(proc.pid)) < 4:
             assert time.monotonic() < deadline, "four workers did not start"
             time.sleep(0.1)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +18,7 @@ from sendpath.config import GatewayConfig
 from sendpath.fleet import LocalFleet
 from sendpath.gateway.app import create_gateway_app
 from sendpath.model.loader import LoadedModel
+from tests.conftest import wait_for
 from tests.server.conftest import serve, serve_app
 
 LONG = {"model": "tiny", "max_tokens": 1900, "ignore_eos": True}
@@ -79,13 +79,6 @@ def health(url: str) -> dict[str, bool]:
 def running(replica: str) -> int:
     stats = httpx.get(replica + "/load").json()
     return int(stats["num_requests_running"]) + int(stats["num_requests_waiting"])
-
-
-def wait_for(cond: Any, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
 
 
 def test_round_robin_alternates(fleet: LocalFleet, tmp_path: Path) -> None:

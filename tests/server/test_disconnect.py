@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from urllib.parse import urlparse
 
 import httpx
 
 from sendpath.model.loader import LoadedModel
+from tests.conftest import wait_for
 from tests.server.conftest import BLOCKS, Server, serve
 
 LONG = {"model": "tiny", "max_tokens": 1900, "ignore_eos": True}
@@ -33,18 +33,6 @@ def raw_post(server: Server, path: str, body: str) -> socket.socket:
 
 def engine_requests(server: Server) -> int:
     return len(server.core.scheduler.requests)
-
-
-def wait_for(cond: object, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:  # the engine thread changes these lists under us: a miss is just "not yet"
-            if cond():  # type: ignore[operator]
-                return
-        except (IndexError, RuntimeError):
-            pass
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.005)
 
 
 def test_disconnect_mid_stream(server: Server) -> None:
