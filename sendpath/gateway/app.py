@@ -19,7 +19,8 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from sendpath.clock import Clock, RealClock
@@ -50,6 +51,7 @@ from sendpath.trace import TraceStore
 __all__ = ["CONFIG_ENV", "app_from_env", "create_gateway_app", "ensure_first_key"]
 
 CONFIG_ENV = "SENDPATH_GATEWAY_CONFIG"
+WEB = Path(__file__).parent.parent / "web"  # the page: plain HTML, CSS and JavaScript
 
 
 def key_store(config: GatewayConfig) -> KeyStore:
@@ -106,6 +108,7 @@ def create_gateway_app(
     app = FastAPI(title="sendpath gateway", lifespan=lifespan)
     app.state.pool, app.state.queue, app.state.keys = pool, queue, keys
     app.state.router = router
+    app.mount("/web", StaticFiles(directory=WEB), name="web")
 
     @app.exception_handler(SendpathError)
     async def sendpath_error(request: Request, exc: SendpathError) -> JSONResponse:
@@ -131,6 +134,40 @@ def create_gateway_app(
             },
             status_code=200 if healthy else 503,
         )
+
+    @app.get("/", include_in_schema=False)
+    async def page() -> FileResponse:
+        return FileResponse(WEB / "index.html")
+
+    @app.get("/fleet")
+    async def fleet() -> dict[str, Any]:
+        """The gateway's queue and each replica's health and load, for the page."""
+        replicas = []
+        for e in pool.endpoints:
+            s = e.stats
+            queries = s.get("prefix_cache_queries", 0.0)
+            replicas.append(
+                {
+                    "url": e.url,
+                    "healthy": e.healthy,
+                    "in_flight": e.in_flight,
+                    "running": int(s["num_requests_running"]) if s else None,
+                    "waiting": int(s["num_requests_waiting"]) if s else None,
+                    "kv_cache_usage": s.get("kv_cache_usage"),
+                    "prefix_cache_hit_rate": (
+                        s.get("prefix_cache_hits", 0.0) / queries if queries else None
+                    ),
+                }
+            )
+        return {
+            "gateway": {
+                "in_flight": queue.num_in_flight,
+                "waiting": queue.num_waiting,
+                "capacity": queue.capacity,
+                "policy": router.policy.name,
+            },
+            "replicas": replicas,
+        }
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -281,6 +281,8 @@ class RateLimitMiddleware:
         reserve = ctx.prompt_tokens + (asked if asked is not None else self.default_reserve)
         if asked is None and limits.tpm is not None:
             reserve = min(reserve, limits.tpm)
+        if limits.rpm is None and limits.tpm is None:  # nothing to reserve: no round trip
+            return reserve, Decision(True, 0.0, None, None, 0.0, 0.0)
         decision = await asyncio.to_thread(self.limiter.reserve, key.name, limits, reserve)
         if decision.allowed:
             return reserve, decision

@@ -18,7 +18,7 @@ Health, with every tunable here:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sendpath.clock import Clock
 
@@ -44,6 +44,7 @@ class Endpoint:
     failures: int = 0  # consecutive request failures
     ejections: int = 0  # ejections in a row (the backoff's exponent)
     external_load: int = 0  # running + waiting at the replica that are not this gateway's
+    stats: dict[str, float] = field(default_factory=dict)  # its last /load, as it said it
 
     @property
     def healthy(self) -> bool:
@@ -93,11 +94,19 @@ class ReplicaPool:
         if endpoint.ejected_until is None:
             endpoint.ejections = 0
 
-    def checked(self, endpoint: Endpoint, ok: bool, load: int | None = None) -> None:
-        """The result of an active health check."""
+    def checked(
+        self,
+        endpoint: Endpoint,
+        ok: bool,
+        load: int | None = None,
+        stats: dict[str, float] | None = None,
+    ) -> None:
+        """The result of an active health check (``stats``: the replica's /load)."""
         endpoint.up = ok
         if load is not None:
             endpoint.external_load = max(0, load - endpoint.in_flight)
+        if stats is not None:
+            endpoint.stats = stats
         if not ok:
             return
         if endpoint.ejected_until is not None and self.clock.now() >= endpoint.ejected_until:

@@ -73,17 +73,18 @@ class Router:
         try:
             r = await client.get(endpoint.url + "/health", timeout=CHECK_TIMEOUT_S)
             ok = r.status_code == 200
-            load = None
+            load, stats = None, None
             if ok and endpoint.index not in self._no_load:
                 lr = await client.get(endpoint.url + "/load", timeout=CHECK_TIMEOUT_S)
                 if lr.status_code == 200:
-                    stats = lr.json()
-                    load = int(stats["num_requests_running"]) + int(stats["num_requests_waiting"])
+                    raw = lr.json()
+                    stats = {k: float(v) for k, v in raw.items() if isinstance(v, int | float)}
+                    load = int(raw["num_requests_running"]) + int(raw["num_requests_waiting"])
                 elif lr.status_code == 404:
                     self._no_load.add(endpoint.index)  # e.g. vLLM: in-flight counts only
         except (httpx.HTTPError, ValueError, KeyError):
-            ok, load = False, None
-        self.pool.checked(endpoint, ok, load)
+            ok, load, stats = False, None, None
+        self.pool.checked(endpoint, ok, load, stats)
 
     async def run_checks(
         self, client: httpx.AsyncClient, interval: float = CHECK_INTERVAL_S

@@ -160,6 +160,8 @@ def create_app(config: ReplicaConfig, engine: AsyncEngine | None = None) -> Fast
             "num_requests_running": stats.num_running,
             "num_requests_waiting": stats.num_waiting,
             "kv_cache_usage": stats.kv_cache_usage,
+            "prefix_cache_queries": stats.prefix_cache_queries,
+            "prefix_cache_hits": stats.prefix_cache_hits,
         }
 
     @app.get("/metrics")

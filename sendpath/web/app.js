@@ -1,0 +1,243 @@
+// sendpath's page: follow one message through the stack, and watch the fleet.
+// Plain browser JavaScript, no build step. Talks to the gateway it was served from.
+"use strict";
+
+const $ = (sel) => document.querySelector(sel);
+const KEY_STORE = "sendpath.apiKey";
+// The pipeline boxes, and which trace stages each one stands for.
+const BOXES = {
+  network: ["network"],
+  gateway: ["gateway.auth", "gateway.ratelimit", "gateway.safety"],
+  queue: ["gateway.queue"],
+  route: ["route"],
+  replica: ["tokenize", "engine.queue", "prefill"],
+  decode: ["decode"],
+  stream: ["stream"],
+};
+
+function light(names, cls = "lit") {
+  for (const li of document.querySelectorAll("#pipeline li")) {
+    li.classList.toggle(cls, names.includes(li.dataset.stage));
+  }
+}
+
+function resetPipeline() {
+  for (const li of document.querySelectorAll("#pipeline li")) {
+    li.classList.remove("lit", "done");
+    li.querySelector(".ms")?.remove();
+  }
+}
+
+function showError(text) {
+  const box = $("#error");
+  box.textContent = text;
+  box.hidden = false;
+  light([]);
+}
+
+// What a person needs to know about an error answer.
+function explain(status, body, headers) {
+  const err = (body && body.error) || {};
+  const message = err.message || `HTTP ${status}`;
+  if (status === 401) return `Your API key was not accepted: ${message}`;
+  if (status === 429) {
+    const wait = headers.get("retry-after");
+    if (err.code === "insufficient_quota") return `This key's daily quota is used up. ${message}`;
+    return `Rate limited: ${message}` + (wait ? ` Try again in ${wait} s.` : "");
+  }
+  if (err.code === "content_filter") return `Blocked by the safety filter. ${message}`;
+  if (status === 503) {
+    const wait = headers.get("retry-after");
+    return `The service is busy: ${message}` + (wait ? ` Try again in ${wait} s.` : "");
+  }
+  return message;
+}
+
+async function send(event) {
+  event.preventDefault();
+  const key = $("#api-key").value.trim();
+  localStorage.setItem(KEY_STORE, key);
+  const answer = $("#answer");
+  answer.textContent = "";
+  answer.dataset.chunks = "0";
+  $("#error").hidden = true;
+  $("#waterfall").hidden = true;
+  $("#cached").hidden = true;
+  resetPipeline();
+  $("#send").disabled = true;
+  // Until the first token the client cannot see inside: the message is somewhere between
+  // the network and the replica's prefill. The trace afterwards says exactly where.
+  light(["network", "gateway", "queue", "route", "replica"]);
+  $("#status").textContent = "sent: waiting for the first token...";
+  try {
+    const models = await fetch("/v1/models", { headers: auth(key) });
+    if (!models.ok) {
+      showError(explain(models.status, await models.json().catch(() => null), models.headers));
+      return;
+    }
+    const model = (await models.json()).data[0].id;
+    const started = performance.now();
+    const response = await fetch("/v1/chat/completions", {
+      method: "POST",
+      headers: { "Content-Type": "application/json", ...auth(key) },
+      body: JSON.stringify({
+        model,
+        messages: [{ role: "user", content: $("#message").value }],
+        max_tokens: Number($("#max-tokens").value) || 64,
+        temperature: 0,
+        stream: true,
+        stream_options: { include_usage: true },
+      }),
+    });
+    if (!response.ok) {
+      showError(explain(response.status, await response.json().catch(() => null), response.headers));
+      return;
+    }
+    const result = await readStream(response, answer);
+    const clientMs = performance.now() - started;
+    light([]);
+    if (result.error) {
+      showError(`The answer broke off: ${result.error.message}`);
+      return;
+    }
+    $("#status").textContent = `finished (${result.finish}) in ${Math.round(clientMs)} ms`;
+    await showTrace(result, clientMs, key);
+  } catch (err) {
+    showError(`The server could not be reached (${err.message}). Is sendpath serve running?`);
+  } finally {
+    $("#send").disabled = false;
+  }
+}
+
+function auth(key) {
+  return key ? { Authorization: `Bearer ${key}` } : {};
+}
+
+// Read the SSE stream, showing each text chunk the moment it arrives.
+async function readStream(response, answer) {
+  const out = { id: null, timings: null, usage: null, finish: null, error: null };
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer += decoder.decode(value, { stream: true });
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const raw = buffer.slice(0, cut);
+      buffer = buffer.slice(cut + 2);
+      if (!raw.startsWith("data:")) continue;
+      const data = raw.slice(5).trim();
+      if (data === "[DONE]") return out;
+      const chunk = JSON.parse(data);
+      if (chunk.error) { out.error = chunk.error; return out; }
+      out.id = out.id || chunk.id;
+      if (chunk.timings) out.timings = chunk.timings;
+      if (chunk.usage) out.usage = chunk.usage;
+      for (const choice of chunk.choices || []) {
+        const text = choice.delta && choice.delta.content;
+        if (text) {
+          if (answer.dataset.chunks === "0") {
+            light(["decode", "stream"]);
+            $("#status").textContent = "decoding: one token at a time...";
+          }
+          answer.textContent += text;
+          answer.dataset.chunks = String(Number(answer.dataset.chunks) + 1);
+        }
+        if (choice.finish_reason) out.finish = choice.finish_reason;
+      }
+    }
+  }
+  return out;
+}
+
+async function showTrace(result, clientMs, key) {
+  let stages = null;
+  const got = await fetch(`/v1/traces/${result.id}`, { headers: auth(key) });
+  if (got.ok) stages = (await got.json()).stages;
+  if (!stages && result.timings) {  // no trace kept: lay the timings end to end
+    let t = 0;
+    stages = Object.entries(result.timings)
+      .filter(([name]) => name !== "ttft" && name !== "total")
+      .map(([stage, ms]) => { const s = { stage, start_ms: t, duration_ms: ms }; t += ms; return s; });
+  }
+  if (!stages) return;
+  const serverMs = result.timings ? result.timings.total : 0;
+  const networkMs = Math.max(0, clientMs - serverMs);
+  drawWaterfall(stages, networkMs);
+  markPipeline(stages, networkMs);
+  if (result.usage) {
+    const cached = (result.usage.prompt_tokens_details || {}).cached_tokens || 0;
+    $("#cached").textContent =
+      `${result.usage.prompt_tokens} prompt tokens, ${cached} of them from the prefix cache; ` +
+      `${result.usage.completion_tokens} generated.`;
+    $("#cached").hidden = false;
+  }
+}
+
+function drawWaterfall(stages, networkMs) {
+  const serverEnd = Math.max(...stages.map((s) => s.start_ms + s.duration_ms));
+  const total = serverEnd + networkMs;
+  const rows = stages.map((s) => ({ name: s.stage, ms: s.duration_ms, spans: [[networkMs / 2 + s.start_ms, s.duration_ms]] }));
+  rows.push({ name: "network", ms: networkMs, spans: [[0, networkMs / 2], [networkMs / 2 + serverEnd, networkMs / 2]] });
+  const body = $("#waterfall tbody");
+  body.replaceChildren();
+  for (const row of rows) {
+    const tr = document.createElement("tr");
+    tr.dataset.stage = row.name;
+    const bars = row.spans.map(([start, ms]) =>
+      `<span style="left:${(100 * start) / total}%;width:${(100 * ms) / total}%"></span>`).join("");
+    tr.innerHTML = `<td>${row.name}</td><td class="num">${row.ms.toFixed(1)}</td>` +
+      `<td class="num">${((100 * row.ms) / total).toFixed(1)}%</td>` +
+      `<td><div class="track ${row.name === "network" ? "network" : ""}">${bars}</div></td>`;
+    body.appendChild(tr);
+  }
+  const tr = document.createElement("tr");
+  tr.innerHTML = `<th>total</th><th class="num">${total.toFixed(1)}</th><th class="num">100%</th><th></th>`;
+  body.appendChild(tr);
+  $("#waterfall").hidden = false;
+}
+
+function markPipeline(stages, networkMs) {
+  const ms = Object.fromEntries(stages.map((s) => [s.stage, s.duration_ms]));
+  ms.network = networkMs;
+  for (const li of document.querySelectorAll("#pipeline li")) {
+    const sum = BOXES[li.dataset.stage].reduce((a, name) => a + (ms[name] || 0), 0);
+    li.classList.add("done");
+    const label = document.createElement("span");
+    label.className = "ms";
+    label.textContent = `${sum.toFixed(1)} ms`;
+    li.appendChild(label);
+  }
+}
+
+// The fleet: polled once a second from the gateway.
+async function pollFleet() {
+  try {
+    const r = await fetch("/fleet");
+    const fleet = await r.json();
+    const g = fleet.gateway;
+    $("#gateway-line").textContent =
+      `gateway: ${g.in_flight} in flight of ${g.capacity}, ${g.waiting} waiting in its queue; ` +
+      `routing ${g.policy}`;
+    const body = $("#replicas tbody");
+    body.replaceChildren();
+    for (const rep of fleet.replicas) {
+      const tr = document.createElement("tr");
+      const pct = (x) => (x == null ? "-" : `${(100 * x).toFixed(0)}%`);
+      tr.innerHTML = `<td>${rep.url.replace(/^https?:\/\//, "")}</td>` +
+        `<td class="${rep.healthy ? "health-ok" : "health-down"}">${rep.healthy ? "healthy" : "out"}</td>` +
+        `<td class="num">${rep.running ?? "-"}</td><td class="num">${rep.waiting ?? "-"}</td>` +
+        `<td class="num">${pct(rep.kv_cache_usage)}</td><td class="num">${pct(rep.prefix_cache_hit_rate)}</td>`;
+      body.appendChild(tr);
+    }
+  } catch (err) {
+    $("#gateway-line").textContent = `the gateway could not be reached (${err.message})`;
+  }
+}
+
+$("#api-key").value = localStorage.getItem(KEY_STORE) || "";
+$("#send-form").addEventListener("submit", send);
+pollFleet();
+setInterval(pollFleet, 1000);
