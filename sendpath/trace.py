@@ -158,5 +158,8 @@ class TraceStore(Generic[T]):
     def get(self, request_id: str) -> T | None:
         return self._items.get(request_id)
 
+    def pop(self, request_id: str) -> T | None:
+        return self._items.pop(request_id, None)
+
     def __len__(self) -> int:
         return len(self._items)

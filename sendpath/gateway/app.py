@@ -46,7 +46,7 @@ from sendpath.router.policy import RouteRequest, make_policy
 from sendpath.router.pool import ReplicaPool
 from sendpath.router.router import Router
 from sendpath.server.responses import error_body
-from sendpath.trace import TraceStore
+from sendpath.trace import Stage, TraceStore
 
 __all__ = ["CONFIG_ENV", "app_from_env", "create_gateway_app", "ensure_first_key"]
 
@@ -83,6 +83,7 @@ def create_gateway_app(
     router = Router(pool, make_policy(config.policy), lambda: queue.resize(pool.capacity))
     metrics = GatewayMetrics(pool)
     traces: TraceStore[GatewayTrace] = TraceStore()
+    live: TraceStore[GatewayContext] = TraceStore(1024)  # in flight, by client id
 
     def done(ctx: GatewayContext) -> None:
         metrics.finished(ctx)
@@ -188,6 +189,39 @@ def create_gateway_app(
                 replica_trace = None
         return JSONResponse(stitch(found, replica_trace))
 
+    @app.get("/v1/progress/{client_id}")
+    async def progress(client_id: str, request: Request) -> dict[str, Any]:
+        """The stage an in-flight request is in now (for the page's live pipeline)."""
+        found = live.get(client_id)
+        asker = context(request.scope).key
+        if found is None or (found.key.name if found.key else None) != (
+            asker.name if asker else None
+        ):
+            raise TraceNotFoundError(client_id)
+        out: dict[str, Any] = {"client_id": client_id, "stage": found.gateway_stage().value}
+        if found.first_token_at is not None:
+            out["stage"] = Stage.DECODE.value
+        elif found.replica is not None and found.replica_request_id is not None:
+            out["stage"] = Stage.TOKENIZE.value
+            try:
+                r = await proxy.client.get(
+                    f"{found.replica}/v1/requests/{found.replica_request_id}", timeout=1.0
+                )
+                engine = r.json() if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                engine = None
+            if engine is not None:
+                out["engine"] = engine
+                computed, prompt = engine["num_computed_tokens"], engine["num_prompt_tokens"]
+                if engine["num_output_tokens"] > 0:
+                    out["stage"] = Stage.DECODE.value
+                elif engine["status"] == "running" or computed > 0:
+                    out["stage"] = Stage.PREFILL.value
+                else:
+                    out["stage"] = Stage.ENGINE_QUEUE.value
+                out["prefill_done"] = round(computed / prompt, 3) if prompt else 0.0
+        return out
+
     @app.get("/v1/models")
     async def models() -> Response:
         endpoint = router.choose(RouteRequest(""))
@@ -222,7 +256,10 @@ def create_gateway_app(
         per_key_salt=config.prefix_cache_isolation == "per-key",
     )
     app.add_middleware(
-        TraceMiddleware, clock=clock, on_status=lambda code: metrics.responses.labels(code).inc()
+        TraceMiddleware,
+        clock=clock,
+        on_status=lambda code: metrics.responses.labels(code).inc(),
+        live=live,
     )
     return app
 

@@ -57,7 +57,9 @@ class GatewayContext:
     streamed_chunks: int = 0  # text chunks relayed (the usage estimate if none is reported)
     first_token_at: float | None = None
     relayed: list[float] = field(default_factory=list)  # when each text chunk went out
+    client_id: str | None = None  # the client's own name for it (x-sendpath-client-id)
     replica: str | None = None
+    replica_request_id: str | None = None  # the replica's id for it (its x-request-id)
     response_id: str | None = None
     route_s: float = 0.0  # choosing + connecting + sending, over every attempt
     replica_arrival: float | None = None  # on this clock (exact on one host, else estimated)
@@ -115,6 +117,14 @@ class GatewayContext:
         end = self.end if self.end is not None else self.clock.now()
         out["total"] = ms(end - self.start)
         return out
+
+    def gateway_stage(self) -> Stage:
+        """The stage this request is in, as far as the gateway alone can tell."""
+        for stage in reversed(GATEWAY_STAGES):
+            if stage in self.marks:
+                after = GATEWAY_STAGES.index(stage) + 1
+                return GATEWAY_STAGES[after] if after < len(GATEWAY_STAGES) else Stage.ROUTE
+        return Stage.GATEWAY_AUTH
 
 
 def context(scope: MutableMapping[str, Any]) -> GatewayContext:

@@ -42,7 +42,7 @@ from sendpath.gateway.keys import PREFIX, KeyStore
 from sendpath.gateway.ratelimit import Decision, Limits, RateLimiter
 from sendpath.gateway.safety import SafetyCheck
 from sendpath.server.protocol import load_json
-from sendpath.trace import Stage
+from sendpath.trace import Stage, TraceStore
 
 __all__ = [
     "AdmissionMiddleware",
@@ -82,25 +82,40 @@ async def _shielded(coro: Any) -> None:
 
 class TraceMiddleware:
     """Gives every HTTP request a ``GatewayContext`` with its arrival time, and reports
-    each response's status code (``on_status``) for the metrics."""
+    each response's status code (``on_status``) for the metrics. A request that names
+    itself in ``x-sendpath-client-id`` is findable in ``live`` while it runs (the page
+    follows it through the stages with ``GET /v1/progress/{client_id}``)."""
 
     def __init__(
-        self, app: ASGIApp, clock: Clock, on_status: Callable[[int], None] = lambda code: None
+        self,
+        app: ASGIApp,
+        clock: Clock,
+        on_status: Callable[[int], None] = lambda code: None,
+        live: TraceStore[GatewayContext] | None = None,
     ) -> None:
-        self.app, self.clock, self.on_status = app, clock, on_status
+        self.app, self.clock, self.on_status, self.live = app, clock, on_status, live
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        scope.setdefault("state", {})[SCOPE_KEY] = GatewayContext(self.clock, self.clock.now())
+        ctx = GatewayContext(self.clock, self.clock.now())
+        scope.setdefault("state", {})[SCOPE_KEY] = ctx
+        client_id = dict(scope["headers"]).get(b"x-sendpath-client-id")
+        if client_id is not None and self.live is not None:
+            ctx.client_id = client_id.decode("latin-1")[:64]
+            self.live.put(ctx.client_id, ctx)
 
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 self.on_status(int(message["status"]))
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            if ctx.client_id is not None and self.live is not None:
+                self.live.pop(ctx.client_id)
 
 
 class AuthMiddleware:

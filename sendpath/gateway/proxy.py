@@ -178,6 +178,7 @@ class Proxy:
             return _Retry()
         headers = {k: v for k, v in upstream.headers.items() if k.lower() in _PASS_HEADERS}
         ctx.replica_arrival = _arrival(upstream.headers, t0, ctx.clock.now(), sent)
+        ctx.replica_request_id = upstream.headers.get("x-request-id")
         keep_open = False  # only a stream that started stays open, for the relay
         try:
             if upstream.status_code != 200:

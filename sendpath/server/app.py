@@ -64,6 +64,7 @@ class Replica:
         self.load_error: BaseException | None = None
         self.metrics = ReplicaMetrics()
         self.traces: TraceStore[dict[str, Any]] = TraceStore()
+        self.active: TraceStore[EngineRequest] = TraceStore()  # in flight, by response id
 
     def finished(self, response_id: str, request: EngineRequest) -> None:
         """Record a finished request: metrics, and its trace for ``/v1/traces/{id}``."""
@@ -169,6 +170,20 @@ def create_app(config: ReplicaConfig, engine: AsyncEngine | None = None) -> Fast
         stats = await replica.engine.stats() if replica.engine is not None else None
         return Response(replica.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/v1/requests/{response_id}")
+    async def progress(response_id: str) -> dict[str, Any]:
+        """Where an in-flight request is in the engine (read while the engine runs)."""
+        request = replica.active.get(response_id)
+        if request is None:
+            raise TraceNotFoundError(response_id)
+        return {
+            "id": response_id,
+            "status": request.status.value,
+            "num_prompt_tokens": request.num_prompt_tokens,
+            "num_computed_tokens": min(request.num_computed_tokens, request.num_prompt_tokens),
+            "num_output_tokens": len(request.output_token_ids),
+        }
+
     @app.get("/v1/traces/{response_id}")
     async def trace(response_id: str) -> JSONResponse:
         found = replica.traces.get(response_id)
@@ -224,6 +239,7 @@ async def _serve(
     # stitches this replica's events into its own timeline exactly
     arrival = stream.request.timeline.events[0].time
     headers = {"x-request-id": chunker.id, "x-sendpath-clock": repr(arrival)}
+    replica.active.put(chunker.id, stream.request)
     if parsed.stream:
         events = _events(replica, stream, chunker, parsed.include_usage)
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
@@ -233,6 +249,7 @@ async def _serve(
         await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
+        replica.active.pop(chunker.id)
         if not collect.done():  # the client left (or this handler was cancelled)
             collect.cancel()
             stream.abort()
@@ -281,5 +298,6 @@ async def _events(
         err = exc if isinstance(exc, SendpathError) else ServiceUnavailableError(str(exc))
         yield sse(error_body(err))  # an explicit error event, and no [DONE]
     finally:
+        replica.active.pop(chunker.id)
         if not stream.finished:
             stream.abort()

@@ -65,10 +65,9 @@ async function send(event) {
   $("#cached").hidden = true;
   resetPipeline();
   $("#send").disabled = true;
-  // Until the first token the client cannot see inside: the message is somewhere between
-  // the network and the replica's prefill. The trace afterwards says exactly where.
-  light(["network", "gateway", "queue", "route", "replica"]);
-  $("#status").textContent = "sent: waiting for the first token...";
+  light(["network", "gateway"]);
+  $("#status").textContent = "sent...";
+  const follow = { on: false };
   try {
     const models = await fetch("/v1/models", { headers: auth(key) });
     if (!models.ok) {
@@ -76,10 +75,13 @@ async function send(event) {
       return;
     }
     const model = (await models.json()).data[0].id;
+    const clientId = crypto.randomUUID ? crypto.randomUUID() : String(Math.random()).slice(2);
+    follow.on = true;
     const started = performance.now();
+    followStages(clientId, key, follow, answer);
     const response = await fetch("/v1/chat/completions", {
       method: "POST",
-      headers: { "Content-Type": "application/json", ...auth(key) },
+      headers: { "Content-Type": "application/json", "x-sendpath-client-id": clientId, ...auth(key) },
       body: JSON.stringify({
         model,
         messages: [{ role: "user", content: $("#message").value }],
@@ -90,10 +92,12 @@ async function send(event) {
       }),
     });
     if (!response.ok) {
+      follow.on = false;
       showError(explain(response.status, await response.json().catch(() => null), response.headers));
       return;
     }
     const result = await readStream(response, answer);
+    follow.on = false;
     const clientMs = performance.now() - started;
     light([]);
     if (result.error) {
@@ -105,7 +109,37 @@ async function send(event) {
   } catch (err) {
     showError(`The server could not be reached (${err.message}). Is sendpath serve running?`);
   } finally {
+    follow.on = false;
     $("#send").disabled = false;
+  }
+}
+
+// Until the first token arrives, ask the gateway where the message is, ten times a
+// second: a gateway stage, the queue, the route, or inside the replica (its engine queue,
+// tokenizing, prefill with how much of the prompt is done).
+const BOX_OF = {
+  "gateway.auth": "gateway", "gateway.ratelimit": "gateway", "gateway.safety": "gateway",
+  "gateway.queue": "queue", route: "route", tokenize: "replica", "engine.queue": "replica",
+  prefill: "replica", decode: "decode",
+};
+async function followStages(clientId, key, follow, answer) {
+  window.stagesSeen = [];
+  while (follow.on && answer.dataset.chunks === "0") {
+    try {
+      const r = await fetch(`/v1/progress/${clientId}`, { headers: auth(key) });
+      if (r.ok && follow.on && answer.dataset.chunks === "0") {
+        const p = await r.json();
+        if (window.stagesSeen[window.stagesSeen.length - 1] !== p.stage) window.stagesSeen.push(p.stage);
+        const box = BOX_OF[p.stage] || "gateway";
+        light(box === "decode" ? ["decode"] : [box]);
+        let text = `now: ${p.stage}`;
+        if (p.stage === "prefill" && p.engine) {
+          text += ` (${Math.round(100 * p.prefill_done)}% of ${p.engine.num_prompt_tokens} prompt tokens)`;
+        }
+        $("#status").textContent = text;
+      }
+    } catch (err) { /* the answer itself will say what went wrong */ }
+    await new Promise((resolve) => setTimeout(resolve, 100));
   }
 }
 

@@ -3,6 +3,8 @@ and several replicas, readable only by its key; the stage histograms in /metrics
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -95,3 +97,37 @@ def test_traces_through_two_replicas_name_theirs(tiny: LoadedModel, tmp_path: Pa
                 check_consistent(trace, r.json()["usage"]["completion_tokens"])
                 seen.add(trace["replica"])
             assert seen == {r1.url, r2.url}
+
+
+def test_progress_follows_a_request_through_prefill(tiny: LoadedModel, tmp_path: Path) -> None:
+    with serve(tiny, max_num_batched_tokens=8) as slow, gateway(slow, tmp_path) as gw:
+        secret, other = gw.key("p"), gw.key("q")
+        body = {"model": "tiny", "prompt": [7] * 1500, "max_tokens": 2, "stream": True}
+        headers = {"Authorization": f"Bearer {secret}", "x-sendpath-client-id": "c-1"}
+        done = threading.Event()
+
+        def run() -> None:
+            with httpx.stream(
+                "POST", gw.url + "/v1/completions", json=body, headers=headers, timeout=120
+            ) as r:
+                r.read()
+            done.set()
+
+        threading.Thread(target=run).start()
+        seen: list[dict[str, Any]] = []
+        while not done.is_set():
+            r = httpx.get(
+                gw.url + "/v1/progress/c-1", headers={"Authorization": f"Bearer {secret}"}
+            )
+            if r.status_code == 200:
+                seen.append(r.json())
+            time.sleep(0.02)
+        prefill = [p for p in seen if p["stage"] == "prefill"]
+        assert prefill, [p["stage"] for p in seen]
+        assert (
+            0 < prefill[0]["prefill_done"] < 1 and prefill[0]["engine"]["num_prompt_tokens"] == 1500
+        )
+        fractions = [p["prefill_done"] for p in prefill]
+        assert fractions == sorted(fractions)
+        r = httpx.get(gw.url + "/v1/progress/c-1", headers={"Authorization": f"Bearer {other}"})
+        assert r.status_code == 404  # finished (and never another key's)

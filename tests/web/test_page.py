@@ -136,3 +136,19 @@ def test_an_unreachable_server_is_said_plainly(
     page.wait_for_selector("#error:not([hidden])")
     assert "could not be reached" in page.inner_text("#error")
     page.close()
+
+
+def test_the_pipeline_follows_a_long_prefill_live(
+    browser: Any, tiny: LoadedModel, tmp_path: Path
+) -> None:
+    with serve(tiny, max_num_batched_tokens=2) as slow, gateway(slow, tmp_path) as g:
+        page = open_page(browser, g)
+        send(page, g.key("live"), "the sea " * 600, 4)  # ~1,230 prompt tokens, 2 per step
+        page.wait_for_selector("#status:has-text('prefill (')")
+        lit = page.locator("#pipeline li.lit").evaluate_all("els => els.map(e => e.dataset.stage)")
+        assert lit == ["replica"]  # the box the message is in, while it is there
+        page.locator("#follow").screenshot(path=ARTIFACTS / "follow-prefill-live.png")
+        page.wait_for_selector("#waterfall:not([hidden])", timeout=60_000)
+        seen = page.evaluate("window.stagesSeen")
+        assert "prefill" in seen and "decode" not in seen[: seen.index("prefill")]
+        page.close()
