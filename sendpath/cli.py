@@ -19,6 +19,7 @@ from sendpath.launch import (
     run_replica,
     run_serve,
 )
+from sendpath.sim.command import add_sim_args, run_sim
 
 if TYPE_CHECKING:
     pass
@@ -83,6 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
         "when the server reports one. --scenario runs the seed's three situations.",
     )
     add_bench_args(bench)
+    sim = sub.add_parser(
+        "sim",
+        help="simulate the serving stack on GPUs you do not have: latency, stages, cost",
+        description="Run our scheduler, KV cache and router on a virtual clock with a "
+        "roofline cost model: the seed's scenarios (--scenario), or any traffic on any "
+        "number of replicas. Reports what `sendpath bench` reports, plus utilisation and cost.",
+    )
+    add_sim_args(sim)
     srv = sub.add_parser(
         "serve",
         help="the whole stack: gateway + N local replicas on the built-in model (make serve)",
@@ -236,6 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_chat(args)
         if args.command == "bench":
             return run_bench(args)
+        if args.command == "sim":
+            return run_sim(args)
     except SendpathError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2

@@ -20,6 +20,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_queued_requests: int | None = None
     policy: str = "fcfs"  # "fcfs" or "priority"
+    # vLLM's knob for mixed loads: one request's prefill chunk is at most this many tokens a
+    # step, so a long prompt leaves budget for short ones that arrive meanwhile (None: off)
+    long_prefill_token_threshold: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -30,6 +33,11 @@ class SchedulerConfig:
             )
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
+            raise ValueError(
+                "long_prefill_token_threshold must be >= 1 (or None), got "
+                f"{self.long_prefill_token_threshold}"
+            )
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
 

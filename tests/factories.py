@@ -37,11 +37,13 @@ def make_scheduler(
     policy: str = "fcfs",
     max_queued_requests: int | None = None,
     caching: bool = True,
+    long_prefill_token_threshold: int | None = None,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_queued_requests=max_queued_requests,
         policy=policy,
+        long_prefill_token_threshold=long_prefill_token_threshold,
     )
     return Scheduler(config, KVCacheManager(num_blocks, block_size, caching), VirtualClock())

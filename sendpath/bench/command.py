@@ -26,7 +26,7 @@ from sendpath.bench.report import GOODPUT_METRICS, dominant, summarize
 from sendpath.bench.runner import Load, run
 from sendpath.bench.workload import DATASETS, LengthSpec, build
 
-__all__ = ["SCENARIOS", "add_bench_args", "run_bench"]
+__all__ = ["SCENARIOS", "add_bench_args", "print_report", "run_bench"]
 
 SCENARIOS: dict[str, dict[str, Any]] = {
     "quiet": {"dataset": "random", "concurrency": 1, "num_requests": 6,
@@ -144,7 +144,7 @@ def run_bench(args: argparse.Namespace) -> int:
     found = dominant(report["stages"])
     if found is not None:
         report["dominant_stage"] = found[0]
-    _print(report, Console())
+    print_report(report, Console())
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     if args.plot is not None:
@@ -154,8 +154,9 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0 if report["completed"] else 1
 
 
-def _print(report: dict[str, Any], console: Console) -> None:
-    table = Table(title="sendpath bench", title_justify="left", box=None)
+def print_report(report: dict[str, Any], console: Console, title: str = "sendpath bench") -> None:
+    """The summary table, the stage table and the dominant stage."""
+    table = Table(title=title, title_justify="left", box=None)
     table.add_column("metric")
     table.add_column("value", justify="right")
     rows = [

@@ -11,7 +11,9 @@ fills a token budget (``max_num_batched_tokens``) and a sequence cap (``max_num_
    its longest cached prefix, while budget, sequence slots and blocks last.
 
 A prompt longer than the budget left is split over several steps (chunked prefill), so
-one long prompt never stalls the running decodes. Torch-free; time comes from a ``Clock``.
+one long prompt never stalls the running decodes; with ``long_prefill_token_threshold``
+one prompt's chunk is capped too, so short prompts arriving meanwhile start at once.
+Torch-free; time comes from a ``Clock``.
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ class Scheduler:
         for request in sorted(self.running, key=lambda r: r.is_prefilling):
             if request.request_id in preempted or budget == 0:
                 continue
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
             while self.kv.allocate_slots(request, n) is None:
                 victim = self._pick_victim(exclude=preempted)
                 self._preempt(victim, now)
@@ -154,7 +156,7 @@ class Scheduler:
         ):
             request = self.waiting.peek()
             hits, num_hit = self.kv.get_computed_blocks(request)
-            n = min(request.num_tokens - num_hit, budget)
+            n = self._chunk(request.num_tokens - num_hit, budget)
             if self.kv.allocate_slots(request, n, hits) is None:
                 break
             self.waiting.pop()
@@ -182,6 +184,12 @@ class Scheduler:
                 )
             )
         return out
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """Tokens to compute this step: what is left, within the budget and the cap on
+        one prefill chunk (a decode's single token is never capped)."""
+        cap = self.config.long_prefill_token_threshold
+        return min(remaining, budget, cap) if cap is not None else min(remaining, budget)
 
     def update(self, plan: SchedulerOutput, result: RunnerOutput) -> list[tuple[Request, int]]:
         """Apply a finished step: advance progress, cache full blocks, append sampled tokens.

@@ -222,6 +222,16 @@ def create_gateway_app(
                 out["prefill_done"] = round(computed / prompt, 3) if prompt else 0.0
         return out
 
+    @app.get("/v1/whatif")
+    async def whatif(
+        rate: float = 1.0, prompt: int = 256, answer: int = 256, replicas: int = 1
+    ) -> dict[str, Any]:
+        """The page's "what if": the simulator's stage shares for this traffic (Llama-3.1-8B
+        on H100s), at most 200 requests so it answers within a few seconds."""
+        from sendpath.sim.whatif import what_if
+
+        return await asyncio.to_thread(what_if, rate, prompt, answer, replicas)
+
     @app.get("/v1/models")
     async def models() -> Response:
         endpoint = router.choose(RouteRequest(""))

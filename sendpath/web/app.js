@@ -271,7 +271,103 @@ async function pollFleet() {
   }
 }
 
+// What if: four sliders (log scales for rate and lengths) run the simulator on the server.
+const SCALES = {
+  rate: [0.05, 200], prompt: [16, 100000], "answer-len": [16, 4096],
+};
+const PRESETS = {
+  quiet: { rate: 0.2, prompt: 32, "answer-len": 256, replicas: 1 },
+  overloaded: { rate: 100, prompt: 512, "answer-len": 512, replicas: 1 },
+  long: { rate: 0.02, prompt: 100000, "answer-len": 64, replicas: 1 },
+};
+const COLORS = {
+  "engine.queue": "#e67e22", "gateway.queue": "#f39c12", prefill: "#8e44ad", tokenize: "#9b59b6",
+  decode: "#3a6ff7", network: "#b14ccf", route: "#16a085",
+};
+const fromSlider = (id) => {
+  const [lo, hi] = SCALES[id];
+  return lo * Math.pow(hi / lo, Number($(`#${id}`).value) / 100);
+};
+const toSlider = (id, v) => {
+  const [lo, hi] = SCALES[id];
+  $(`#${id}`).value = String(Math.round((100 * Math.log(v / lo)) / Math.log(hi / lo)));
+};
+function whatIfValues() {
+  return {
+    rate: Number(fromSlider("rate").toPrecision(2)),
+    prompt: Math.round(fromSlider("prompt")),
+    answer: Math.round(fromSlider("answer-len")),
+    replicas: Number($("#replicas-n").value),
+  };
+}
+let whatIfTimer = null;
+let whatIfSeq = 0;
+function whatIfChanged() {
+  const v = whatIfValues();
+  $("#rate-out").textContent = v.rate;
+  $("#prompt-out").textContent = v.prompt;
+  $("#answer-out").textContent = v.answer;
+  $("#replicas-out").textContent = v.replicas;
+  clearTimeout(whatIfTimer);
+  whatIfTimer = setTimeout(() => runWhatIf(v), 250);
+}
+async function runWhatIf(v) {
+  const seq = ++whatIfSeq;
+  $("#whatif-line").textContent = "simulating...";
+  const key = $("#api-key").value.trim();
+  try {
+    const q = new URLSearchParams({ rate: v.rate, prompt: v.prompt, answer: v.answer, replicas: v.replicas });
+    const r = await fetch(`/v1/whatif?${q}`, { headers: auth(key) });
+    const body = await r.json();
+    if (seq !== whatIfSeq) return;  // a newer slider position is on its way
+    if (!r.ok) {
+      $("#whatif-line").textContent = r.status === 401
+        ? "Enter your API key above to run the simulator." : body.error.message;
+      return;
+    }
+    drawShares(body);
+  } catch (err) {
+    $("#whatif-line").textContent = `the gateway could not be reached (${err.message})`;
+  }
+}
+function drawShares(result) {
+  const bar = $("#shares");
+  bar.replaceChildren();
+  const shares = {};
+  for (const [name, v] of Object.entries(result.stages)) {
+    if (v.share < 0.005) continue;
+    shares[name] = v.share;
+    const span = document.createElement("span");
+    span.style.width = `${100 * v.share}%`;
+    span.style.background = COLORS[name] || "#95a5a6";
+    span.title = `${name}: ${(100 * v.share).toFixed(1)}%`;
+    span.textContent = v.share > 0.08 ? name : "";
+    bar.appendChild(span);
+  }
+  bar.dataset.shares = JSON.stringify(shares);
+  const why = {
+    queue: "requests wait for a slot",
+    prefill: "the prompt takes a visible share",
+    decode: "tokens come one at a time",
+  }[result.dominant_stage] || "";
+  $("#whatif-line").textContent =
+    `${result.dominant_stage} dominates (${why}); median TTFT ${Math.round(result.median_ttft_ms)} ms, ` +
+    `median E2E ${Math.round(result.median_e2el_ms)} ms, busy ${result.utilization.map((u) => `${Math.round(100 * u)}%`).join(", ")}`;
+}
+for (const id of ["rate", "prompt", "answer-len", "replicas-n"]) {
+  $(`#${id}`).addEventListener("input", whatIfChanged);
+}
+for (const button of document.querySelectorAll("[data-preset]")) {
+  button.addEventListener("click", () => {
+    const p = PRESETS[button.dataset.preset];
+    for (const id of ["rate", "prompt", "answer-len"]) toSlider(id, p[id]);
+    $("#replicas-n").value = String(p.replicas);
+    whatIfChanged();
+  });
+}
+
 $("#api-key").value = localStorage.getItem(KEY_STORE) || "";
+whatIfChanged();
 $("#send-form").addEventListener("submit", send);
 pollFleet();
 setInterval(pollFleet, 1000);

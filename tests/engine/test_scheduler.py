@@ -47,6 +47,17 @@ def test_long_prompt_is_chunked_and_decodes_go_first() -> None:
     assert s.kv.block_ids("long") == [1, 2, 4, 5, 6, 7]
 
 
+def test_long_prefill_threshold_leaves_budget_for_a_short_prompt() -> None:
+    s = make_scheduler(max_num_batched_tokens=8, block_size=4, long_prefill_token_threshold=4)
+    runner = FakeRunner()
+    s.add_request(make_request("long", 20))
+    assert plan_of(step(s, runner)) == [("long", 0, 4, False)]  # capped at 4, not 8
+    s.add_request(make_request("short", 3))
+    # the short prompt starts beside the long one's next chunk instead of after all of it
+    assert plan_of(step(s, runner)) == [("long", 4, 4, False), ("short", 0, 3, True)]
+    assert plan_of(step(s, runner)) == [("short", 3, 1, True), ("long", 8, 4, False)]
+
+
 def test_max_num_seqs_and_budget_limit_admission() -> None:
     s = make_scheduler(max_num_batched_tokens=10, max_num_seqs=2)
     for i in range(3):

@@ -155,4 +155,10 @@ def test_models_health_load(server: Server) -> None:
     assert [m.id for m in models.data] == ["tiny"]
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     load = httpx.get(f"{server.url}/load").json()
-    assert set(load) == {"num_requests_running", "num_requests_waiting", "kv_cache_usage"}
+    assert set(load) == {
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage",
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+    }

@@ -152,3 +152,28 @@ def test_the_pipeline_follows_a_long_prefill_live(
         seen = page.evaluate("window.stagesSeen")
         assert "prefill" in seen and "decode" not in seen[: seen.index("prefill")]
         page.close()
+
+
+def test_the_what_if_panel_moves_with_its_sliders(browser: Any, gw: Gateway) -> None:
+    import json
+
+    key = gw.key("whatif")
+    for size in SIZES:
+        page = open_page(browser, gw, size)
+        page.fill("#api-key", key)
+        page.click("[data-preset=quiet]")
+        page.wait_for_selector("#whatif-line:has-text('decode dominates')", timeout=60_000)
+        quiet = json.loads(page.get_attribute("#shares", "data-shares"))
+        assert quiet["decode"] > 0.9
+        page.click("[data-preset=overloaded]")
+        page.wait_for_selector("#whatif-line:has-text('queue dominates')", timeout=60_000)
+        overloaded = json.loads(page.get_attribute("#shares", "data-shares"))
+        assert overloaded["engine.queue"] > 0.5
+        # one slider: four replicas take the same traffic without queueing
+        page.fill("#replicas-n", "4")
+        page.wait_for_selector("#whatif-line:has-text('decode dominates')", timeout=60_000)
+        spread = json.loads(page.get_attribute("#shares", "data-shares"))
+        assert spread.get("engine.queue", 0.0) < 0.1
+        assert page.evaluate("document.documentElement.scrollWidth") <= SIZES[size]["width"]
+        page.locator("#whatif").screenshot(path=ARTIFACTS / f"whatif-{size}.png")
+        page.close()

@@ -1,0 +1,1 @@
+"""The simulator: the real scheduler, KV manager and router on a virtual clock (torch-free)."""

@@ -1,0 +1,118 @@
+"""`sendpath sim`: the seed's scenarios, or any traffic, on simulated GPUs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from sendpath.bench.command import print_report
+from sendpath.bench.workload import LengthSpec
+from sendpath.config import SchedulerConfig
+from sendpath.router.policy import POLICIES
+from sendpath.sim.hardware import HARDWARE, MODELS
+from sendpath.sim.scenarios import SCENARIOS, Run, simulate
+
+__all__ = ["add_sim_args", "run_sim"]
+
+
+def add_sim_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scenario", choices=list(SCENARIOS), default=None)
+    p.add_argument("--rate", type=float, default=None, help="arrivals per second (Poisson)")
+    p.add_argument("--requests", type=int, default=None, help="requests in all")
+    p.add_argument("--input-len", default=None, help="tokens: N or LOW-HIGH")
+    p.add_argument("--output-len", default=None, help="tokens: N or LOW-HIGH")
+    p.add_argument("--shared-prefix", type=int, default=None, help="system-prompt tokens")
+    p.add_argument("--turns", type=int, default=None, help="turns per conversation")
+    p.add_argument("--think", type=float, default=None, help="mean seconds between turns")
+    p.add_argument("--replicas", type=int, default=None)
+    p.add_argument("--hardware", choices=list(HARDWARE), default=None, help="default: H100")
+    p.add_argument("--model", choices=list(MODELS), default=None, help="default: llama-3.1-8b")
+    p.add_argument("--tp", type=int, default=None, help="tensor parallelism per replica")
+    p.add_argument("--policy", choices=list(POLICIES), default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--gpu-hour-usd", type=float, default=None, help="default: the table's")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", type=Path, default=None, metavar="FILE")
+    p.add_argument("--plot", type=Path, default=None, metavar="FILE.png")
+
+
+def build_run(args: argparse.Namespace) -> Run:
+    """The run the flags describe: a scenario (or the quiet one) with flags overriding."""
+    base = SCENARIOS[args.scenario or "quiet"]
+    t, c = base.traffic, base.config
+    traffic = replace(
+        t,
+        rate=args.rate if args.rate is not None else t.rate,
+        num_requests=args.requests if args.requests is not None else t.num_requests,
+        input_len=LengthSpec.parse(args.input_len) if args.input_len else t.input_len,
+        output_len=LengthSpec.parse(args.output_len) if args.output_len else t.output_len,
+        shared_prefix=args.shared_prefix if args.shared_prefix is not None else t.shared_prefix,
+        turns=args.turns if args.turns is not None else t.turns,
+        think_s=args.think if args.think is not None else t.think_s,
+        seed=args.seed if args.seed is not None else t.seed,
+    )
+    sched = c.scheduler
+    config = replace(
+        c,
+        replicas=args.replicas if args.replicas is not None else c.replicas,
+        policy=args.policy or c.policy,
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs or sched.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens or sched.max_num_batched_tokens,
+            max_queued_requests=sched.max_queued_requests,
+        ),
+    )
+    return Run(
+        traffic,
+        config,
+        args.hardware or base.hardware,
+        args.model or base.model,
+        args.tp or base.tp,
+        args.gpu_hour_usd,
+    )
+
+
+def run_sim(args: argparse.Namespace) -> int:
+    """The `sendpath sim` command."""
+    try:
+        run = build_run(args)
+        start = time.perf_counter()
+        result, report = simulate(run)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    wall = time.perf_counter() - start
+    report["simulated"]["wall_s"] = wall
+    report["simulated"]["requests_per_wall_s"] = len(result.results) / wall if wall else None
+    report["scenario"] = args.scenario
+    console = Console()
+    s = report["simulated"]
+    print_report(report, console, title=f"sendpath sim: {s['model']} on {s['replicas']} x "
+                 f"{s['tp']} x {s['hardware']} ({s['policy']})")  # fmt: skip
+    _print_fleet(s, console)
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot is not None:
+        from sendpath.bench.plot import plot_stages
+
+        plot_stages(report, args.plot)
+    return 0
+
+
+def _print_fleet(s: dict[str, Any], console: Console) -> None:
+    util = ", ".join(f"{u:.0%}" for u in s["utilization"])
+    per_m = s["usd_per_1m_output_tokens"]
+    console.print(
+        f"busy: {util}; KV peak: {', '.join(f'{k:.0%}' for k in s['kv_peak_usage'])}; "
+        f"{s['gpu_hours']:.4f} GPU-hours, ${s['cost_usd']:.4f}"
+        + (f", ${per_m:.3f} per 1M output tokens" if per_m else "")
+        + f"; simulated {s['steps']} steps in {s['wall_s']:.2f} s"
+    )

@@ -1,0 +1,95 @@
+"""The seed's three situations, and the general form, as simulator runs.
+
+Defaults: Llama-3.1-8B on one H100 (bfloat16), vLLM-like engine settings (256 sequences,
+8,192 batched tokens a step), the KV cache sized from what the weights leave of the
+memory (90% of it usable).
+- ``quiet``: a request every 5 s, short question, 256-token answer: decode dominates.
+- ``overloaded``: 60 requests/s of 512 in / 512 out on one GPU whose batch is capped at
+  64: far above what it can answer, so requests pile up in the queue.
+- ``long-document``: a 100,000-token document (about 300 pages) and a short answer, one
+  at a time: prefill takes a visible share (and decode slows, reading that long context).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from sendpath.bench.report import dominant
+from sendpath.bench.workload import LengthSpec
+from sendpath.config import SchedulerConfig
+from sendpath.sim.cost_model import Roofline
+from sendpath.sim.hardware import Hardware, ModelSpec, hardware, model_spec
+from sendpath.sim.simulator import SimConfig, SimResult, Simulator
+from sendpath.sim.traffic import Traffic
+
+__all__ = ["SCENARIOS", "Run", "kv_blocks", "simulate"]
+
+MEMORY_USABLE = 0.9
+MAX_BLOCKS = 400_000
+
+
+@dataclass(frozen=True)
+class Run:
+    traffic: Traffic
+    config: SimConfig
+    hardware: str = "H100"
+    model: str = "llama-3.1-8b"
+    tp: int = 1
+    gpu_hour_usd: float | None = None
+
+
+SCENARIOS: dict[str, Run] = {
+    "quiet": Run(Traffic(rate=0.2, num_requests=20, input_len=LengthSpec(32, 32),
+                         output_len=LengthSpec(256, 256)), SimConfig()),
+    "overloaded": Run(Traffic(rate=60.0, num_requests=1500, input_len=LengthSpec(512, 512),
+                              output_len=LengthSpec(512, 512)),
+                      SimConfig(scheduler=SchedulerConfig(max_num_seqs=64,
+                                                          max_num_batched_tokens=8192))),
+    "long-document": Run(Traffic(rate=0.02, num_requests=3, input_len=LengthSpec(100_000, 100_000),
+                                 output_len=LengthSpec(256, 256)), SimConfig()),
+}  # fmt: skip
+
+
+def kv_blocks(model: ModelSpec, hw: Hardware, tp: int, block_size: int) -> int:
+    """KV blocks that fit beside the weights on ``tp`` devices."""
+    free = hw.memory * tp * MEMORY_USABLE - model.params * model.bytes_per_param
+    if free <= 0:
+        raise ValueError(
+            f"{model.name} ({model.params / 1e9:.0f} B parameters) does not fit on {tp} x "
+            f"{hw.name}; raise --tp"
+        )
+    return min(MAX_BLOCKS, int(free // (block_size * model.kv_bytes_per_token)))
+
+
+def simulate(run: Run) -> tuple[SimResult, dict[str, Any]]:
+    """Run it; the report has `sendpath bench`'s keys plus the fleet's cost and use."""
+    model, hw = model_spec(run.model), hardware(run.hardware)
+    config = replace(run.config, num_blocks=kv_blocks(model, hw, run.tp, run.config.block_size))
+    result = Simulator(config, Roofline(model, hw, run.tp)).run(run.traffic)
+    report = dict(result.report)
+    devices = config.replicas * run.tp
+    gpu_hours = devices * result.duration / 3600
+    price = run.gpu_hour_usd if run.gpu_hour_usd is not None else hw.usd_per_hour
+    cost = gpu_hours * price
+    out_tokens = report["total_output_tokens"]
+    found = dominant(report["stages"])
+    report.update(
+        dominant_stage=found[0] if found else None,
+        simulated={
+            "hardware": hw.name,
+            "model": model.name,
+            "replicas": config.replicas,
+            "tp": run.tp,
+            "policy": config.policy,
+            "kv_blocks_per_replica": config.num_blocks,
+            "utilization": [round(b / result.duration, 4) for b in result.busy],
+            "kv_peak_usage": [round(k, 4) for k in result.kv_peak],
+            "rejected": result.rejected,
+            "steps": result.num_steps,
+            "gpu_hours": gpu_hours,
+            "cost_usd": cost,
+            "usd_per_1m_output_tokens": cost / out_tokens * 1e6 if out_tokens else None,
+        },
+    )
+    return result, report
