@@ -42,6 +42,10 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
         {"type": int, "default": 512, "help": "token budget of one engine step"},
     ),
     ("--max-queued-requests", {"type": int, "help": "past this many waiting, answer 503"}),
+    (
+        "--long-prefill-token-threshold",
+        {"type": int, "help": "cap one prompt's prefill chunk per step (mixed loads)"},
+    ),
     ("--block-size", {"type": int, "default": 16, "help": "KV cache block size in tokens"}),
     (
         "--kv-cache-memory-gib",
@@ -276,6 +280,7 @@ def run_replica(args: argparse.Namespace) -> int:
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     max_queued_requests=args.max_queued_requests,
                     policy=args.scheduling_policy,
+                    long_prefill_token_threshold=args.long_prefill_token_threshold,
                 ),
                 cache=CacheConfig(
                     block_size=args.block_size,
