@@ -28,6 +28,15 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sendpath.errors import ServiceUnavailableError
+from sendpath.gateway.chunks import (
+    answer_text,
+    chain,
+    finished,
+    numbers,
+    read_head,
+    text_of,
+    with_text,
+)
 from sendpath.gateway.context import GatewayContext, context
 from sendpath.gateway.safety import OutputGuard
 from sendpath.router.policy import RouteRequest, route_request
@@ -41,35 +50,6 @@ T = TypeVar("T")
 
 # Response headers worth passing on from a replica.
 _PASS_HEADERS = ("retry-after", "x-request-id")
-
-
-def _text_of(choice: dict[str, Any]) -> str | None:
-    if "delta" in choice:
-        content = choice["delta"].get("content")
-        return content if isinstance(content, str) else None
-    text = choice.get("text")
-    return text if isinstance(text, str) else None
-
-
-def _with_text(chunk: dict[str, Any], text: str) -> dict[str, Any]:
-    """A copy of a stream chunk whose one choice carries ``text`` (and no finish)."""
-    choice = dict(chunk["choices"][0])
-    if "delta" in choice:
-        choice["delta"] = {**choice["delta"], "content": text}
-    else:
-        choice["text"] = text
-    choice["finish_reason"] = None
-    return {**chunk, "choices": [choice]}
-
-
-def _finished(chunk: dict[str, Any], reason: str) -> dict[str, Any]:
-    choice = dict(chunk["choices"][0])
-    if "delta" in choice:
-        choice["delta"] = {}
-    else:
-        choice["text"] = ""
-    choice["finish_reason"] = reason
-    return {**chunk, "choices": [choice]}
 
 
 @dataclass
@@ -192,10 +172,10 @@ class Proxy:
                 data = json.loads(raw)
                 ctx.end = ctx.clock.now()
                 self.router.succeeded(endpoint)
-                self.router.answered(route, endpoint, _answer_text(data))
+                self.router.answered(route, endpoint, answer_text(data))
                 return self._answer(ctx, data, headers)
             lines = upstream.aiter_lines()
-            head = await _unless_gone(_head(lines), request)
+            head = await _unless_gone(read_head(lines), request)
             if head is None:
                 return Response(status_code=499)
             keep_open = True
@@ -245,7 +225,7 @@ class Proxy:
                     choice["text"] = released
                 choice["finish_reason"] = "content_filter"
         ctx.response_id = data.get("id")
-        ctx.replica_timings = _numbers(data.get("timings"))
+        ctx.replica_timings = numbers(data.get("timings"))
         ctx.end = ctx.clock.now()
         data["timings"] = ctx.timings_ms()
         headers["Server-Timing"] = server_timing(data["timings"])
@@ -270,7 +250,7 @@ class Proxy:
 
         def finish() -> list[str]:
             events = [c for c in tail if c.get("choices") or wants_usage]
-            ctx.replica_timings = _numbers(upstream_timings)
+            ctx.replica_timings = numbers(upstream_timings)
             ctx.end = ctx.clock.now()
             if events:
                 events[-1]["timings"] = ctx.timings_ms()
@@ -278,7 +258,7 @@ class Proxy:
             return [sse(c) for c in events] + ["data: [DONE]\n\n"]
 
         try:
-            async for line in _chain(head, lines):
+            async for line in chain(head, lines):
                 if not line.startswith("data:"):
                     continue
                 payload = line[5:].strip()
@@ -301,30 +281,30 @@ class Proxy:
                 if not choices:
                     tail.append(chunk)
                     continue
-                text, reason = _text_of(choices[0]), choices[0].get("finish_reason")
+                text, reason = text_of(choices[0]), choices[0].get("finish_reason")
                 out: list[dict[str, Any]] = []
                 if text:
                     answer.append(text)
                     ctx.streamed_chunks += 1
                     released = guard.push(text) if guard is not None else text
                     if guard is not None and guard.blocked is not None:
-                        tail[:] = [_finished(chunk, "content_filter")]
+                        tail[:] = [finished(chunk, "content_filter")]
                         if wants_usage and ctx.usage is None:
                             tail.append(self._estimated_usage(chunk, ctx))
                         for event in finish():
                             yield event
                         return
                     if released:
-                        out.append(_with_text(chunk, released))
+                        out.append(with_text(chunk, released))
                 if reason is not None:
                     rest = guard.flush() if guard is not None else ""
                     if rest:
-                        out.append(_with_text(chunk, rest))
-                    tail.append(_finished(chunk, reason) if text else chunk)
+                        out.append(with_text(chunk, rest))
+                    tail.append(finished(chunk, reason) if text else chunk)
                 elif not text:
                     out.append(chunk)  # the role chunk
                 for c in out:
-                    if _text_of(c["choices"][0]):
+                    if text_of(c["choices"][0]):
                         ctx.relayed.append(ctx.clock.now())
                         ctx.first_token_at = ctx.first_token_at or ctx.relayed[-1]
                     yield sse(c)
@@ -365,49 +345,6 @@ def _arrival(headers: httpx.Headers, start: float, now: float, sent: float) -> f
     except ValueError:
         return sent
     return reported if start <= reported <= now else sent
-
-
-def _numbers(timings: Any) -> dict[str, float]:
-    if not isinstance(timings, dict):
-        return {}
-    return {k: float(v) for k, v in timings.items() if isinstance(v, int | float)}
-
-
-def _answer_text(data: dict[str, Any]) -> str:
-    choice = (data.get("choices") or [{}])[0]
-    message = choice.get("message")
-    text = message.get("content") if isinstance(message, dict) else choice.get("text")
-    return text if isinstance(text, str) else ""
-
-
-async def _head(lines: AsyncIterator[str]) -> list[str]:
-    """The stream's events up to its first token (or its end), held back so the request
-    can still go to another replica if this one fails before producing one. Raises
-    StopAsyncIteration if the stream ends without any event."""
-    head: list[str] = []
-    async for line in lines:
-        if not line.startswith("data:"):
-            continue
-        head.append(line)
-        payload = line[5:].strip()
-        if payload == "[DONE]":
-            return head
-        event = json.loads(payload)
-        choices = event.get("choices") or []
-        if "error" in event or (
-            choices and (_text_of(choices[0]) or choices[0].get("finish_reason"))
-        ):
-            return head
-    if not head:
-        raise StopAsyncIteration
-    return head
-
-
-async def _chain(head: list[str], rest: AsyncIterator[str]) -> AsyncIterator[str]:
-    for line in head:
-        yield line
-    async for line in rest:
-        yield line
 
 
 async def _unless_gone(work: Awaitable[T], request: Request) -> T | None:
