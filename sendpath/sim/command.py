@@ -16,6 +16,7 @@ from sendpath.bench.command import print_report
 from sendpath.bench.workload import LengthSpec
 from sendpath.config import SchedulerConfig
 from sendpath.router.policy import POLICIES
+from sendpath.sim.capacity import plan
 from sendpath.sim.hardware import HARDWARE, MODELS
 from sendpath.sim.scenarios import SCENARIOS, Run, simulate
 
@@ -23,6 +24,15 @@ __all__ = ["add_sim_args", "run_sim"]
 
 
 def add_sim_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "action",
+        nargs="?",
+        choices=["run", "plan"],
+        default="run",
+        help="run (default) the traffic, or plan: the fewest replicas that meet the SLOs",
+    )
+    p.add_argument("--slo-ttft-p99-ms", type=float, default=None, help="plan: TTFT p99 target")
+    p.add_argument("--slo-tpot-p99-ms", type=float, default=None, help="plan: TPOT p99 target")
     p.add_argument("--scenario", choices=list(SCENARIOS), default=None)
     p.add_argument("--rate", type=float, default=None, help="arrivals per second (Poisson)")
     p.add_argument("--requests", type=int, default=None, help="requests in all")
@@ -82,6 +92,8 @@ def build_run(args: argparse.Namespace) -> Run:
 
 def run_sim(args: argparse.Namespace) -> int:
     """The `sendpath sim` command."""
+    if args.action == "plan":
+        return _plan(args)
     try:
         run = build_run(args)
         start = time.perf_counter()
@@ -116,3 +128,30 @@ def _print_fleet(s: dict[str, Any], console: Console) -> None:
         + (f", ${per_m:.3f} per 1M output tokens" if per_m else "")
         + f"; simulated {s['steps']} steps in {s['wall_s']:.2f} s"
     )
+
+
+def _plan(args: argparse.Namespace) -> int:
+    if args.slo_ttft_p99_ms is None or args.slo_tpot_p99_ms is None:
+        print("error: sim plan needs --slo-ttft-p99-ms and --slo-tpot-p99-ms", file=sys.stderr)
+        return 2
+    try:
+        found = plan(build_run(args), args.slo_ttft_p99_ms, args.slo_tpot_p99_ms)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    r, s = found.report, found.report["simulated"]
+    tried = ", ".join(
+        f"{n}: {'meets' if ok else 'misses'}" for n, ok in sorted(found.tried.items())
+    )
+    per_m = s["usd_per_1m_output_tokens"]
+    print(
+        f"{found.replicas} replica(s) of {s['tp']} x {s['hardware']} serving {s['model']} meet "
+        f"p99 TTFT <= {args.slo_ttft_p99_ms:g} ms (got {r['p99_ttft_ms']:.0f}) and p99 TPOT <= "
+        f"{args.slo_tpot_p99_ms:g} ms (got {r['p99_tpot_ms']:.1f}) at "
+        f"{build_run(args).traffic.rate:g} requests/s"
+        + (f"; ${per_m:.3f} per 1M output tokens" if per_m else "")
+        + f". Tried {tried}."
+    )
+    if args.json is not None:
+        args.json.write_text(json.dumps({"replicas": found.replicas, **r}, indent=2) + "\n")
+    return 0
