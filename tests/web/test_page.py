@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from sendpath.llm import LLM
 from sendpath.model.loader import LoadedModel
 from tests.conftest import require_program
 from tests.gateway.conftest import Gateway, gateway
@@ -50,6 +51,14 @@ def gw(replica: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ga
         yield g
 
 
+@pytest.fixture(scope="module")
+def real_gw(builtin_llm: LLM, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """The built-in model: tokens a few tens of ms apart, as a person would see them (the
+    tiny model can finish before the browser reads twice)."""
+    with serve(builtin_llm.loaded) as s, gateway(s, tmp_path_factory.mktemp("real")) as g:
+        yield g
+
+
 def open_page(browser: Any, gw: Gateway, size: str = "desktop") -> Any:
     page = browser.new_page(viewport=SIZES[size])
     page.goto(gw.url + "/")
@@ -64,8 +73,9 @@ def send(page: Any, key: str, message: str, max_tokens: int = 48) -> None:
 
 
 def test_a_message_streams_and_every_stage_shows_in_the_waterfall(
-    browser: Any, gw: Gateway
+    browser: Any, real_gw: Gateway
 ) -> None:
+    gw = real_gw
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     key = gw.key("web")
     for size in SIZES:
