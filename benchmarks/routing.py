@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from sendpath.fleet import LocalFleet, free_port
+from sendpath.fleet import LocalFleet, free_port, wait_healthy
 
 RESULTS = Path(__file__).parent / "results" / "routing.json"
 POLICIES = ("prefix_aware", "round_robin", "least_load")
@@ -137,12 +137,7 @@ def run_policy(policy: str, args: argparse.Namespace, tmp: Path) -> dict[str, An
         )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         try:
-            while True:
-                try:
-                    if httpx.get(url + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.2)
+            wait_healthy({url: gateway}, 60)
             start = time.perf_counter()
             turns = asyncio.run(workload(url, args))
             wall = time.perf_counter() - start

@@ -15,13 +15,10 @@ import platform
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from sendpath.fleet import free_port
+from sendpath.fleet import free_port, wait_healthy
 
 RESULTS = Path(__file__).parent / "results" / "scenarios.json"
 # (label, scenario, extra `sendpath serve` flags)
@@ -40,15 +37,7 @@ def run(label: str, scenario: str, serve_args: list[str], data: Path) -> dict[st
     serve = subprocess.Popen(cmd + serve_args, env=env, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and serve.poll() is None, "serve did not start"
-            time.sleep(0.5)
+        wait_healthy({url: serve}, 300)
         out = data / f"{scenario}.json"
         bench = [sys.executable, "-m", "sendpath.cli", "bench", "--url", url,
                  "--scenario", scenario, "--json", str(out)]  # fmt: skip

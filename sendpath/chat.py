@@ -19,11 +19,10 @@ import httpx
 from rich.console import Console
 
 from sendpath.bench.client import RequestResult, stream_chat
+from sendpath.bench.report import NOT_STAGES
 from sendpath.waterfall import draw
 
 __all__ = ["add_chat_args", "run_chat"]
-
-_NOT_STAGES = ("ttft", "total")
 
 
 def add_chat_args(p: argparse.ArgumentParser) -> None:
@@ -47,7 +46,7 @@ def sequential_stages(timings: dict[str, float]) -> list[dict[str, Any]]:
     """Stages from a ``timings`` object, laid end to end in its order."""
     out, t = [], 0.0
     for name, ms in timings.items():
-        if name not in _NOT_STAGES:
+        if name not in NOT_STAGES:
             out.append({"stage": name, "start_ms": t, "duration_ms": ms})
             t += ms
     return out

@@ -16,10 +16,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import httpx
 
-__all__ = ["LocalFleet", "ReplicaStartError", "free_port"]
+__all__ = ["LocalFleet", "ReplicaStartError", "free_port", "wait_healthy"]
 
 
 class ReplicaStartError(RuntimeError):
@@ -37,6 +38,36 @@ def free_port() -> int:
 def _die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def wait_healthy(servers: dict[str, subprocess.Popen[Any]], timeout_s: float) -> None:
+    """Block until each server (URL -> its process) answers /health with 200; raise
+    ``ReplicaStartError`` if one exits, says it failed, or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    pending = dict(servers)
+    while pending:
+        for url, proc in list(pending.items()):
+            if proc.poll() is not None:
+                raise ReplicaStartError(
+                    f"the server for {url} exited with code {proc.returncode} while starting "
+                    "(its output is above)"
+                )
+            try:
+                r = httpx.get(url + "/health", timeout=1)
+            except httpx.HTTPError:
+                continue
+            if r.status_code == 200:
+                del pending[url]
+            elif r.json().get("status") == "failed":
+                raise ReplicaStartError(
+                    f"the replica for {url} could not load its model (its log is above)"
+                )
+        if pending and time.monotonic() > deadline:
+            raise ReplicaStartError(
+                f"{len(pending)} server(s) not healthy after {timeout_s:g} s: "
+                f"{', '.join(pending)}; raise --startup-timeout for a slow model load"
+            )
+        time.sleep(0.2)
 
 
 class LocalFleet:
@@ -71,31 +102,7 @@ class LocalFleet:
 
     def wait_healthy(self, timeout_s: float) -> None:
         """Block until every replica's /health is 200; raise if one exits or time runs out."""
-        deadline = time.monotonic() + timeout_s
-        pending = dict(zip(self.urls, self.procs, strict=True))
-        while pending:
-            for url, proc in list(pending.items()):
-                if proc.poll() is not None:
-                    raise ReplicaStartError(
-                        f"the replica for {url} exited with code {proc.returncode} while "
-                        "starting (its output is above)"
-                    )
-                try:
-                    r = httpx.get(url + "/health", timeout=1)
-                except httpx.HTTPError:
-                    continue
-                if r.status_code == 200:
-                    del pending[url]
-                elif r.json().get("status") == "failed":
-                    raise ReplicaStartError(
-                        f"the replica for {url} could not load its model (its log is above)"
-                    )
-            if pending and time.monotonic() > deadline:
-                raise ReplicaStartError(
-                    f"{len(pending)} replica(s) not healthy after {timeout_s:g} s: "
-                    f"{', '.join(pending)}; raise --startup-timeout for a slow model load"
-                )
-            time.sleep(0.2)
+        wait_healthy(dict(zip(self.urls, self.procs, strict=True)), timeout_s)
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM every replica (they drain and shut their engines down), then SIGKILL."""

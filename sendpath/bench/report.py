@@ -17,10 +17,10 @@ import numpy as np
 
 from sendpath.bench.client import RequestResult
 
-__all__ = ["GOODPUT_METRICS", "dominant", "summarize"]
+__all__ = ["GOODPUT_METRICS", "NOT_STAGES", "dominant", "summarize"]
 
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
-_NOT_STAGES = ("ttft", "total")
+NOT_STAGES = ("ttft", "total")  # timings keys that are not stages
 
 
 def _stats(name: str, values_s: list[float], percentiles: list[float]) -> dict[str, float]:
@@ -92,7 +92,7 @@ def stage_shares(ok: list[RequestResult]) -> dict[str, dict[str, float]]:
         return {}
     names: list[str] = []
     for r in timed:
-        names += [n for n in r.timings if n not in _NOT_STAGES and n not in names]
+        names += [n for n in r.timings if n not in NOT_STAGES and n not in names]
     e2el_ms = statistics.fmean(r.latency * 1000 for r in timed)
     means = {n: statistics.fmean(r.timings.get(n, 0.0) for r in timed) for n in names}
     networks = [n for r in timed if (n := r.network_ms) is not None]

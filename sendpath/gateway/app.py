@@ -28,7 +28,7 @@ from sendpath.config import GatewayConfig
 from sendpath.errors import SendpathError, ServiceUnavailableError, TraceNotFoundError
 from sendpath.gateway.admission import AdmissionQueue
 from sendpath.gateway.context import GatewayContext, context
-from sendpath.gateway.keys import KeyStore, default_data_dir
+from sendpath.gateway.keys import ApiKey, KeyStore, default_data_dir
 from sendpath.gateway.metrics import GatewayMetrics
 from sendpath.gateway.middleware import (
     AdmissionMiddleware,
@@ -177,8 +177,7 @@ def create_gateway_app(
     @app.get("/v1/traces/{response_id}")
     async def trace(response_id: str, request: Request) -> JSONResponse:
         found = traces.get(response_id)
-        asker = context(request.scope).key
-        if found is None or found.key != (asker.name if asker else None):
+        if found is None or found.key != _key_name(context(request.scope).key):
             raise TraceNotFoundError(response_id)  # another key's trace does not exist
         replica_trace = None
         if found.replica is not None:
@@ -193,10 +192,7 @@ def create_gateway_app(
     async def progress(client_id: str, request: Request) -> dict[str, Any]:
         """The stage an in-flight request is in now (for the page's live pipeline)."""
         found = live.get(client_id)
-        asker = context(request.scope).key
-        if found is None or (found.key.name if found.key else None) != (
-            asker.name if asker else None
-        ):
+        if found is None or _key_name(found.key) != _key_name(context(request.scope).key):
             raise TraceNotFoundError(client_id)
         out: dict[str, Any] = {"client_id": client_id, "stage": found.gateway_stage().value}
         if found.first_token_at is not None:
@@ -272,6 +268,11 @@ def create_gateway_app(
         live=live,
     )
     return app
+
+
+def _key_name(key: ApiKey | None) -> str | None:
+    """Whose request it is: a trace or a progress report is only shown to its key."""
+    return key.name if key else None
 
 
 def config_to_env(config: GatewayConfig) -> str:

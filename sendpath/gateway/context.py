@@ -61,7 +61,6 @@ class GatewayContext:
     replica: str | None = None
     replica_request_id: str | None = None  # the replica's id for it (its x-request-id)
     response_id: str | None = None
-    route_s: float = 0.0  # choosing + connecting + sending, over every attempt
     replica_arrival: float | None = None  # on this clock (exact on one host, else estimated)
     replica_timings: dict[str, float] = field(default_factory=dict)  # the replica's, in ms
     end: float | None = None  # the last event written
