@@ -134,6 +134,16 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Known tokens ``start:end`` (prompt then output), without joining the two lists."""
+        prompt = self.prompt_token_ids
+        n = len(prompt)
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        if end <= n:
+            return prompt[start:end]
+        return prompt[start:] + self.output_token_ids[: end - n]
+
     @property
     def is_prefilling(self) -> bool:
         """True while known tokens remain uncomputed beyond the one a decode step feeds."""

@@ -11,7 +11,7 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 __all__ = ["Event", "EventType", "Stage", "Timeline", "TraceStore", "event_log"]
 
@@ -49,8 +49,9 @@ class EventType(StrEnum):
     ABORTED = "aborted"
 
 
-@dataclass(frozen=True)
-class Event:
+class Event(NamedTuple):
+    """One thing that happened (a tuple: the engine records one per token)."""
+
     type: EventType
     time: float
     num_tokens: int = 0

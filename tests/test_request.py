@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from sendpath.errors import InvalidSamplingParamsError
-from sendpath.request import SamplingParams
+from sendpath.request import Request, SamplingParams
 
 
 @pytest.mark.parametrize(
@@ -42,3 +42,10 @@ def test_defaults_and_greedy() -> None:
     assert SamplingParams(temperature=0).greedy
     assert SamplingParams(top_k=1).greedy
     assert SamplingParams(stop="END").stop == ["END"]  # type: ignore[arg-type]
+
+
+def test_token_ids_slices_prompt_then_output_without_joining_them() -> None:
+    request = Request("r", [1, 2, 3], SamplingParams(), output_token_ids=[4, 5])
+    for start in range(6):
+        for end in range(start, 7):
+            assert request.token_ids(start, end) == request.all_token_ids[start:end]

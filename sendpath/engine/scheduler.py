@@ -25,21 +25,21 @@ from sendpath.config import SchedulerConfig
 from sendpath.errors import QueueFullError
 from sendpath.kvcache.manager import KVCacheManager
 from sendpath.request import Request, RequestStatus
-from sendpath.trace import EventType
+from sendpath.trace import Event, EventType
 
 from .queue import make_queue
 
 __all__ = ["RunnerOutput", "ScheduledRequest", "Scheduler", "SchedulerOutput", "SchedulerStats"]
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step: compute ``token_ids`` at positions from ``start_pos``."""
 
     request_id: str
     token_ids: list[int]
     start_pos: int
-    block_ids: list[int]
+    block_ids: list[int]  # the KV manager's live table: read it before the next schedule
     sample: bool  # True when this step reaches the last known token: sample the next one
 
     @property
@@ -49,7 +49,7 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    """The plan of one step (plain data: what the runner needs, nothing live)."""
+    """The plan of one step: what the runner needs (block tables are live: read them now)."""
 
     requests: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
@@ -75,6 +75,10 @@ class SchedulerStats:
     prefix_cache_hits: int
     num_preemptions: int
     num_computed_tokens: int  # all tokens run through the model so far (prefill + decode)
+
+
+def _is_prefilling(request: Request) -> bool:
+    return request.is_prefilling
 
 
 class Scheduler:
@@ -132,7 +136,7 @@ class Scheduler:
         preempted: list[str] = []
 
         # 1. running: decodes first, then prefill chunks (stable within each group)
-        for request in sorted(self.running, key=lambda r: r.is_prefilling):
+        for request in sorted(self.running, key=_is_prefilling):
             if request.request_id in preempted or budget == 0:
                 continue
             n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
@@ -171,16 +175,18 @@ class Scheduler:
             budget -= n
 
         out = SchedulerOutput(preempted=preempted)
+        items, requests, block_ids = out.requests, self.requests, self.kv.block_ids
         for request_id, n in planned.items():
-            request = self.requests[request_id]
+            request = requests[request_id]
             start = request.num_computed_tokens
-            out.requests.append(
+            end = start + n
+            items.append(
                 ScheduledRequest(
-                    request_id=request_id,
-                    token_ids=request.all_token_ids[start : start + n],
-                    start_pos=start,
-                    block_ids=self.kv.block_ids(request_id),
-                    sample=start + n == request.num_tokens,
+                    request_id,
+                    request.token_ids(start, end),
+                    start,
+                    block_ids(request_id),
+                    end == request.num_tokens,
                 )
             )
         return out
@@ -199,21 +205,28 @@ class Scheduler:
         """
         now = self.clock.now()
         new_tokens: list[tuple[Request, int]] = []
+        requests, cache_blocks, running = (
+            self.requests,
+            self.kv.cache_computed_blocks,
+            RequestStatus.RUNNING,
+        )
         for item in plan.requests:
-            request = self.requests.get(item.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
+            request = requests.get(item.request_id)
+            if request is None or request.status is not running:
                 continue
-            request.num_computed_tokens += item.num_tokens
-            self.num_computed_tokens += item.num_tokens
-            self.kv.cache_computed_blocks(request)
-            if not request.output_token_ids:
-                request.record(EventType.PREFILL_CHUNK, now, item.num_tokens)
+            n = len(item.token_ids)
+            request.num_computed_tokens += n
+            self.num_computed_tokens += n
+            cache_blocks(request)
+            output = request.output_token_ids
+            if not output:
+                request.record(EventType.PREFILL_CHUNK, now, n)
             if item.sample:
                 token = result.sampled[item.request_id]
-                if not request.output_token_ids:
+                if not output:
                     request.record(EventType.FIRST_TOKEN, now)
-                request.output_token_ids.append(token)
-                request.record(EventType.TOKEN, now)
+                output.append(token)
+                request.timeline.events.append(Event(EventType.TOKEN, now))
                 new_tokens.append((request, token))
         return new_tokens
 

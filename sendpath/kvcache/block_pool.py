@@ -8,23 +8,29 @@ request that finished a moment ago still lends its prefix to the next one.
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from sendpath.kvcache.hashing import BlockHash
 
 __all__ = ["BlockPool", "KVBlock"]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class KVBlock:
     """One block of ``block_size`` token slots in the KV cache tensors."""
 
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
-    token_ids: tuple[int, ...] = field(default=())  # set once full and hashed: for hit checks
+    tokens: bytes = b""  # set once full and hashed: its token ids packed, for hit checks
+
+
+def _pack(token_ids: Sequence[int]) -> bytes:
+    """Token ids as int64 bytes: a full cache's worth of blocks holds no int objects."""
+    return array("q", token_ids).tobytes()
 
 
 class BlockPool:
@@ -36,7 +42,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.enable_caching = enable_caching
         # free blocks, least recently freed first; values unused (OrderedDict as an LRU set)
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockHash, KVBlock] = {}
 
     @property
@@ -59,7 +65,7 @@ class BlockPool:
     def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> KVBlock | None:
         """The cached block with this hash whose tokens really are ``token_ids``, if any."""
         block = self._cached.get(block_hash)
-        if block is None or block.token_ids != tuple(token_ids):
+        if block is None or block.tokens != _pack(token_ids):
             return None
         return block
 
@@ -73,7 +79,7 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 self._cached.pop(block.block_hash, None)
-                block.block_hash, block.token_ids = None, ()
+                block.block_hash, block.tokens = None, b""
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -104,5 +110,5 @@ class BlockPool:
             return
         if block_hash in self._cached:
             return
-        block.block_hash, block.token_ids = block_hash, tuple(token_ids)
+        block.block_hash, block.tokens = block_hash, _pack(token_ids)
         self._cached[block_hash] = block

@@ -31,6 +31,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self._blocks: dict[str, list[KVBlock]] = {}
+        self._block_ids: dict[str, list[int]] = {}  # the same tables as block ids
         self._hashes: dict[str, list[BlockHash]] = {}  # hashes of the request's full blocks
         self._num_cached: dict[str, int] = {}  # leading blocks already offered to the index
         self.num_queries = 0  # prompt tokens looked up in the prefix cache
@@ -45,8 +46,12 @@ class KVCacheManager:
         return self.pool.num_blocks * self.block_size
 
     def block_ids(self, request_id: str) -> list[int]:
-        """The request's block table (block ids in token order)."""
-        return [b.block_id for b in self._blocks.get(request_id, [])]
+        """The request's block table (block ids in token order).
+
+        The manager's own list, not a copy: it grows as the request does, and is dropped
+        when the request is freed. Read it before the next ``allocate_slots``/``free``.
+        """
+        return self._block_ids.get(request_id, [])
 
     def _request_hashes(self, request: Request) -> list[BlockHash]:
         """Hashes of every full block of the request's known tokens (extended lazily)."""
@@ -87,39 +92,51 @@ class KVCacheManager:
         On success the hit blocks are taken (ref count +1) and appended to the request's
         table, followed by the newly allocated blocks, which are returned.
         """
-        held = self._blocks.get(request.request_id, [])
-        computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        total_blocks = -(-(computed + num_new_tokens) // self.block_size)
+        rid = request.request_id
+        held = self._blocks.get(rid)
+        if held is None:
+            held = self._blocks[rid] = []
+            self._block_ids[rid] = []
+        bs = self.block_size
+        computed = request.num_computed_tokens + len(new_computed_blocks) * bs
+        if not new_computed_blocks and computed + num_new_tokens <= len(held) * bs:
+            return []  # most decode steps: the last block still has room
+        total_blocks = -(-(computed + num_new_tokens) // bs)
         needed = max(0, total_blocks - len(held) - len(new_computed_blocks))
         hits_now_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if needed > self.pool.num_free_blocks - hits_now_free:
+            if not held:
+                del self._blocks[rid], self._block_ids[rid]
             return None
         self.pool.touch(new_computed_blocks)
         new = self.pool.allocate(needed)
         assert new is not None
-        self._blocks[request.request_id] = [*held, *new_computed_blocks, *new]
+        held += new_computed_blocks
+        held += new
+        ids = self._block_ids[rid]
+        ids += [b.block_id for b in new_computed_blocks]
+        ids += [b.block_id for b in new]
         return new
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Make the request's full, computed blocks findable by later requests."""
-        if not self.enable_prefix_caching:
-            return
-        blocks = self._blocks.get(request.request_id, [])
-        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        num_full = request.num_computed_tokens // self.block_size
         start = self._num_cached.get(request.request_id, 0)
-        if num_full <= start:  # most decode steps: no block filled up
-            return
+        if num_full <= start or not self.enable_prefix_caching:
+            return  # most decode steps: no block filled up
+        blocks = self._blocks.get(request.request_id, [])
+        num_full = min(num_full, len(blocks))
         hashes = self._request_hashes(request)
-        tokens = request.all_token_ids
         bs = self.block_size
         for i in range(start, num_full):
             if blocks[i].block_hash is None:
-                self.pool.cache(blocks[i], hashes[i], tokens[i * bs : (i + 1) * bs])
+                self.pool.cache(blocks[i], hashes[i], request.token_ids(i * bs, (i + 1) * bs))
         self._num_cached[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
         """Give back all of the request's blocks, last block first (its tail is evicted first)."""
         blocks = self._blocks.pop(request.request_id, [])
+        self._block_ids.pop(request.request_id, None)
         self._hashes.pop(request.request_id, None)
         self._num_cached.pop(request.request_id, None)
         self.pool.release(reversed(blocks))
