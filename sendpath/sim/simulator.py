@@ -1,26 +1,41 @@
-"""The discrete-event simulator: our own ``Scheduler``, ``KVCacheManager`` and routing
-policy, unchanged, on virtual clocks, with a step-cost model in place of the model.
+"""The discrete-event simulator: our own ``Scheduler``, ``KVCacheManager``, routing
+policy and rate limiter, unchanged, on virtual clocks, with a step-cost model in place of
+the model.
 
 Events, in time order from one heap:
-- ``arrive``: a request reaches the gateway. After the gateway's latency the routing
-  policy picks a replica (its in-flight counts and prefix tree are the real ones).
+- ``arrive``: a request reaches the gateway. Its tenant's requests- and tokens-per-minute
+  buckets (the gateway's own ``MemoryLimiter`` on the virtual clock) admit it or answer
+  429; after auth, limit and safety latencies the routing policy picks a replica (its
+  in-flight counts and prefix tree are the real ones).
 - ``add``: the request reaches the replica: a real ``Request`` joins that replica's real
   scheduler (arrival, tokenize and queue events on its virtual clock).
-- ``step``: the replica runs ``schedule()``; the cost model prices the plan; the
-  replica's clock moves on by that much; ``update()`` hands out one token per sampling
-  request; those that reached their answer length finish (their KV blocks freed and kept
-  in the prefix cache). A conversation's next turn arrives ``think`` seconds after.
+- ``step``: the replica runs ``schedule()``; the cost model prices the plan.
+- ``done``: that long after, ``update()`` hands out one token per sampling request; those
+  that reached their answer length finish (their KV blocks freed and kept in the prefix
+  cache, the router told). A conversation's next turn arrives ``think`` seconds after.
+
+Two speeds (``SimConfig.mode``). ``detailed`` runs every step through the scheduler.
+``fleet`` does too whenever the scheduler has a decision to make, but when a replica
+only decodes (nothing waiting that could start, every running request past its
+prefill), it prices the steps up to the next finish at once and schedules one ``bulk``
+event at their end; a request reaching the replica meanwhile cuts the bulk after the
+step in flight, as the running step would end in the detailed mode. Committing a bulk
+hands each request its tokens and KV slots in one go (``allocate_slots(request, k)``),
+so the state is what the detailed mode's steps would have left, and so are the times.
 
 Each finished request becomes a ``RequestResult`` as a client would have measured it
 (network and gateway latencies added), so `sendpath sim` reports with the same keys and
-definitions as `sendpath bench`.
+definitions as `sendpath bench`. Past ``ITL_SAMPLE`` requests, inter-token gaps are kept
+for an even sample of them (every n-th), which is what the ITL percentiles read.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import random
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,17 +43,23 @@ from sendpath.bench.client import RequestResult
 from sendpath.bench.report import summarize
 from sendpath.clock import VirtualClock
 from sendpath.config import SchedulerConfig
-from sendpath.engine.scheduler import RunnerOutput, Scheduler
+from sendpath.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from sendpath.errors import QueueFullError
+from sendpath.gateway.ratelimit import Limits, MemoryLimiter
 from sendpath.kvcache.manager import KVCacheManager
 from sendpath.request import Request, RequestStatus, SamplingParams
 from sendpath.router.policy import RouteRequest, RoutingPolicy, make_policy
 from sendpath.router.pool import ReplicaPool
+from sendpath.router.prefix_aware import PrefixAware
 from sendpath.sim.cost_model import CostModel, StepShape
 from sendpath.sim.traffic import SimRequest, Traffic
 from sendpath.trace import EventType, Stage
 
-__all__ = ["SimConfig", "SimResult", "Simulator"]
+__all__ = ["ITL_SAMPLE", "MODES", "SimConfig", "SimResult", "Simulator"]
+
+MODES = ("detailed", "fleet")
+ITL_SAMPLE = 20_000  # requests whose inter-token gaps are all kept
+TOKEN_BASE = 10_000_000  # above any prompt token id and any context length
 
 
 @dataclass(frozen=True)
@@ -50,9 +71,24 @@ class SimConfig:
     num_blocks: int = 20_000
     block_size: int = 16
     policy: str = "round_robin"
+    mode: str = "detailed"  # or "fleet"
     network_rtt_s: float = 0.02  # client <-> gateway, both ways
-    gateway_s: float = 0.0005  # auth + limits + safety
+    gateway_auth_s: float = 0.0002  # API-key lookup
+    gateway_ratelimit_s: float = 0.0002  # bucket check (in memory; Redis adds a round trip)
+    gateway_safety_s: float = 0.0001  # prompt filter
     route_s: float = 0.0005  # gateway -> replica hop and routing decision
+    tpm: int | None = None  # per tenant: tokens per minute (prompt + max_tokens reserved)
+    rpm: int | None = None  # per tenant: requests per minute
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode is one of {', '.join(MODES)}; got {self.mode!r}")
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+
+    @property
+    def gateway_s(self) -> float:
+        return self.gateway_auth_s + self.gateway_ratelimit_s + self.gateway_safety_s
 
 
 @dataclass
@@ -62,7 +98,8 @@ class SimResult:
     busy: list[float]  # per replica: virtual seconds spent in steps
     kv_peak: list[float]  # per replica: the highest KV-cache usage seen
     num_steps: int
-    rejected: int = 0
+    rejected: int = 0  # 503: a replica's queue was full
+    rate_limited: int = 0  # 429: over the tenant's limits
     report: dict[str, Any] = field(default_factory=dict)
 
 
@@ -82,6 +119,15 @@ class _ReplicaClock:
 
 
 @dataclass
+class _Bulk:
+    """Decode steps priced ahead: they end at ``ends``; not applied until committed."""
+
+    start: float
+    ends: list[float]
+    epoch: int  # the replica's bulk counter when scheduled: a cut bulk's old event is stale
+
+
+@dataclass
 class _Replica:
     clock: _ReplicaClock
     kv: KVCacheManager
@@ -89,10 +135,12 @@ class _Replica:
     busy: bool = False
     busy_s: float = 0.0
     kv_peak: float = 0.0
+    bulk: _Bulk | None = None
+    epoch: int = 0
 
 
 def _text(ids: list[int]) -> str:
-    return "".join(f"{i} " for i in ids)
+    return " ".join(map(str, ids))  # as the gateway routes a token-id prompt
 
 
 class Simulator:
@@ -109,36 +157,55 @@ class Simulator:
             [f"sim://replica-{i}" for i in range(config.replicas)], 1 << 30, VirtualClock()
         )
         self.policy: RoutingPolicy = make_policy(config.policy)
+        self._texts = isinstance(self.policy, PrefixAware)  # others never read the prompt
+        self._now = 0.0
+        self._limits = Limits(config.rpm, config.tpm)
+        self._limiter = MemoryLimiter(clock=lambda: self._now)
         self._heap: list[tuple[float, int, str, Any]] = []
         self._seq = itertools.count()
-        self._inflight: dict[str, tuple[SimRequest, int, float]] = {}  # id -> req, replica, sent
         self._rng = random.Random(0)
+        # a sampled token's id: its request's base plus its position, so the same in
+        # both modes (and distinct from other requests' and from prompt ids)
+        self._bases = itertools.count(TOKEN_BASE, TOKEN_BASE)
+        self._base: dict[str, int] = {}
+        self._inflight: dict[str, tuple[SimRequest, int, float]] = {}  # id -> req, replica, sent
+        self._bulk_tokens: dict[str, list[list[float]]] = {}  # id -> token times of its bulks
+        self._finished_count = 0
+        self._itl_every = 1
         self.results: list[RequestResult] = []
         self.num_steps = 0
         self.rejected = 0
+        self.rate_limited = 0
 
     def _push(self, t: float, kind: str, payload: Any) -> None:
         heapq.heappush(self._heap, (t, next(self._seq), kind, payload))
 
     def run(self, traffic: Traffic) -> SimResult:
-        return self.run_requests(traffic.first_turns(), traffic.think_s)
+        return self.run_requests(traffic.arrivals(), traffic.think_s, traffic.num_requests)
 
-    def run_requests(self, first_turns: list[SimRequest], think_s: float = 0.0) -> SimResult:
-        """Run given first turns (request ids must be unique)."""
+    def run_requests(
+        self, first_turns: Iterable[SimRequest], think_s: float = 0.0, total: int | None = None
+    ) -> SimResult:
+        """Run first turns given in arrival order (request ids unique); ``total``: how many
+        requests to expect, every turn counted (else counted from a list)."""
         self._think = think_s
-        for r in first_turns:
-            self._push(r.arrival, "arrive", r)
+        if total is None:
+            first_turns = list(first_turns)
+            total = sum(1 + len(r.followups) for r in first_turns)
+        self._itl_every = max(1, -(-total // ITL_SAMPLE))
+        self._feed = iter(first_turns)
+        self._next_first(0.0)
         first = self._heap[0][0] if self._heap else 0.0
         end = first
-        while self._heap:
-            t, _, kind, payload = heapq.heappop(self._heap)
-            end = max(end, t)
-            if kind == "arrive":
-                self._arrive(t, payload)
-            elif kind == "add":
-                self._add(t, *payload)
-            else:
-                self._step(t, payload)
+        handlers: dict[str, Callable[[float, Any], None]] = {
+            "first": self._first, "arrive": self._arrive, "add": self._add,
+            "step": self._step, "done": self._done, "bulk": self._commit,
+        }  # fmt: skip
+        heap, pop = self._heap, heapq.heappop
+        while heap:
+            t, _, kind, payload = pop(heap)
+            end = t if t > end else end
+            handlers[kind](t, payload)
         duration = max(end - first, 1e-9)
         result = SimResult(
             self.results,
@@ -147,23 +214,51 @@ class Simulator:
             [r.kv_peak for r in self.replicas],
             self.num_steps,
             self.rejected,
+            self.rate_limited,
         )
         result.report = summarize(self.results, duration)
         return result
 
     # ---------------------------------------------------------------- events
 
+    def _route(self, req: SimRequest) -> RouteRequest:
+        return RouteRequest(_text(req.prompt) if self._texts else "", f"tenant-{req.tenant}",
+                            chat=False)  # fmt: skip
+
+    def _next_first(self, after: float) -> None:
+        req = next(self._feed, None)
+        if req is not None:
+            if req.arrival < after:
+                raise ValueError("first turns must come in arrival order")
+            self._push(req.arrival, "first", req)
+
+    def _first(self, t: float, req: SimRequest) -> None:
+        """A conversation starts; the next one's arrival joins the heap (one at a time)."""
+        self._next_first(t)
+        self._arrive(t, req)
+
     def _arrive(self, t: float, req: SimRequest) -> None:
-        route = RouteRequest(_text(req.prompt), f"tenant-{req.tenant}", chat=False)
-        candidates = self.pool.candidates()
-        endpoint = self.policy.choose(route, candidates)
+        config = self.config
+        if config.tpm is not None or config.rpm is not None:
+            self._now = t
+            tokens = len(req.prompt) + req.output_len
+            if not self._limiter.reserve(f"tenant-{req.tenant}", self._limits, tokens).allowed:
+                self.rate_limited += 1
+                self.results.append(RequestResult(error="HTTP 429: rate limited", start=t,
+                                                  status=429))  # fmt: skip
+                return
+        route = self._route(req)
+        endpoint = self.policy.choose(route, self.pool.candidates())
         self.policy.routed(route, endpoint)
         endpoint.in_flight += 1
-        reach = t + self.config.network_rtt_s / 2 + self.config.gateway_s + self.config.route_s
+        reach = t + config.network_rtt_s / 2 + config.gateway_s + config.route_s
         self._push(reach, "add", (req, endpoint.index, t))
 
-    def _add(self, t: float, req: SimRequest, index: int, sent: float) -> None:
+    def _add(self, t: float, payload: tuple[SimRequest, int, float]) -> None:
+        req, index, sent = payload
         rep = self.replicas[index]
+        if rep.bulk is not None:
+            self._cut(rep, index, t)
         rep.clock.set(t)
         request = Request(
             req.request_id,
@@ -179,44 +274,153 @@ class Simulator:
         except QueueFullError:
             self.rejected += 1
             self.pool.endpoints[index].in_flight -= 1
-            self.results.append(RequestResult(error="HTTP 503: queue full", start=sent))
+            self.results.append(RequestResult(error="HTTP 503: queue full", start=sent,
+                                              status=503))  # fmt: skip
             return
         self._inflight[req.request_id] = (req, index, sent)
+        self._base[req.request_id] = next(self._bases)
         if not rep.busy:
             rep.busy = True
             self._push(t, "step", index)
 
     def _step(self, t: float, index: int) -> None:
+        """A step starts: the scheduler plans it and the cost model prices it; what it
+        produces is applied when it ends (``done``), as the engine's ``update`` is."""
         rep = self.replicas[index]
         rep.clock.set(t)
+        if self.config.mode == "fleet" and self._start_bulk(rep, index, t):
+            return
         plan = rep.scheduler.schedule()
         if plan.is_empty:
             rep.busy = False
             return
         seconds = self.cost.step_seconds(StepShape.of(plan))
-        rep.clock.set(t + seconds)
         rep.busy_s += seconds
         self.num_steps += 1
-        sampled = {item.request_id: 1 + self._rng.randrange(30000) for item in plan.requests
-                   if item.sample}  # fmt: skip
+        self._push(t + seconds, "done", (index, plan))
+
+    def _done(self, t: float, payload: tuple[int, SchedulerOutput]) -> None:
+        index, plan = payload
+        rep = self.replicas[index]
+        rep.clock.set(t)
+        base = self._base
+        sampled = {item.request_id: base[item.request_id] + item.start_pos + len(item.token_ids)
+                   for item in plan.requests if item.sample}  # fmt: skip
         for request, _ in rep.scheduler.update(plan, RunnerOutput(sampled)):
             if len(request.output_token_ids) >= request.sampling_params.max_tokens:
                 rep.scheduler.finish_request(request.request_id, RequestStatus.FINISHED)
                 self._finished(request, index)
-        rep.kv_peak = max(rep.kv_peak, rep.kv.usage)
+        self._after_step(rep, index)
+
+    def _after_step(self, rep: _Replica, index: int) -> None:
+        usage = rep.kv.usage
+        if usage > rep.kv_peak:
+            rep.kv_peak = usage
         if rep.scheduler.has_unfinished_requests():
             self._push(rep.clock.now(), "step", index)
         else:
             rep.busy = False
 
+    # ---------------------------------------------------------------- fleet mode
+
+    def _start_bulk(self, rep: _Replica, index: int, t: float) -> bool:
+        """Price the decode steps up to the next finish as one event, when nothing else
+        can happen on this replica before then (else the scheduler takes the step)."""
+        sched, kv = rep.scheduler, rep.kv
+        running = sched.running
+        batch = len(running)
+        if not batch or batch > sched.config.max_num_batched_tokens:
+            return False
+        if len(sched.waiting) and batch < sched.config.max_num_seqs:
+            return False  # someone could start: the scheduler decides
+        steps = 1 << 62
+        context = 0
+        for r in running:
+            computed = r.num_computed_tokens
+            if len(r.prompt_token_ids) + len(r.output_token_ids) - computed != 1:
+                return False  # still prefilling
+            left = r.sampling_params.max_tokens - len(r.output_token_ids)
+            if left < steps:
+                steps = left
+            context += computed
+        if steps < 2:
+            return False
+        bs = kv.block_size
+        needed = sum(
+            max(0, -(-(r.num_computed_tokens + steps) // bs) - len(kv.block_ids(r.request_id)))
+            for r in running
+        )
+        if needed > kv.pool.num_free_blocks:
+            return False  # the cache fills up first: steps, and preemptions, one by one
+        ends, now, cost = [], t, self.cost.step_seconds
+        for _ in range(steps):
+            context += batch
+            now += cost(StepShape(batch, batch, context, context))
+            ends.append(now)
+        rep.epoch += 1
+        rep.bulk = _Bulk(t, ends, rep.epoch)
+        self._push(now, "bulk", (index, rep.epoch))
+        return True
+
+    def _cut(self, rep: _Replica, index: int, t: float) -> None:
+        """A request reached the replica at ``t``: the bulk stops after the step in flight."""
+        bulk = rep.bulk
+        assert bulk is not None
+        keep = bisect.bisect_left(bulk.ends, t) + 1
+        if keep >= len(bulk.ends):
+            return
+        del bulk.ends[keep:]
+        rep.epoch += 1
+        bulk.epoch = rep.epoch
+        self._push(bulk.ends[-1], "bulk", (index, rep.epoch))
+
+    def _commit(self, t: float, payload: tuple[int, int]) -> None:
+        """Apply a bulk: every running request gets its k tokens and KV slots at once."""
+        index, epoch = payload
+        rep = self.replicas[index]
+        bulk = rep.bulk
+        if bulk is None or bulk.epoch != epoch:
+            return  # cut short: a later event commits it
+        rep.bulk = None
+        ends, k = bulk.ends, len(bulk.ends)
+        rep.clock.set(ends[-1])
+        rep.busy_s += ends[-1] - bulk.start
+        self.num_steps += k
+        sched, kv = rep.scheduler, rep.kv
+        sched.num_computed_tokens += k * len(sched.running)
+        done = []
+        for r in list(sched.running):
+            if kv.allocate_slots(r, k) is None:
+                raise AssertionError("a bulk was priced with blocks it cannot get")
+            first = self._base[r.request_id] + r.num_tokens
+            r.num_computed_tokens += k
+            r.output_token_ids += range(first, first + k)
+            kv.cache_computed_blocks(r)
+            self._bulk_tokens.setdefault(r.request_id, []).append(ends)
+            if len(r.output_token_ids) >= r.sampling_params.max_tokens:
+                done.append(r)
+        for r in done:
+            sched.finish_request(r.request_id, RequestStatus.FINISHED)
+            self._finished(r, index)
+        self._after_step(rep, index)
+
+    # ---------------------------------------------------------------- results
+
     def _finished(self, request: Request, index: int) -> None:
         req, _, sent = self._inflight.pop(request.request_id)
+        del self._base[request.request_id]
         endpoint = self.pool.endpoints[index]
         endpoint.in_flight -= 1
         answer = request.output_token_ids
-        route = RouteRequest(_text(req.prompt), f"tenant-{req.tenant}", chat=False)
-        self.policy.routed(route.answered(_text(answer)), endpoint)
+        if self._texts:
+            route = self._route(req)
+            self.policy.routed(route.answered(" " + _text(answer)), endpoint)
         self.results.append(self._client_view(request, sent))
+        if self.config.tpm is not None:
+            self._now = self.replicas[index].clock.now()
+            reserved = len(req.prompt) + req.output_len
+            self._limiter.settle(f"tenant-{req.tenant}", self._limits, reserved,
+                                 request.num_tokens)  # fmt: skip
         if req.followups:
             question, out_len = req.followups[0]
             nxt = SimRequest(
@@ -233,32 +437,43 @@ class Simulator:
             nxt.arrival = back + (self._rng.expovariate(1 / self._think) if self._think else 0)
             self._push(nxt.arrival, "arrive", nxt)
 
+    def _token_times(self, request: Request) -> list[float]:
+        times = request.timeline.token_times
+        bulks = self._bulk_tokens.pop(request.request_id, None)
+        if bulks:
+            for ends in bulks:
+                times += ends
+            times.sort()
+        return times
+
     def _client_view(self, request: Request, sent: float) -> RequestResult:
         """What a client would have measured, with the stages the server would report."""
         tl = request.timeline
-        half = self.config.network_rtt_s / 2
-        tokens = tl.token_times
+        config = self.config
+        half = config.network_rtt_s / 2
+        tokens = self._token_times(request)
         stages = tl.stages()
-        gateway_ms = self.config.gateway_s * 1000
         timings = {
-            Stage.GATEWAY_AUTH.value: gateway_ms / 3,
-            Stage.GATEWAY_RATELIMIT.value: gateway_ms / 3,
-            Stage.GATEWAY_SAFETY.value: gateway_ms / 3,
+            Stage.GATEWAY_AUTH.value: config.gateway_auth_s * 1000,
+            Stage.GATEWAY_RATELIMIT.value: config.gateway_ratelimit_s * 1000,
+            Stage.GATEWAY_SAFETY.value: config.gateway_safety_s * 1000,
             Stage.GATEWAY_QUEUE.value: 0.0,
-            Stage.ROUTE.value: self.config.route_s * 1000,
+            Stage.ROUTE.value: config.route_s * 1000,
         }
         for stage in (Stage.TOKENIZE, Stage.ENGINE_QUEUE, Stage.PREFILL, Stage.DECODE):
             timings[stage.value] = stages.get(stage, 0.0) * 1000
         timings[Stage.STREAM.value] = 0.0
         end = (tl.end or tokens[-1]) + half
         timings["total"] = sum(timings.values())  # the server's part; network is the rest
+        self._finished_count += 1
+        keep_itl = self._finished_count % self._itl_every == 0
         return RequestResult(
             success=True,
             request_id=request.request_id,
             prompt_tokens=request.num_prompt_tokens,
             output_tokens=len(request.output_token_ids),
             ttft=tokens[0] + half - sent,
-            itl=tl.itls,
+            itl=[b - a for a, b in itertools.pairwise(tokens)] if keep_itl else [],
             latency=end - sent,
             start=sent,
             finish_reason="length",

@@ -2,20 +2,29 @@
 which ones continue a conversation.
 
 Arrivals are a Poisson process at ``rate`` (``bursty``: the same mean, in bursts of
-``burst`` requests at once). A conversation of ``turns`` turns sends its next turn
-``think_s`` seconds (exponential) after the previous answer, with the whole history as
-its prompt. Every prompt may start with a ``shared_prefix`` of system-prompt tokens, the
-same for everyone; ``tenants`` keys each get their own cache salt.
+``burst`` requests at once; ``diurnal``: the same mean, rising and falling over a day of
+``period_s`` seconds between a night trough and a midday peak ``peak_ratio`` times
+higher, drawn by thinning a Poisson process at the peak rate). A conversation of
+``turns`` turns sends its next turn ``think_s`` seconds (exponential) after the previous
+answer, with the whole history as its prompt. Every prompt may start with a
+``shared_prefix`` of system-prompt tokens, the same for everyone; ``tenants`` keys each
+get their own cache salt.
 """
 
 from __future__ import annotations
 
+import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from sendpath.bench.workload import LengthSpec
 
-__all__ = ["SimRequest", "Traffic"]
+__all__ = ["PATTERNS", "SimRequest", "Traffic"]
+
+PATTERNS = ("poisson", "bursty", "diurnal")
 
 
 @dataclass
@@ -38,8 +47,10 @@ class Traffic:
     num_requests: int  # requests in all, every turn counted
     input_len: LengthSpec = field(default_factory=lambda: LengthSpec(128, 128))
     output_len: LengthSpec = field(default_factory=lambda: LengthSpec(128, 128))
-    pattern: str = "poisson"  # or "bursty"
+    pattern: str = "poisson"  # or "bursty", "diurnal"
     burst: int = 8
+    period_s: float = 86_400.0  # diurnal: one day
+    peak_ratio: float = 4.0  # diurnal: busiest rate / quietest rate
     shared_prefix: int = 0
     turns: int = 1
     think_s: float = 0.0
@@ -49,30 +60,50 @@ class Traffic:
     def __post_init__(self) -> None:
         if self.rate <= 0 or self.num_requests < 1 or self.turns < 1 or self.tenants < 1:
             raise ValueError("rate > 0, requests >= 1, turns >= 1 and tenants >= 1, please")
-        if self.pattern not in ("poisson", "bursty"):
-            raise ValueError(f"pattern is 'poisson' or 'bursty', got {self.pattern!r}")
+        if self.pattern not in PATTERNS:
+            raise ValueError(f"pattern is one of {', '.join(PATTERNS)}; got {self.pattern!r}")
+        if self.period_s <= 0 or self.peak_ratio < 1:
+            raise ValueError("period_s > 0 and peak_ratio >= 1, please")
+
+    def rate_at(self, t: float) -> float:
+        """The arrival rate at ``t`` seconds (constant unless diurnal; t = 0 is the trough)."""
+        if self.pattern != "diurnal":
+            return self.rate
+        swing = (self.peak_ratio - 1) / (self.peak_ratio + 1)
+        return self.rate * (1 - swing * math.cos(2 * math.pi * t / self.period_s))
+
+    def _next_arrival(self, t: float, s: int, rng: random.Random) -> float:
+        if self.pattern == "poisson":
+            return t + rng.expovariate(self.rate)
+        if self.pattern == "bursty":
+            return t + rng.expovariate(self.rate / self.burst) if s % self.burst == 0 else t
+        peak = self.rate * 2 * self.peak_ratio / (self.peak_ratio + 1)
+        while True:  # thinning: candidates at the peak rate, kept with rate(t) / peak
+            t += rng.expovariate(peak)
+            if rng.random() * peak <= self.rate_at(t):
+                return t
 
     def first_turns(self) -> list[SimRequest]:
         """The conversations' first requests, in arrival order, each carrying its later
         turns (question tokens and answer length) to send when it is answered."""
+        return list(self.arrivals())
+
+    def arrivals(self) -> Iterator[SimRequest]:
+        """``first_turns``, made one at a time (a million prompts never sit in memory)."""
         rng = random.Random(self.seed)
-        prefix = [rng.randrange(100, 30000) for _ in range(self.shared_prefix)]
+        ids = np.random.default_rng(self.seed)  # token ids: random, and drawn in bulk
+
+        def tokens(n: int) -> list[int]:
+            return ids.integers(100, 30000, n).tolist()  # type: ignore[no-any-return]
+
+        prefix = tokens(self.shared_prefix)
         sessions = -(-self.num_requests // self.turns)
-        out, t, left = [], 0.0, self.num_requests
+        t, left = 0.0, self.num_requests
         for s in range(sessions):
-            if self.pattern == "poisson":
-                t += rng.expovariate(self.rate)
-            elif s % self.burst == 0:
-                t += rng.expovariate(self.rate / self.burst)
+            t = self._next_arrival(t, s, rng)
             turns = min(self.turns, left)
             left -= turns
-            ask = [
-                ([rng.randrange(100, 30000) for _ in range(self.input_len.sample(rng))],
-                 self.output_len.sample(rng))
-                for _ in range(turns)
-            ]  # fmt: skip
+            ask = [(tokens(self.input_len.sample(rng)), self.output_len.sample(rng))
+                   for _ in range(turns)]  # fmt: skip
             first, out_len = ask[0]
-            out.append(
-                SimRequest(f"s{s}-0", t, prefix + first, out_len, s, 0, s % self.tenants, ask[1:])
-            )
-        return out
+            yield SimRequest(f"s{s}-0", t, prefix + first, out_len, s, 0, s % self.tenants, ask[1:])

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 
 from sendpath.bench.workload import LengthSpec
 from sendpath.cli import main
@@ -42,7 +44,10 @@ def test_chunked_prefill_lowers_ttft_p99_under_a_mixed_load() -> None:
                    output_len=LengthSpec(16, 16), seed=2)  # fmt: skip
 
     def p99_ttft_of_short(budget: int, cap: int | None = None) -> float:
-        requests = short.first_turns() + long.first_turns()
+        longs = long.first_turns()
+        for i, r in enumerate(longs):
+            r.arrival = 2.0 + 6.0 * i  # one at a time: each prefill runs alone
+        requests = short.first_turns() + longs
         for i, r in enumerate(requests):
             r.request_id = f"r{i}"
         requests.sort(key=lambda r: r.arrival)
@@ -90,3 +95,76 @@ def test_runs_repeat_and_the_cli_reports_benchs_keys(tmp_path: Path) -> None:
     assert set(report) >= VLLM_KEYS and report["simulated"]["hardware"] == "H200-SXM"
     assert report["simulated"]["usd_per_1m_output_tokens"] > 0
     assert main(["sim", "--model", "llama-3.1-70b", "--hardware", "L4"]) == 2  # does not fit
+
+
+def test_fleet_mode_gives_the_detailed_modes_answers_with_fewer_scheduler_calls() -> None:
+    traffic = Traffic(
+        rate=12, num_requests=300, input_len=LengthSpec(32, 512), output_len=LengthSpec(8, 300),
+        shared_prefix=64, turns=3, think_s=1.0, tenants=2, seed=5,
+    )  # fmt: skip
+    # a cache small enough that requests are preempted now and then
+    for num_blocks in (20_000, 400):
+        runs = {}
+        for mode in ("detailed", "fleet"):
+            config = SimConfig(replicas=3, num_blocks=num_blocks, mode=mode, policy="prefix_aware")
+            sim = Simulator(config, COST)
+            calls = 0
+            for rep in sim.replicas:
+                real = rep.scheduler.schedule
+
+                def counted(real: Any = real) -> Any:
+                    nonlocal calls
+                    calls += 1
+                    return real()
+
+                rep.scheduler.schedule = counted  # type: ignore[method-assign]
+            result = sim.run(traffic)
+            assert all(r.kv.pool.num_free_blocks == num_blocks for r in sim.replicas)
+            by_id = {r.request_id: (r.ttft, r.latency, r.itl) for r in result.results}
+            runs[mode] = (by_id, result.num_steps, calls, result.busy)
+        detailed, fleet = runs["detailed"], runs["fleet"]
+        assert len(detailed[0]) == 300
+        for request_id, (ttft, latency, itl) in detailed[0].items():
+            f_ttft, f_latency, f_itl = fleet[0][request_id]
+            assert f_ttft == pytest.approx(ttft, abs=1e-9)
+            assert f_latency == pytest.approx(latency, abs=1e-9)
+            assert f_itl == pytest.approx(itl, abs=1e-9)
+        assert fleet[1] == detailed[1]  # the same steps, priced the same
+        assert fleet[3] == pytest.approx(detailed[3])
+        # most steps without the scheduler; a full cache needs it step by step (preemptions)
+        assert fleet[2] < detailed[2] / (3 if num_blocks == 20_000 else 1)
+
+
+def test_diurnal_traffic_peaks_at_midday_with_the_mean_rate() -> None:
+    one = LengthSpec(1, 1)
+    day = Traffic(rate=2.0, num_requests=20_000, pattern="diurnal", period_s=10_000,
+                  peak_ratio=4.0, output_len=one, input_len=one)  # fmt: skip
+    times = np.array([r.arrival for r in day.arrivals()])
+    assert times[-1] == pytest.approx(10_000, rel=0.05)  # 20,000 at a mean of 2/s
+    hours = np.histogram(times % 10_000, bins=10, range=(0, 10_000))[0]
+    trough = (hours[0] + hours[-1]) / 2
+    peak = (hours[4] + hours[5]) / 2
+    assert 3.0 < peak / trough < 4.5
+    assert day.rate_at(5_000) == pytest.approx(2.0 * 1.6) and day.rate_at(0) == pytest.approx(0.8)
+
+
+def test_a_tenant_over_its_tokens_per_minute_gets_429s_and_the_rest_are_served() -> None:
+    # two tenants alternate; each sends 30 requests/min of 100 + 50 tokens = 4,500 tokens/min
+    traffic = Traffic(rate=1.0, num_requests=240, input_len=LengthSpec(100, 100),
+                      output_len=LengthSpec(50, 50), tenants=2)  # fmt: skip
+    limited = Simulator(SimConfig(tpm=3_000), COST).run(traffic)
+    ok = [r for r in limited.results if r.success]
+    assert limited.rate_limited == sum(1 for r in limited.results if r.status == 429) > 0
+    assert len(ok) + limited.rate_limited == 240
+    minutes = limited.duration / 60
+    # admitted tokens: at most each tenant's minute allowance, refilled
+    assert sum((r.prompt_tokens or 0) + r.output_tokens for r in ok) <= 2 * 3_000 * (minutes + 1)
+    assert len(ok) > 0.5 * 240 * 3_000 / 4_500
+    unlimited = Simulator(SimConfig(), COST).run(traffic)
+    assert unlimited.rate_limited == 0 and len(unlimited.results) == 240
+
+
+def test_first_turns_must_come_in_arrival_order() -> None:
+    requests = Traffic(rate=5, num_requests=3).first_turns()
+    with pytest.raises(ValueError, match="arrival order"):
+        Simulator(SimConfig(), COST).run_requests(reversed(requests), total=3)
