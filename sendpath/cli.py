@@ -20,6 +20,7 @@ from sendpath.launch import (
     run_serve,
 )
 from sendpath.sim.command import add_sim_args, run_sim
+from sendpath.sim.profile_command import add_profile_args, run_profile
 
 if TYPE_CHECKING:
     pass
@@ -88,10 +89,23 @@ def build_parser() -> argparse.ArgumentParser:
         "sim",
         help="simulate the serving stack on GPUs you do not have: latency, stages, cost",
         description="Run our scheduler, KV cache and router on a virtual clock with a "
-        "roofline cost model: the seed's scenarios (--scenario), or any traffic on any "
+        "roofline cost model, or with step times measured on this machine (--cost-model, "
+        "from `sendpath profile`): the seed's scenarios (--scenario), or any traffic on any "
         "number of replicas. Reports what `sendpath bench` reports, plus utilisation and cost.",
     )
     add_sim_args(sim)
+    prof = sub.add_parser(
+        "profile",
+        help="time the real engine's steps and fit a cost model for `sendpath sim --cost-model`",
+        description="Load the engine `sendpath replica` would run with the same flags (the "
+        "built-in SmolLM2-135M by default), time one engine step (schedule + forward + update) "
+        "over a grid of prefill chunks, decode batches and context lengths, fit step = c_step "
+        "+ c_token*tokens + c_seq*seqs + c_context*attended + c_kv*KV read (non-negative least "
+        "squares on relative error; mixed steps held out to check it), print measured vs "
+        "fitted and write the model as JSON. About 2 minutes on 2 idle CPU cores (steps that "
+        "other processes slow are retaken).",
+    )
+    add_profile_args(prof)
     srv = sub.add_parser(
         "serve",
         help="the whole stack: gateway + N local replicas on the built-in model (make serve)",
@@ -247,6 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_bench(args)
         if args.command == "sim":
             return run_sim(args)
+        if args.command == "profile":
+            return run_profile(args)
     except SendpathError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2

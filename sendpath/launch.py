@@ -16,12 +16,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from sendpath.config import GatewayConfig
+from sendpath.config import CacheConfig, EngineConfig, GatewayConfig, SchedulerConfig
 
 __all__ = [
     "add_engine_args",
     "add_gateway_args",
     "engine_argv",
+    "engine_config",
     "gateway_config",
     "run_gateway",
     "run_replica",
@@ -262,34 +263,36 @@ def _ignore(signum: int, frame: FrameType | None) -> None:
     pass
 
 
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the engine flags describe (raises ValueError on a bad value)."""
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_queued_requests=args.max_queued_requests,
+            policy=args.scheduling_policy,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+        ),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory_gib=args.kv_cache_memory_gib,
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+    )
+
+
 def run_replica(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from sendpath.config import CacheConfig, EngineConfig, ReplicaConfig, SchedulerConfig
+    from sendpath.config import ReplicaConfig
     from sendpath.server.app import create_app, served_name
 
     try:
-        config = ReplicaConfig(
-            engine=EngineConfig(
-                model=args.model,
-                dtype=args.dtype,
-                device=args.device,
-                max_model_len=args.max_model_len,
-                scheduler=SchedulerConfig(
-                    max_num_seqs=args.max_num_seqs,
-                    max_num_batched_tokens=args.max_num_batched_tokens,
-                    max_queued_requests=args.max_queued_requests,
-                    policy=args.scheduling_policy,
-                    long_prefill_token_threshold=args.long_prefill_token_threshold,
-                ),
-                cache=CacheConfig(
-                    block_size=args.block_size,
-                    kv_cache_memory_gib=args.kv_cache_memory_gib,
-                    enable_prefix_caching=not args.no_prefix_caching,
-                ),
-            ),
-            served_model_name=args.served_model_name,
-        )
+        config = ReplicaConfig(engine=engine_config(args), served_model_name=args.served_model_name)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -8,18 +8,24 @@ memory (90% of it usable).
   64: far above what it can answer, so requests pile up in the queue.
 - ``long-document``: a 100,000-token document (about 300 pages) and a short answer, one
   at a time: prefill takes a visible share (and decode slows, reading that long context).
+
+A run with ``cost_model`` (a `sendpath profile` file) prices steps with that machine's
+fitted step times instead of the roofline, for the model and device that were profiled;
+its KV cache is the run's ``config.num_blocks``, not what a GPU's memory would hold.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from sendpath.bench.report import dominant
 from sendpath.bench.workload import LengthSpec
 from sendpath.config import SchedulerConfig
-from sendpath.sim.cost_model import Roofline
-from sendpath.sim.hardware import Hardware, ModelSpec, hardware, model_spec
+from sendpath.sim.cost_model import Calibrated, CostModel, Roofline
+from sendpath.sim.hardware import HARDWARE, Hardware, ModelSpec, hardware, model_spec
 from sendpath.sim.simulator import SimConfig, SimResult, Simulator
 from sendpath.sim.traffic import Traffic
 
@@ -37,6 +43,7 @@ class Run:
     model: str = "llama-3.1-8b"
     tp: int = 1
     gpu_hour_usd: float | None = None
+    cost_model: str | None = None  # a `sendpath profile` file: used instead of the roofline
 
 
 SCENARIOS: dict[str, Run] = {
@@ -65,8 +72,19 @@ def kv_blocks(model: ModelSpec, hw: Hardware, tp: int, block_size: int) -> int:
 def simulate(run: Run) -> tuple[SimResult, dict[str, Any]]:
     """Run it; the report has `sendpath bench`'s keys plus the fleet's cost and use."""
     model, hw = model_spec(run.model), hardware(run.hardware)
-    config = replace(run.config, num_blocks=kv_blocks(model, hw, run.tp, run.config.block_size))
-    result = Simulator(config, Roofline(model, hw, run.tp)).run(run.traffic)
+    step_cost: CostModel
+    if run.cost_model is not None:
+        if run.tp != 1:
+            raise ValueError("--tp does not apply to a calibrated cost model (one device)")
+        calibrated = Calibrated.load(run.cost_model)  # CostModelFileError is a ValueError
+        step_cost, config = calibrated, run.config
+        hw = _profiled_hardware(calibrated, hw)
+        hw_name = f"calibrated: {Path(run.cost_model).name} ({calibrated.device})"
+        model_name = calibrated.model_name
+    else:
+        config = replace(run.config, num_blocks=kv_blocks(model, hw, run.tp, run.config.block_size))
+        step_cost, hw_name, model_name = Roofline(model, hw, run.tp), hw.name, model.name
+    result = Simulator(config, step_cost).run(run.traffic)
     report = dict(result.report)
     devices = config.replicas * run.tp
     gpu_hours = devices * result.duration / 3600
@@ -77,8 +95,8 @@ def simulate(run: Run) -> tuple[SimResult, dict[str, Any]]:
     report.update(
         dominant_stage=found[0] if found else None,
         simulated={
-            "hardware": hw.name,
-            "model": model.name,
+            "hardware": hw_name,
+            "model": model_name,
             "replicas": config.replicas,
             "tp": run.tp,
             "policy": config.policy,
@@ -93,3 +111,12 @@ def simulate(run: Run) -> tuple[SimResult, dict[str, Any]]:
         },
     )
     return result, report
+
+
+def _profiled_hardware(calibrated: Calibrated, default: Hardware) -> Hardware:
+    """The table's entry for the profiled device (for its price), else ``default``."""
+    device = calibrated.device.lower()
+    if device.startswith("cpu"):
+        return HARDWARE["cpu"]
+    found = [hw for key, hw in HARDWARE.items() if re.search(rf"\b{key.lower()}\b", device)]
+    return found[0] if found else default

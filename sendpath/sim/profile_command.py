@@ -1,0 +1,88 @@
+"""`sendpath profile`: time this machine's engine, print the fit, write it for `sendpath sim`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from sendpath.launch import add_engine_args, engine_config
+from sendpath.sim.cost_model import Calibrated, PointKind
+from sendpath.sim.profile import DEFAULT_GRID, QUICK_GRID, profile
+
+__all__ = ["DEFAULT_OUT", "add_profile_args", "print_fit", "run_profile"]
+
+DEFAULT_OUT = Path("sendpath-profile.json")
+
+
+def add_profile_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        metavar="FILE",
+        help=f"where the fitted model goes (default: ./{DEFAULT_OUT})",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a tiny grid (seconds): checks the pipeline, too few points for a good fit",
+    )
+    add_engine_args(p)
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    """The `sendpath profile` command."""
+    try:
+        config = engine_config(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    grid = QUICK_GRID if args.quick else DEFAULT_GRID
+    span = "a quick grid" if args.quick else "about 2 minutes on 2 idle cores"
+    print(f"sendpath profile: timing engine steps ({span})", flush=True)
+    load = os.getloadavg()[0]
+    if load > 0.5:
+        print(
+            f"warning: load average {load:.1f}: something else is running; steps it slows "
+            "are retaken, so this takes longer",
+            flush=True,
+        )
+    cal = profile(
+        config, grid, lambda p: print(f"  {p.label}: {p.seconds * 1e3:.1f} ms", flush=True)
+    )
+    print_fit(cal)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    cal.save(args.out)
+    print(
+        f"wrote {args.out} ({cal.model_name}, {cal.meta['dtype']}, {cal.device}; profiled in "
+        f"{cal.meta['wall_s']:.0f} s). Use it: sendpath sim --cost-model {args.out} ..."
+    )
+    return 0
+
+
+def print_fit(cal: Calibrated) -> None:
+    """The measured vs fitted table, the coefficients and the fit's errors."""
+    print(f"\nstep time, measured vs fitted: {cal.model_name} ({cal.meta.get('dtype')}, "
+          f"{cal.device})")  # fmt: skip
+    print(f"{'point':<34}{'tokens':>7}{'seqs':>6}{'context':>9}{'kv':>7}"
+          f"{'measured ms':>13}{'fitted ms':>11}{'error':>8}")  # fmt: skip
+    for p in cal.points:
+        fitted, s = cal.step_seconds(p.shape), p.shape
+        label = p.label + (" (held out)" if p.kind is PointKind.MIXED else "")
+        print(f"{label:<34}{s.num_tokens:>7}{s.num_seqs:>6}{s.context_tokens:>9}"
+              f"{s.kv_tokens:>7}{p.seconds * 1e3:>13.1f}{fitted * 1e3:>11.1f}"
+              f"{(fitted - p.seconds) / p.seconds:>+8.1%}")  # fmt: skip
+    c = cal.coefficients
+    print(
+        f"fitted: {c['step'] * 1e3:.2f} ms a step + {c['token'] * 1e3:.3f} ms a token + "
+        f"{c['seq'] * 1e3:.3f} ms a sequence + {c['context'] * 1e9:.1f} ns a context token "
+        f"attended + {c['kv'] * 1e6:.2f} us a KV token read"
+    )
+    for name, err in (("fit points", cal.error()), ("held-out mixed steps", cal.error(True))):
+        if err is not None:
+            print(f"relative error on {err.count} {name}: max {err.max:.1%}, mean {err.mean:.1%}")
+    for key, why in (("skipped", "do not fit this engine"), ("noisy", "machine busy")):
+        if cal.meta.get(key):
+            print(f"{key} ({why}): {', '.join(cal.meta[key])}")

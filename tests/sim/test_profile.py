@@ -1,0 +1,187 @@
+"""The calibrated cost model: NNLS recovers known costs, files round-trip or fail clearly,
+`sendpath profile --quick` measures every kind of step, `sendpath sim --cost-model` uses it."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sendpath.cli import main
+from sendpath.config import CacheConfig, EngineConfig
+from sendpath.sim.cost_model import (
+    TERMS,
+    Calibrated,
+    CostModelFileError,
+    PointKind,
+    ProfilePoint,
+    StepShape,
+)
+from sendpath.sim.interference import Interference
+from sendpath.sim.nnls import nnls
+from sendpath.sim.profile import QUICK_GRID, profile
+
+KNOWN = {"step": 0.03, "token": 0.0015, "seq": 0.0004, "context": 2e-8, "kv": 0.0}
+SHAPES = [
+    (PointKind.PREFILL, StepShape(16, 1, 136, 16)),
+    (PointKind.PREFILL, StepShape(512, 1, 131_328, 512)),
+    (PointKind.PREFILL, StepShape(256, 1, 295_040, 1280)),
+    (PointKind.DECODE, StepShape(1, 1, 65, 65)),
+    (PointKind.DECODE, StepShape(8, 8, 8200, 8200)),
+    (PointKind.DECODE, StepShape(64, 64, 4160, 4160)),
+    (PointKind.MIXED, StepShape(20, 5, 2000, 1050)),
+]
+META = {
+    "model": "Tiny-Test",
+    "device": "cpu (x86_64, 2 cores)",
+    "engine": {"num_blocks": 300, "block_size": 16, "max_num_seqs": 64},
+}
+
+
+def points_of(coefficients: dict[str, float]) -> list[ProfilePoint]:
+    """Points whose times are exactly what ``coefficients`` predict."""
+    model = Calibrated(coefficients)
+    return [ProfilePoint(k, f"{k} {i}", s, model.step_seconds(s)) for i, (k, s) in
+            enumerate(SHAPES)]  # fmt: skip
+
+
+def test_fit_recovers_known_coefficients_exactly() -> None:
+    fitted = Calibrated.fit(points_of(KNOWN), META)
+    for term in TERMS:
+        assert fitted.coefficients[term] == pytest.approx(KNOWN[term], rel=1e-9, abs=1e-15)
+    fit, held = fitted.error(), fitted.error(held_out=True)
+    assert fit is not None and fit.count == 6 and fit.max < 1e-9
+    assert held is not None and held.count == 1 and held.max < 1e-9
+
+
+def test_coefficients_are_never_negative() -> None:
+    # times that a negative per-sequence cost would explain best: the fit pins it at 0
+    points = [
+        ProfilePoint(p.kind, p.label, p.shape, p.seconds - 0.001 * p.shape.num_seqs)
+        for p in points_of(KNOWN)
+    ]
+    fitted = Calibrated.fit(points)
+    assert fitted.coefficients["seq"] == 0.0
+    assert all(v >= 0 for v in fitted.coefficients.values())
+    with pytest.raises(ValueError, match="'kv' must be a number >= 0"):
+        Calibrated({**KNOWN, "kv": -1.0})
+
+
+def test_nnls_matches_the_best_subset() -> None:
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((30, 5)), rng.standard_normal(30)
+    x = nnls(a, b)
+    best = np.inf
+    for k in range(6):  # every set of free coefficients, solved unconstrained
+        for free in itertools.combinations(range(5), k):
+            sub = np.linalg.lstsq(a[:, free], b, rcond=None)[0] if free else np.zeros(0)
+            if (sub >= 0).all():
+                best = min(best, float(np.linalg.norm(a[:, free] @ sub - b)))
+    assert (x >= 0).all() and float(np.linalg.norm(a @ x - b)) == pytest.approx(best, rel=1e-9)
+
+
+def test_save_and_load_round_trip(tmp_path: Path) -> None:
+    fitted = Calibrated.fit(points_of(KNOWN), META)
+    path = tmp_path / "profile.json"
+    fitted.save(path)
+    loaded = Calibrated.load(path)
+    assert loaded.coefficients == fitted.coefficients
+    assert loaded.points == fitted.points
+    assert loaded.meta == META and loaded.model_name == "Tiny-Test"
+    assert loaded.engine == {"num_blocks": 300, "block_size": 16, "max_num_seqs": 64}
+    data = json.loads(path.read_text())
+    assert data["fit"]["fit_points"]["count"] == 6 and data["fit"]["held_out"]["count"] == 1
+    assert [p["kind"] for p in data["points"]].count("mixed") == 1
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (None, "no such file"),
+        ("{not json", "not JSON"),
+        ('{"coefficients_s": {}}', "not a sendpath-profile file"),
+        ('{"format": "sendpath-profile", "version": 9}', "version 9, expected 1"),
+        ('{"format": "sendpath-profile", "version": 1}', "malformed"),
+        ('{"format": "sendpath-profile", "version": 1, "coefficients_s": {"step": -1}}',
+         "malformed"),
+    ],
+)  # fmt: skip
+def test_a_bad_file_says_which_and_what_to_do(
+    tmp_path: Path, content: str | None, problem: str
+) -> None:
+    path = tmp_path / "bad.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(CostModelFileError) as caught:
+        Calibrated.load(path)
+    message = str(caught.value)
+    assert isinstance(caught.value, ValueError)
+    assert str(path) in message and problem in message
+    assert f"run `sendpath profile --out {path}`" in message
+
+
+def test_quick_profile_measures_every_kind_of_step(tiny_llama_dir: Path) -> None:
+    config = EngineConfig(
+        model=str(tiny_llama_dir), dtype="float32", device="cpu", cache=CacheConfig(num_blocks=128)
+    )
+    cal = profile(config, QUICK_GRID, guard=False)  # every step counts: exact shapes
+    assert [(p.label, p.shape) for p in cal.points] == [
+        ("prefill 8 @ 0", StepShape(8, 1, 36, 8)),
+        ("prefill 32 @ 0", StepShape(32, 1, 528, 32)),
+        ("prefill 16 @ 32", StepShape(16, 1, 16 * 32 + 136, 48)),
+        # each batch is timed after the larger one, one token further on per step
+        ("decode 4 x 16", StepShape(4, 4, 4 * 19, 4 * 19)),
+        ("decode 1 x 16", StepShape(1, 1, 22, 22)),
+        ("decode 4 x 64", StepShape(4, 4, 4 * 67, 4 * 67)),
+        ("decode 1 x 64", StepShape(1, 1, 70, 70)),
+        ("mixed 2 x 32 + 16 @ 0", StepShape(18, 3, 2 * 35 + 136, 2 * 35 + 16)),
+    ]
+    assert {p.kind for p in cal.points} == set(PointKind)
+    assert all(p.seconds > 0 and cal.step_seconds(p.shape) > 0 for p in cal.points)
+    assert all(v >= 0 for v in cal.coefficients.values())
+    assert cal.meta["engine"]["num_blocks"] == 128 and cal.meta["dtype"] == "float32"
+    assert cal.meta["device"].startswith("cpu") and cal.meta["skipped"] == []
+    assert cal.meta["retaken_steps"] == 0 and cal.meta["noisy"] == []
+
+
+def test_a_step_is_clean_while_the_others_stay_under_a_tenth_of_it() -> None:
+    watch = Interference()
+    tick = watch.tick_s
+    assert watch.clean(0.1, 0.01 + 2 * tick) and not watch.clean(0.1, 0.011 + 2 * tick)
+    assert watch.clean(2.0, 0.2) and not watch.clean(2.0, 0.5)
+
+
+def test_profile_command_writes_a_file_sim_can_load(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "p.json"
+    argv = ["profile", "--quick", "--model", str(tiny_llama_dir), "--kv-cache-memory-gib",
+            "0.001", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "measured vs fitted" in printed and f"wrote {out}" in printed
+    assert Calibrated.load(out).engine["num_blocks"] == 131  # 1.07 MB / (512 B x 16 tokens)
+
+
+def test_sim_with_a_cost_model(tmp_path: Path) -> None:
+    path, report = tmp_path / "cpu.json", tmp_path / "report.json"
+    Calibrated.fit(points_of(KNOWN), META).save(path)
+    argv = ["sim", "--cost-model", str(path), "--rate", "1", "--requests", "20",
+            "--json", str(report)]  # fmt: skip
+    assert main(argv) == 0
+    s = json.loads(report.read_text())["simulated"]
+    assert s["hardware"] == "calibrated: cpu.json (cpu (x86_64, 2 cores))"
+    assert s["model"] == "Tiny-Test" and s["kv_blocks_per_replica"] == 300
+
+
+def test_sim_with_a_bad_cost_model_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "nope.json"
+    assert main(["sim", "--cost-model", str(missing), "--requests", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cost model '{missing}': no such file")
+    assert "run `sendpath profile" in err
