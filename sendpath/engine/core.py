@@ -15,6 +15,7 @@ from sendpath.clock import Clock, RealClock
 from sendpath.config import EngineConfig, SchedulerConfig
 from sendpath.engine.outputs import EngineOutput, OutputStream
 from sendpath.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput, SchedulerStats
+from sendpath.engine.steps import StepLog, StepShape
 from sendpath.errors import InvalidRequestError, PromptTooLongError
 from sendpath.kvcache.manager import KVCacheManager
 from sendpath.model.tokenizer import ChatMessage, Tokenizer
@@ -65,6 +66,7 @@ class EngineCore:
         self.scheduler = Scheduler(scheduler_config, kv, self.clock)
         self._streams: dict[str, OutputStream] = {}
         self._ids = itertools.count()
+        self.steps = StepLog()  # every step's shape and time: calibration from a live server
 
     @classmethod
     def from_config(cls, config: EngineConfig, clock: Clock | None = None) -> EngineCore:
@@ -169,6 +171,7 @@ class EngineCore:
 
     def step(self) -> list[EngineOutput]:
         """Schedule, execute and apply one step; return what each request got from it."""
+        start = self.clock.now()
         plan = self.scheduler.schedule()
         result = self.runner.execute(plan)
         outputs = []
@@ -180,6 +183,9 @@ class EngineCore:
                 self.runner.remove_request(request.request_id)
                 del self._streams[request.request_id]
             outputs.append(self._output(request, stream, [token], text))
+        if not plan.is_empty:
+            busy = self.scheduler.has_unfinished_requests()
+            self.steps.record(start, self.clock.now() - start, busy, StepShape.of(plan))
         return outputs
 
     def stats(self) -> SchedulerStats:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +106,17 @@ class Replica:
         return self.engine
 
 
+def _device(device: Any) -> str:
+    """The device in words: ``cuda (NVIDIA H200)``, ``cpu (x86_64, 2 cores)``."""
+    import platform
+
+    import torch
+
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return f"{device.type} ({platform.machine()}, {os.cpu_count()} cores)"
+
+
 async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -169,6 +182,35 @@ def create_app(config: ReplicaConfig, engine: AsyncEngine | None = None) -> Fast
     async def metrics() -> Response:
         stats = await replica.engine.stats() if replica.engine is not None else None
         return Response(replica.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/steps")
+    async def steps(after: int = 0) -> dict[str, Any]:
+        """The engine's recent steps (shape and wall time) after step ``after``, with the
+        engine settings they ran under: what `sendpath profile --url` fits."""
+        engine = replica.ready_engine()
+
+        def read(core: EngineCore) -> dict[str, Any]:
+            sched, kv = core.scheduler, core.scheduler.kv
+            model = getattr(core.runner, "model", None)  # the model runner's torch module
+            return {
+                "engine": {
+                    "device": _device(model.device) if model is not None else "unknown device",
+                    "dtype": str(model.dtype).removeprefix("torch.") if model is not None else None,
+                    "max_num_seqs": sched.config.max_num_seqs,
+                    "max_num_batched_tokens": sched.config.max_num_batched_tokens,
+                    "block_size": kv.block_size,
+                    "num_blocks": kv.pool.num_blocks,
+                    "max_model_len": core.max_model_len,
+                },
+                "steps": [
+                    {"seq": r.seq, "start": r.start, "seconds": r.seconds,
+                     "busy_after": r.busy_after, **asdict(r.shape)}
+                    for r in core.steps.since(after)
+                ],
+            }  # fmt: skip
+
+        found: dict[str, Any] = await asyncio.wrap_future(engine.call(read))
+        return found
 
     @app.get("/v1/requests/{response_id}")
     async def progress(response_id: str) -> dict[str, Any]:

@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 from sendpath.launch import add_engine_args, engine_config
-from sendpath.sim.cost_model import Calibrated, PointKind
+from sendpath.sim.cost_model import Calibrated, PointKind, ProfilePoint
 from sendpath.sim.profile import DEFAULT_GRID, QUICK_GRID, profile
+from sendpath.sim.profile_served import DEFAULT_SERVED, QUICK_SERVED, profile_served
 
 __all__ = ["DEFAULT_OUT", "add_profile_args", "print_fit", "run_profile"]
 
@@ -29,11 +30,21 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a tiny grid (seconds): checks the pipeline, too few points for a good fit",
     )
+    p.add_argument(
+        "--url",
+        default=None,
+        help="profile a running server instead (sendpath serve --replicas 1, or one replica): "
+        "drive it with a grid of loads and fit the steps it ran, as served (engine flags "
+        "are then the server's own)",
+    )
+    p.add_argument("--api-key", default=None, help="with --url: the gateway's API key")
     add_engine_args(p)
 
 
 def run_profile(args: argparse.Namespace) -> int:
     """The `sendpath profile` command."""
+    if args.url is not None:
+        return _served(args)
     try:
         config = engine_config(args)
     except ValueError as exc:
@@ -49,15 +60,33 @@ def run_profile(args: argparse.Namespace) -> int:
             "are retaken, so this takes longer",
             flush=True,
         )
-    cal = profile(
-        config, grid, lambda p: print(f"  {p.label}: {p.seconds * 1e3:.1f} ms", flush=True)
-    )
+    cal = profile(config, grid, _progress)
+    return _write(cal, args.out)
+
+
+def _served(args: argparse.Namespace) -> int:
+    grid = QUICK_SERVED if args.quick else DEFAULT_SERVED
+    span = "a quick grid" if args.quick else "about 3 minutes with the built-in model on 2 cores"
+    print(f"sendpath profile: loading {args.url} and reading its steps ({span})", flush=True)
+    try:
+        cal = profile_served(args.url, args.api_key, grid, _progress)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return _write(cal, args.out)
+
+
+def _progress(p: ProfilePoint) -> None:
+    print(f"  {p.label}: {p.seconds * 1e3:.1f} ms", flush=True)
+
+
+def _write(cal: Calibrated, out: Path) -> int:
     print_fit(cal)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    cal.save(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cal.save(out)
     print(
-        f"wrote {args.out} ({cal.model_name}, {cal.meta['dtype']}, {cal.device}; profiled in "
-        f"{cal.meta['wall_s']:.0f} s). Use it: sendpath sim --cost-model {args.out} ..."
+        f"wrote {out} ({cal.model_name}, {cal.meta.get('dtype')}, {cal.device}; profiled in "
+        f"{cal.meta['wall_s']:.0f} s). Use it: sendpath sim --cost-model {out} ..."
     )
     return 0
 

@@ -1,0 +1,62 @@
+"""Engine steps as the engine ran them: each step's shape and how long it took.
+
+``StepShape`` is what a step's cost depends on (tokens computed, sequences, the context
+they attend to, the KV they read); the simulator's cost models price it, and the engine
+core records every real step's shape with its wall time in a ``StepLog`` (a bounded ring,
+read by the replica's ``GET /v1/steps``), so a live server can be calibrated as it serves
+(`sendpath profile --url`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass
+
+from sendpath.engine.scheduler import SchedulerOutput
+
+__all__ = ["StepLog", "StepRecord", "StepShape"]
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step costs depends on: tokens computed, and the context each one reads."""
+
+    num_tokens: int
+    num_seqs: int
+    context_tokens: int  # sum over computed tokens of the positions they attend to
+    kv_tokens: int  # sum over sequences of the KV they read once (their whole context)
+
+    @classmethod
+    def of(cls, plan: SchedulerOutput) -> StepShape:
+        tokens = context = kv = 0
+        for item in plan.requests:
+            n, start = len(item.token_ids), item.start_pos
+            tokens += n
+            context += n * start + n * (n + 1) // 2
+            kv += start + n
+        return cls(tokens, len(plan.requests), context, kv)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    seq: int  # 1, 2, 3, ... since the engine started
+    start: float  # clock seconds
+    seconds: float  # schedule + forward + update
+    busy_after: bool  # requests were left: the next step followed at once
+    shape: StepShape
+
+
+class StepLog:
+    """The last ``capacity`` steps (written by the engine thread only)."""
+
+    def __init__(self, capacity: int = 8192) -> None:
+        self._steps: deque[StepRecord] = deque(maxlen=capacity)
+        self._seq = itertools.count(1)
+
+    def record(self, start: float, seconds: float, busy_after: bool, shape: StepShape) -> None:
+        self._steps.append(StepRecord(next(self._seq), start, seconds, busy_after, shape))
+
+    def since(self, seq: int) -> list[StepRecord]:
+        """Steps after ``seq`` (0: all kept), oldest first."""
+        return [s for s in self._steps if s.seq > seq]

@@ -1,0 +1,199 @@
+"""`sendpath profile --url`: calibrate from a live server, as it serves.
+
+The in-process profile times the engine alone. A served engine shares the machine with
+its HTTP server, the gateway and the clients, whose per-token work (SSE events through
+two processes) slows its steps on a small machine: on this 2-core CPU the served steps
+run ~1.4x longer than the same steps in-process (benchmarks/README.md). So this drives a
+running `sendpath serve` (or one `sendpath replica`) with a grid of loads, as clients
+would (streaming completions, prompts of exact token counts, answers of fixed length),
+and reads the replica's own record of every step it ran (``GET /v1/steps``): its shape
+and its time. A step's time here is its period, start to the next step's start, when the
+engine went straight on (that includes the loop's delivery of outputs between steps,
+which is what the simulator's back-to-back steps stand for); else its own duration.
+
+Grid: single prompts of N tokens (prefill chunks), and B requests at once with prompts of
+C tokens (their prefill mixes with the decodes of those admitted first; then B decode).
+Steps are grouped per load and kind (prefill / decode / mixed) and shape size; each
+group's median becomes a point. Mixed steps are held out, as in the in-process profile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import platform
+import random
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+
+from sendpath.engine.steps import StepShape
+from sendpath.sim.cost_model import Calibrated, PointKind, ProfilePoint
+
+__all__ = ["DEFAULT_SERVED", "QUICK_SERVED", "ServedGrid", "profile_served"]
+
+
+@dataclass(frozen=True)
+class ServedGrid:
+    prefill: tuple[int, ...]  # prompt tokens of single requests
+    repeats: int  # of each single prompt
+    batches: tuple[int, ...]  # B requests at once
+    contexts: tuple[int, ...]  # of C prompt tokens each
+    answer: int  # tokens each answer is long (the decode steps per load)
+
+
+# about 3 minutes on 2 cores with the built-in model
+DEFAULT_SERVED = ServedGrid(
+    prefill=(16, 64, 128, 256, 512, 1024), repeats=3,
+    batches=(1, 2, 4, 8, 16, 32, 64), contexts=(64, 512), answer=24,
+)  # fmt: skip
+QUICK_SERVED = ServedGrid(prefill=(8, 32), repeats=2, batches=(1, 4), contexts=(16,), answer=6)
+
+
+class ServedProfileError(ValueError):
+    """The server cannot be profiled (unreachable, several replicas, refuses requests)."""
+
+
+def _kind(shape: StepShape) -> PointKind:
+    if shape.num_tokens == shape.num_seqs:
+        return PointKind.DECODE
+    return PointKind.PREFILL if shape.num_seqs == 1 else PointKind.MIXED
+
+
+class _Driver:
+    def __init__(self, url: str, api_key: str | None) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=600)
+        self.rng = random.Random(0)
+
+    async def replica(self) -> str:
+        """The replica whose steps to read: the URL itself, or the gateway's only one."""
+        try:
+            r = await self.client.get("/fleet")
+        except httpx.HTTPError as exc:
+            raise ServedProfileError(f"cannot reach {self.client.base_url}: {exc}") from None
+        if r.status_code != 200:
+            return str(self.client.base_url)
+        replicas = r.json()["replicas"]
+        if len(replicas) != 1:
+            raise ServedProfileError(
+                f"the gateway has {len(replicas)} replicas; profile one (sendpath serve "
+                "--replicas 1), so that every request's steps are on the replica read"
+            )
+        return str(replicas[0]["url"])
+
+    async def model(self) -> str:
+        r = await self.client.get("/v1/models")
+        if r.status_code != 200:
+            raise ServedProfileError(f"GET /v1/models said {r.status_code}: {r.text[:200]}")
+        return str(r.json()["data"][0]["id"])
+
+    async def one(self, model: str, prompt_tokens: int, answer: int) -> None:
+        prompt = [self.rng.randrange(100, 30000) for _ in range(prompt_tokens)]
+        body = {"model": model, "prompt": prompt, "max_tokens": answer, "ignore_eos": True,
+                "temperature": 0, "stream": True}  # fmt: skip
+        async with self.client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode(errors="replace")
+                raise ServedProfileError(f"a request was refused ({r.status_code}): {text[:300]}")
+            async for _ in r.aiter_lines():
+                pass
+
+    async def load(self, model: str, count: int, prompt_tokens: int, answer: int) -> None:
+        await asyncio.gather(*(self.one(model, prompt_tokens, answer) for _ in range(count)))
+
+
+async def _steps(client: httpx.AsyncClient, replica: str, after: int) -> dict[str, Any]:
+    r = await client.get(f"{replica.rstrip('/')}/v1/steps", params={"after": after})
+    if r.status_code != 200:
+        raise ServedProfileError(f"{replica} has no step log (GET /v1/steps: {r.status_code})")
+    found: dict[str, Any] = r.json()
+    return found
+
+
+def _times(steps: list[dict[str, Any]]) -> list[tuple[StepShape, float]]:
+    """Each step's shape and time: its period when the next step followed at once."""
+    out = []
+    for step, nxt in zip(steps, [*steps[1:], None], strict=True):
+        seconds = step["seconds"]
+        if step["busy_after"] and nxt is not None and nxt["seq"] == step["seq"] + 1:
+            seconds = max(seconds, nxt["start"] - step["start"])
+        shape = StepShape(step["num_tokens"], step["num_seqs"], step["context_tokens"],
+                          step["kv_tokens"])  # fmt: skip
+        out.append((shape, seconds))
+    return out
+
+
+def _points(label: str, timed: list[tuple[StepShape, float]]) -> list[ProfilePoint]:
+    """One point per kind and size: the median step (by time) of each group."""
+    groups: dict[tuple[PointKind, int, int], list[tuple[StepShape, float]]] = defaultdict(list)
+    for shape, seconds in timed:
+        groups[(_kind(shape), shape.num_seqs, shape.num_tokens)].append((shape, seconds))
+    points = []
+    for (kind, seqs, tokens), items in sorted(groups.items()):
+        items.sort(key=lambda item: item[1])
+        shape, seconds = items[len(items) // 2]
+        name = f"{label}: {kind.value} {tokens} tok / {seqs} seq ({len(items)} steps)"
+        points.append(ProfilePoint(kind, name, shape, seconds))
+    return points
+
+
+def profile_served(
+    url: str,
+    api_key: str | None = None,
+    grid: ServedGrid = DEFAULT_SERVED,
+    progress: Callable[[ProfilePoint], None] = lambda p: None,
+) -> Calibrated:
+    """Drive the server at ``url`` through ``grid`` and fit its steps."""
+    return asyncio.run(_profile(url, api_key, grid, progress))
+
+
+async def _profile(
+    url: str, api_key: str | None, grid: ServedGrid, progress: Callable[[ProfilePoint], None]
+) -> Calibrated:
+    started = time.perf_counter()
+    driver = _Driver(url, api_key)
+    async with driver.client:
+        replica = await driver.replica()
+        model = await driver.model()
+        await driver.one(model, 8, 2)  # warm-up
+        seen = await _steps(driver.client, replica, 0)
+        engine: dict[str, Any] = seen["engine"]
+        last = seen["steps"][-1]["seq"] if seen["steps"] else 0
+        capacity = engine["num_blocks"] * engine["block_size"]
+        points, skipped = [], []
+        loads = [(f"prompt {n}", 1, n, 1) for n in grid.prefill for _ in range(grid.repeats)]
+        loads += [(f"{b} x {c}", b, c, grid.answer) for c in grid.contexts for b in grid.batches]
+        for label, count, tokens, answer in loads:
+            if count > engine["max_num_seqs"] or count * (tokens + answer + 16) > capacity:
+                skipped.append(label)
+                continue
+            if tokens + answer > engine["max_model_len"]:
+                skipped.append(label)
+                continue
+            await driver.load(model, count, tokens, answer)
+            found = await _steps(driver.client, replica, last)
+            if found["steps"]:
+                last = found["steps"][-1]["seq"]
+            for p in _points(label, _times(found["steps"])):
+                points.append(p)
+                progress(p)
+    meta = {
+        "model": model,
+        "served_at": url,
+        "device": f"served: {engine.pop('device', 'unknown device')}",
+        "dtype": engine.pop("dtype", None),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "engine": engine,
+        "grid": {"name": "served", "answer": grid.answer, "repeats": grid.repeats},
+        "skipped": skipped,
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    return Calibrated.fit(points, meta)

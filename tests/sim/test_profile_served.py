@@ -1,0 +1,51 @@
+"""`sendpath profile --url`: a live replica's own step log, fitted as it served."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sendpath.cli import main
+from sendpath.model.loader import LoadedModel
+from sendpath.sim.cost_model import Calibrated, PointKind
+from sendpath.sim.profile_served import QUICK_SERVED, ServedProfileError, profile_served
+from tests.server.conftest import BLOCKS, serve
+
+
+def test_the_replica_logs_each_step_with_its_shape(tiny: LoadedModel) -> None:
+    with serve(tiny) as server:
+        body = {"model": "tiny", "prompt": list(range(100, 140)), "max_tokens": 5,
+                "ignore_eos": True}  # fmt: skip
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).status_code == 200
+        found = httpx.get(f"{server.url}/v1/steps").json()
+        assert found["engine"]["num_blocks"] == BLOCKS and found["engine"]["block_size"] == 16
+        steps = found["steps"]
+        assert [s["num_tokens"] for s in steps] == [40, 1, 1, 1, 1]  # prefill, then 4 decodes
+        assert [s["busy_after"] for s in steps] == [True] * 4 + [False]
+        assert steps[1]["kv_tokens"] == 41 and all(s["seconds"] > 0 for s in steps)
+        later = httpx.get(f"{server.url}/v1/steps", params={"after": steps[2]["seq"]}).json()
+        assert [s["seq"] for s in later["steps"]] == [s["seq"] for s in steps[3:]]
+
+
+def test_a_served_profile_fits_prefill_decode_and_holds_out_mixed_steps(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    with serve(tiny) as server:
+        cal = profile_served(server.url, grid=QUICK_SERVED)
+        assert {p.kind for p in cal.points} == set(PointKind)
+        assert all(p.seconds > 0 for p in cal.points)
+        assert cal.meta["engine"]["num_blocks"] == BLOCKS and cal.device.startswith("served: cpu")
+        assert all(cal.step_seconds(p.shape) > 0 for p in cal.points)
+        assert server.idle()  # every request finished, every block back
+        out = tmp_path / "served.json"
+        assert main(["profile", "--url", server.url, "--quick", "--out", str(out)]) == 0
+        assert Calibrated.load(out).meta["grid"]["name"] == "served"
+
+
+def test_an_unreachable_server_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ServedProfileError, match="cannot reach"):
+        profile_served("http://127.0.0.1:9", grid=QUICK_SERVED)
+    assert main(["profile", "--url", "http://127.0.0.1:9", "--quick"]) == 2
+    assert "cannot reach" in capsys.readouterr().err
