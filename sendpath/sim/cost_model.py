@@ -38,6 +38,7 @@ than the fit, a lone decode about a fifth faster.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Sequence
@@ -48,7 +49,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from sendpath.engine.scheduler import SchedulerOutput
+from sendpath.engine.steps import StepShape
 from sendpath.sim.hardware import Hardware, ModelSpec
 from sendpath.sim.nnls import nnls
 
@@ -69,26 +70,6 @@ COMPUTE_EFF = 0.5
 MEMORY_EFF = 0.8
 
 
-@dataclass(frozen=True)
-class StepShape:
-    """What a step costs depends on: tokens computed, and the context each one reads."""
-
-    num_tokens: int
-    num_seqs: int
-    context_tokens: int  # sum over computed tokens of the positions they attend to
-    kv_tokens: int  # sum over sequences of the KV they read once (their whole context)
-
-    @classmethod
-    def of(cls, plan: SchedulerOutput) -> StepShape:
-        tokens = context = kv = 0
-        for item in plan.requests:
-            n, start = item.num_tokens, item.start_pos
-            tokens += n
-            context += n * start + n * (n + 1) // 2
-            kv += start + n
-        return cls(tokens, len(plan.requests), context, kv)
-
-
 class CostModel(Protocol):
     def step_seconds(self, shape: StepShape) -> float: ...
 
@@ -101,31 +82,77 @@ class Roofline:
             raise ValueError(f"tensor parallelism must be >= 1, got {tp}")
         self.model, self.hw, self.tp = model, hw, tp
         self.weight_bytes = model.params * model.bytes_per_param
+        # per unit of each shape field, in seconds (the simulator prices millions of steps)
+        compute, memory = hw.flops * tp * COMPUTE_EFF, hw.bandwidth * tp * MEMORY_EFF
+        self._token_flops_s = 2 * model.params / compute
+        self._context_flops_s = 4 * model.layers * model.hidden / compute
+        self._weights_s = self.weight_bytes / memory
+        self._kv_s = model.kv_bytes_per_token / memory
+        self._allreduce_s = 0.0
+        if tp > 1 and hw.link_bandwidth > 0:
+            # two all-reduces of the activations per layer, ring: 2 (tp-1)/tp of the data
+            volume = 2 * model.layers * model.hidden * model.bytes_per_param
+            self._allreduce_s = volume * 2 * (tp - 1) / tp / hw.link_bandwidth
 
     def step_seconds(self, shape: StepShape) -> float:
-        if shape.num_tokens == 0:
+        tokens = shape.num_tokens
+        if tokens == 0:
             return self.hw.step_overhead_s
-        m = self.model
-        flops = 2 * m.params * shape.num_tokens + 4 * m.layers * m.hidden * shape.context_tokens
-        memory = self.weight_bytes + m.kv_bytes_per_token * (shape.kv_tokens + shape.num_tokens)
-        compute_s = flops / (self.hw.flops * self.tp * COMPUTE_EFF)
-        memory_s = memory / (self.hw.bandwidth * self.tp * MEMORY_EFF)
-        allreduce_s = 0.0
-        if self.tp > 1 and self.hw.link_bandwidth > 0:
-            # two all-reduces of the activations per layer, ring: 2 (tp-1)/tp of the data
-            volume = 2 * m.layers * shape.num_tokens * m.hidden * m.bytes_per_param
-            allreduce_s = volume * 2 * (self.tp - 1) / self.tp / self.hw.link_bandwidth
-        return max(compute_s, memory_s) + allreduce_s + self.hw.step_overhead_s
+        compute_s = self._token_flops_s * tokens + self._context_flops_s * shape.context_tokens
+        memory_s = self._weights_s + self._kv_s * (shape.kv_tokens + tokens)
+        slower = compute_s if compute_s > memory_s else memory_s
+        return slower + self._allreduce_s * tokens + self.hw.step_overhead_s
+
+    def decode_steps(self, batch: int, context: int, steps: int) -> list[float]:
+        """``step_seconds`` of ``steps`` decode steps of ``batch`` sequences whose contexts
+        add up to ``context`` before the first, to the last bit (the fleet mode's bulk)."""
+        out = []
+        tf, cf, w, kv = self._token_flops_s, self._context_flops_s, self._weights_s, self._kv_s
+        allreduce, overhead = self._allreduce_s * batch, self.hw.step_overhead_s
+        for _ in range(steps):
+            context += batch
+            compute_s = tf * batch + cf * context
+            memory_s = w + kv * (context + batch)
+            out.append((compute_s if compute_s > memory_s else memory_s) + allreduce + overhead)
+        return out
 
 
-TERMS = ("step", "token", "seq", "context", "kv")
+TERMS = ("step", "token", "seq", "context", "kv")  # the linear form
 FORMAT = "sendpath-profile"
-VERSION = 1
+VERSION = 2  # 2: an optional piecewise-linear per-sequence cost (``seq_knots``)
 
 
-def _features(shape: StepShape) -> list[float]:
-    """The step's amount of each of ``TERMS``, in order."""
-    return [1.0, shape.num_tokens, shape.num_seqs, shape.context_tokens, shape.kv_tokens]
+def seq_knots_for(batch_sizes: set[int]) -> tuple[int, ...]:
+    """Where the per-sequence cost may bend: 1 and the powers of two among the measured
+    batch sizes (each knot's value needs a point there)."""
+    knots = [1] + [k for k in sorted(batch_sizes) if k > 1 and k & (k - 1) == 0]
+    return tuple(knots) if len(knots) > 1 else ()
+
+
+def _terms(knots: tuple[int, ...]) -> tuple[str, ...]:
+    if not knots:
+        return TERMS
+    return ("step", "token", "context", "kv", *(f"seqs@{k}" for k in knots[1:]))
+
+
+def _features(shape: StepShape, knots: tuple[int, ...] = ()) -> list[float]:
+    """The step's amount of each of ``_terms(knots)``, in order. With knots, the
+    per-sequence cost is a line through fitted values at each knot (0 for one sequence),
+    carried on past the last knot with its last slope."""
+    base = [1.0, float(shape.num_tokens), float(shape.context_tokens), float(shape.kv_tokens)]
+    if not knots:
+        return [base[0], base[1], float(shape.num_seqs), base[2], base[3]]
+    weights = [0.0] * (len(knots) - 1)  # for knots[1:]
+    s = shape.num_seqs
+    i = max(
+        1, min(len(knots) - 1, next((j for j, k in enumerate(knots) if k >= s), len(knots) - 1))
+    )
+    lo, hi = knots[i - 1], knots[i]
+    w = (s - lo) / (hi - lo)  # > 1 past the last knot: extrapolation
+    weights[i - 1] += w
+    if i >= 2:
+        weights[i - 2] += 1 - w
+    return base + weights
 
 
 class PointKind(StrEnum):
@@ -175,34 +202,51 @@ class Calibrated:
         coefficients: dict[str, float],
         points: Sequence[ProfilePoint] = (),
         meta: dict[str, Any] | None = None,
+        seq_knots: Sequence[int] = (),
     ) -> None:
-        for term in TERMS:
+        knots = tuple(int(k) for k in seq_knots)
+        if knots and (knots[0] != 1 or any(b <= a for a, b in itertools.pairwise(knots))):
+            raise ValueError(f"seq_knots must rise from 1, got {list(knots)}")
+        self.seq_knots = knots
+        self.terms = _terms(knots)
+        for term in self.terms:
             value = coefficients.get(term)
             if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"coefficient {term!r} must be a number >= 0, got {value!r}")
-        self.coefficients = {term: float(coefficients[term]) for term in TERMS}
+        self.coefficients = {term: float(coefficients[term]) for term in self.terms}
+        self._c = [self.coefficients[t] for t in self.terms]
         self.points = list(points)
         self.meta = dict(meta or {})
 
     @classmethod
-    def fit(cls, points: Sequence[ProfilePoint], meta: dict[str, Any] | None = None) -> Calibrated:
-        """Fit on every point but the held-out (mixed) ones; keep them all."""
+    def fit(
+        cls,
+        points: Sequence[ProfilePoint],
+        meta: dict[str, Any] | None = None,
+        piecewise: bool = True,
+    ) -> Calibrated:
+        """Fit on every point but the held-out (mixed) ones; keep them all. ``piecewise``:
+        the per-sequence cost bends at the measured batch sizes 1, 2, 4, ... (given twice
+        as many points as terms; else it is a line)."""
         used = [p for p in points if p.kind is not PointKind.MIXED]
-        if len(used) < len(TERMS):
-            raise ValueError(f"fitting {len(TERMS)} terms needs as many points, got {len(used)}")
+        knots = seq_knots_for({p.shape.num_seqs for p in used}) if piecewise else ()
+        if len(used) < 2 * len(_terms(knots)):
+            knots = ()  # too few points to bend: a line
+        terms = _terms(knots)
+        if len(used) < len(terms):
+            raise ValueError(f"fitting {len(terms)} terms needs as many points, got {len(used)}")
         if any(p.seconds <= 0 for p in used):
             raise ValueError("every measured step time must be > 0")
-        rows = np.array([_features(p.shape) for p in used]) / np.array(
+        rows = np.array([_features(p.shape, knots) for p in used]) / np.array(
             [[p.seconds] for p in used]
         )  # relative error: row i divided by measured time i, target 1
         scale = np.abs(rows).max(axis=0)
         scale[scale == 0] = 1.0  # a term no point exercises stays 0
         x = nnls(rows / scale, np.ones(len(used))) / scale
-        return cls(dict(zip(TERMS, (float(v) for v in x), strict=True)), points, meta)
+        return cls(dict(zip(terms, (float(v) for v in x), strict=True)), points, meta, knots)
 
     def step_seconds(self, shape: StepShape) -> float:
-        c = self.coefficients
-        return sum(c[t] * f for t, f in zip(TERMS, _features(shape), strict=True))
+        return sum(c * f for c, f in zip(self._c, _features(shape, self.seq_knots), strict=True))
 
     def error(self, held_out: bool = False) -> FitError | None:
         """Relative error on the fit points, or on the held-out ones; None without any."""
@@ -238,9 +282,15 @@ class Calibrated:
             "version": VERSION,
             "meta": self.meta,
             "coefficients_s": self.coefficients,
+            "seq_knots": list(self.seq_knots),
             "fit": {
-                "terms": "step + token*num_tokens + seq*num_seqs + context*context_tokens "
-                "+ kv*kv_tokens (seconds)",
+                "terms": "step + token*num_tokens + context*context_tokens + kv*kv_tokens "
+                + (
+                    "+ seqs(num_seqs): through seqs@k at each knot k, 0 at one sequence"
+                    if self.seq_knots
+                    else "+ seq*num_seqs"
+                )
+                + " (seconds)",
                 "fit_points": asdict(fit) if fit else None,
                 "held_out": asdict(held) if held else None,
             },
@@ -272,8 +322,10 @@ class Calibrated:
             raise CostModelFileError(path, f"not JSON ({exc})") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise CostModelFileError(path, f'not a {FORMAT} file (no "format": "{FORMAT}")')
-        if data.get("version") != VERSION:
-            raise CostModelFileError(path, f"version {data.get('version')!r}, expected {VERSION}")
+        if data.get("version") not in (1, VERSION):
+            raise CostModelFileError(
+                path, f"version {data.get('version')!r}, expected 1 to {VERSION}"
+            )
         try:
             points = [
                 ProfilePoint(
@@ -287,6 +339,6 @@ class Calibrated:
             meta = data.get("meta", {})
             if not isinstance(meta, dict):
                 raise TypeError("meta is not an object")
-            return cls(data["coefficients_s"], points, meta)
+            return cls(data["coefficients_s"], points, meta, data.get("seq_knots", []))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CostModelFileError(path, f"malformed ({type(exc).__name__}: {exc})") from None

@@ -352,10 +352,17 @@ class Simulator:
         )
         if needed > kv.pool.num_free_blocks:
             return False  # the cache fills up first: steps, and preemptions, one by one
-        ends, now, cost = [], t, self.cost.step_seconds
-        for _ in range(steps):
-            context += batch
-            now += cost(StepShape(batch, batch, context, context))
+        fast = getattr(self.cost, "decode_steps", None)
+        if fast is not None:
+            seconds = fast(batch, context, steps)
+        else:
+            seconds = []
+            for _ in range(steps):
+                context += batch
+                seconds.append(self.cost.step_seconds(StepShape(batch, batch, context, context)))
+        ends, now = [], t
+        for dt in seconds:
+            now += dt
             ends.append(now)
         rep.epoch += 1
         rep.bulk = _Bulk(t, ends, rep.epoch)

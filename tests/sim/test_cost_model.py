@@ -42,3 +42,14 @@ def test_tensor_parallelism_and_sizes() -> None:
     assert tp1 / 4 < tp4 < tp1 / 2  # faster, less than linearly (all-reduces, overhead)
     with pytest.raises(ValueError, match="tensor parallelism"):
         Roofline(model, hw, 0)
+
+
+def test_bulk_decode_pricing_is_step_seconds_to_the_last_bit() -> None:
+    for model, tp in (("llama-3.1-8b", 1), ("llama-3.1-70b", 4)):
+        cost = Roofline(model_spec(model), hardware("H100"), tp)
+        context, batch = 5_000, 24
+        expected = []
+        for _ in range(50):
+            context += batch
+            expected.append(cost.step_seconds(StepShape(batch, batch, context, context)))
+        assert cost.decode_steps(24, 5_000, 50) == expected

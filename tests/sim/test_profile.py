@@ -49,7 +49,7 @@ def points_of(coefficients: dict[str, float]) -> list[ProfilePoint]:
 
 
 def test_fit_recovers_known_coefficients_exactly() -> None:
-    fitted = Calibrated.fit(points_of(KNOWN), META)
+    fitted = Calibrated.fit(points_of(KNOWN), META, piecewise=False)
     for term in TERMS:
         assert fitted.coefficients[term] == pytest.approx(KNOWN[term], rel=1e-9, abs=1e-15)
     fit, held = fitted.error(), fitted.error(held_out=True)
@@ -63,7 +63,7 @@ def test_coefficients_are_never_negative() -> None:
         ProfilePoint(p.kind, p.label, p.shape, p.seconds - 0.001 * p.shape.num_seqs)
         for p in points_of(KNOWN)
     ]
-    fitted = Calibrated.fit(points)
+    fitted = Calibrated.fit(points, piecewise=False)
     assert fitted.coefficients["seq"] == 0.0
     assert all(v >= 0 for v in fitted.coefficients.values())
     with pytest.raises(ValueError, match="'kv' must be a number >= 0"):
@@ -103,7 +103,7 @@ def test_save_and_load_round_trip(tmp_path: Path) -> None:
         (None, "no such file"),
         ("{not json", "not JSON"),
         ('{"coefficients_s": {}}', "not a sendpath-profile file"),
-        ('{"format": "sendpath-profile", "version": 9}', "version 9, expected 1"),
+        ('{"format": "sendpath-profile", "version": 9}', "version 9, expected 1 to 2"),
         ('{"format": "sendpath-profile", "version": 1}', "malformed"),
         ('{"format": "sendpath-profile", "version": 1, "coefficients_s": {"step": -1}}',
          "malformed"),
@@ -185,3 +185,32 @@ def test_sim_with_a_bad_cost_model_exits_2(
     err = capsys.readouterr().err
     assert err.startswith(f"error: cost model '{missing}': no such file")
     assert "run `sendpath profile" in err
+
+
+def test_the_per_sequence_cost_may_bend_at_each_batch_size() -> None:
+    # a CPU where 4 sequences cost nearly what 8 do: a line through batch sizes misses it
+    knots = (1, 2, 4, 8)
+    costs = {"step": 0.04, "token": 0.0015, "context": 1e-8, "kv": 1e-6,
+             "seqs@2": 0.02, "seqs@4": 0.055, "seqs@8": 0.06}  # fmt: skip
+    truth = Calibrated(costs, seq_knots=knots)
+    shapes = [StepShape(n, 1, n * (n + 1) // 2, n) for n in (16, 64, 256)]
+    shapes += [StepShape(b, b, b * c, b * c) for b in (1, 2, 3, 4, 6, 8) for c in (64, 512)]
+    points = [ProfilePoint(PointKind.DECODE if s.num_seqs > 1 or s.num_tokens == 1
+                           else PointKind.PREFILL, str(s), s, truth.step_seconds(s))
+              for s in shapes]  # fmt: skip
+    fitted = Calibrated.fit(points)
+    assert fitted.seq_knots == knots
+    for term, value in truth.coefficients.items():
+        assert fitted.coefficients[term] == pytest.approx(value, rel=1e-6, abs=1e-12)
+    # 3 sequences: halfway between the knots at 2 and 4; 12: the last slope carried on
+    three = StepShape(3, 3, 3, 3)
+    assert truth.step_seconds(three) == pytest.approx(
+        0.04 + 3 * 0.0015 + 3e-8 + 3e-6 + (0.02 + 0.055) / 2
+    )
+    twelve = StepShape(12, 12, 12, 12)
+    assert truth.step_seconds(twelve) == pytest.approx(
+        0.04 + 12 * 0.0015 + 12e-8 + 12e-6 + 0.06 + (0.06 - 0.055)
+    )
+    linear = Calibrated.fit(points, piecewise=False)
+    assert linear.error() is not None and fitted.error() is not None
+    assert fitted.error().max < 1e-6 < linear.error().max  # type: ignore[union-attr]
