@@ -26,7 +26,7 @@ from sendpath.bench.report import GOODPUT_METRICS, dominant, summarize
 from sendpath.bench.runner import Load, run
 from sendpath.bench.workload import DATASETS, LengthSpec, build
 
-__all__ = ["SCENARIOS", "add_bench_args", "print_report", "run_bench"]
+__all__ = ["SCENARIOS", "add_bench_args", "print_report", "run_bench", "served_model"]
 
 SCENARIOS: dict[str, dict[str, Any]] = {
     "quiet": {"dataset": "random", "concurrency": 1, "num_requests": 6,
@@ -95,7 +95,8 @@ def _goodput(specs: list[str] | None) -> dict[str, float] | None:
     return out
 
 
-async def _model(url: str, api_key: str | None) -> str:
+async def served_model(url: str, api_key: str | None) -> str:
+    """The first model id the server lists (what a request names by default)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=30) as client:
         r = await client.get("/v1/models", headers=headers)
@@ -120,7 +121,7 @@ def run_bench(args: argparse.Namespace) -> int:
             args.seed,
             args.turns,
         )
-        model = args.model or asyncio.run(_model(args.url, args.api_key))
+        model = args.model or asyncio.run(served_model(args.url, args.api_key))
     except (ValueError, httpx.HTTPError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

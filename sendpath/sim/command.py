@@ -17,8 +17,11 @@ from sendpath.bench.workload import LengthSpec
 from sendpath.config import SchedulerConfig
 from sendpath.router.policy import POLICIES
 from sendpath.sim.capacity import plan
+from sendpath.sim.cost_model import Calibrated
 from sendpath.sim.hardware import HARDWARE, MODELS
 from sendpath.sim.scenarios import SCENARIOS, Run, simulate
+from sendpath.sim.simulator import MODES
+from sendpath.sim.traffic import PATTERNS
 
 __all__ = ["add_sim_args", "run_sim"]
 
@@ -41,6 +44,31 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared-prefix", type=int, default=None, help="system-prompt tokens")
     p.add_argument("--turns", type=int, default=None, help="turns per conversation")
     p.add_argument("--think", type=float, default=None, help="mean seconds between turns")
+    p.add_argument(
+        "--pattern",
+        choices=PATTERNS,
+        default=None,
+        help="arrivals: poisson (default), bursty, or diurnal (a day's rise and fall)",
+    )
+    p.add_argument(
+        "--period", type=float, default=None, help="diurnal: seconds in one day (default 86400)"
+    )
+    p.add_argument(
+        "--peak-ratio",
+        type=float,
+        default=None,
+        help="diurnal: busiest rate / quietest rate (default 4)",
+    )
+    p.add_argument("--tenants", type=int, default=None, help="API keys sharing the traffic")
+    p.add_argument(
+        "--tpm",
+        type=int,
+        default=None,
+        help="gateway limit per tenant: tokens per minute (prompt + max_tokens)",
+    )
+    p.add_argument(
+        "--rpm", type=int, default=None, help="gateway limit per tenant: requests per minute"
+    )
     p.add_argument("--replicas", type=int, default=None)
     p.add_argument("--hardware", choices=list(HARDWARE), default=None, help="default: H100")
     p.add_argument("--model", choices=list(MODELS), default=None, help="default: llama-3.1-8b")
@@ -49,6 +77,20 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--gpu-hour-usd", type=float, default=None, help="default: the table's")
+    p.add_argument(
+        "--cost-model",
+        default=None,
+        metavar="FILE",
+        help="step times fitted by `sendpath profile` on a real engine, instead of the "
+        "roofline (the model, device, KV blocks and batch limits come from the file)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        default="detailed",
+        help="detailed: the scheduler every step; fleet: decode in bulk between "
+        "events (the same answers, faster at scale)",
+    )
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", type=Path, default=None, metavar="FILE")
     p.add_argument("--plot", type=Path, default=None, metavar="FILE.png")
@@ -68,12 +110,32 @@ def build_run(args: argparse.Namespace) -> Run:
         turns=args.turns if args.turns is not None else t.turns,
         think_s=args.think if args.think is not None else t.think_s,
         seed=args.seed if args.seed is not None else t.seed,
+        pattern=args.pattern or t.pattern,
+        period_s=args.period if args.period is not None else t.period_s,
+        peak_ratio=args.peak_ratio if args.peak_ratio is not None else t.peak_ratio,
+        tenants=args.tenants if args.tenants is not None else t.tenants,
     )
     sched = c.scheduler
+    if args.cost_model is not None:  # the KV cache and batch limits of the profiled engine
+        engine = Calibrated.load(args.cost_model).engine
+        sched = SchedulerConfig(
+            max_num_seqs=engine.get("max_num_seqs", sched.max_num_seqs),
+            max_num_batched_tokens=engine.get("max_num_batched_tokens",
+                                              sched.max_num_batched_tokens),
+            max_queued_requests=sched.max_queued_requests,
+        )  # fmt: skip
+        c = replace(
+            c,
+            num_blocks=engine.get("num_blocks", c.num_blocks),
+            block_size=engine.get("block_size", c.block_size),
+        )
     config = replace(
         c,
         replicas=args.replicas if args.replicas is not None else c.replicas,
         policy=args.policy or c.policy,
+        mode=args.mode,
+        tpm=args.tpm,
+        rpm=args.rpm,
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs or sched.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens or sched.max_num_batched_tokens,
@@ -87,6 +149,7 @@ def build_run(args: argparse.Namespace) -> Run:
         args.model or base.model,
         args.tp or base.tp,
         args.gpu_hour_usd,
+        args.cost_model,
     )
 
 
