@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 PORT ?= 8000
 
-.PHONY: serve test lint bench clean
+.PHONY: serve test lint bench vidur clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,19 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/model_speed.py
 	$(BIN)/python benchmarks/engine.py
 	$(BIN)/python -m benchmarks.over_http
+
+# Vidur 0.0.26 in its own virtualenv, for benchmarks/sim_speed.py's side-by-side row: only
+# the packages its simulation imports (its full list pulls streamlit, kaleido, ...), pinned.
+VIDUR := .vidur-venv
+$(VIDUR)/.installed:
+	$(PYTHON) -m venv $(VIDUR)
+	$(VIDUR)/bin/pip install --quiet --no-deps vidur==0.0.26
+	$(VIDUR)/bin/pip install --quiet numpy==2.4.6 pandas==3.1.1 scikit-learn==1.9.1 \
+		wandb==0.31.0 plotly-express==0.4.1 ddsketch==3.0.1 fasteners==0.20 huggingface_hub==2.4.0
+	$(VIDUR)/bin/python benchmarks/vidur_run.py --setup-only --requests 1 --qps 1 \
+		--prefill-tokens 512 --decode-tokens 256
+	touch $@
+vidur: $(VIDUR)/.installed
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -39,28 +39,36 @@ class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.enable_caching = enable_caching
-        # free blocks, least recently freed first; values unused (OrderedDict as an LRU set)
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Blocks are made when first handed out (a simulated fleet has millions): ids from
+        # ``_fresh`` on were never used and come first, in id order; then the freed ones,
+        # least recently freed first (an OrderedDict as an LRU set; values unused).
+        self._blocks: list[KVBlock | None] = [None] * num_blocks
+        self._fresh = 0
+        self._free: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[BlockHash, KVBlock] = {}
 
     @property
     def num_blocks(self) -> int:
-        return len(self.blocks)
+        return len(self._blocks)
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._blocks) - self._fresh + len(self._free)
+
+    @property
+    def blocks(self) -> list[KVBlock]:
+        """Every block, in id order (made now if never used); for tests and stats."""
+        return [b if b is not None else KVBlock(i) for i, b in enumerate(self._blocks)]
 
     def free_block_ids(self) -> list[int]:
         """Free block ids in eviction order (first out first); for tests and stats."""
-        return list(self._free)
+        return [*range(self._fresh, len(self._blocks)), *self._free]
 
     @property
     def usage(self) -> float:
         """Fraction of blocks held by requests (0.0 - 1.0)."""
-        return 1.0 - len(self._free) / len(self.blocks)
+        return 1.0 - self.num_free_blocks / len(self._blocks)
 
     def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> KVBlock | None:
         """The cached block with this hash whose tokens really are ``token_ids``, if any."""
@@ -71,12 +79,18 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[KVBlock] | None:
         """Take ``n`` free blocks (evicting their cached hashes), or ``None`` if too few."""
-        if n > len(self._free):
+        if n > self.num_free_blocks:
             return None
         out = []
         for _ in range(n):
+            if self._fresh < len(self._blocks):
+                fresh = self._blocks[self._fresh] = KVBlock(self._fresh, ref_cnt=1)
+                self._fresh += 1
+                out.append(fresh)
+                continue
             block_id, _ = self._free.popitem(last=False)
-            block = self.blocks[block_id]
+            block = self._blocks[block_id]
+            assert block is not None  # it was handed out before it was freed
             if block.block_hash is not None:
                 self._cached.pop(block.block_hash, None)
                 block.block_hash, block.tokens = None, b""

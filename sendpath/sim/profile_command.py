@@ -104,10 +104,15 @@ def print_fit(cal: Calibrated) -> None:
               f"{s.kv_tokens:>7}{p.seconds * 1e3:>13.1f}{fitted * 1e3:>11.1f}"
               f"{(fitted - p.seconds) / p.seconds:>+8.1%}")  # fmt: skip
     c = cal.coefficients
+    if cal.seq_knots:
+        bends = ", ".join(f"{k}: {c[f'seqs@{k}'] * 1e3:.1f}" for k in cal.seq_knots[1:])
+        per_seq = f"per-sequence ms by batch size (1: 0, {bends})"
+    else:
+        per_seq = f"{c['seq'] * 1e3:.3f} ms a sequence"
     print(
         f"fitted: {c['step'] * 1e3:.2f} ms a step + {c['token'] * 1e3:.3f} ms a token + "
-        f"{c['seq'] * 1e3:.3f} ms a sequence + {c['context'] * 1e9:.1f} ns a context token "
-        f"attended + {c['kv'] * 1e6:.2f} us a KV token read"
+        f"{c['context'] * 1e9:.1f} ns a context token attended + {c['kv'] * 1e6:.2f} us a KV "
+        f"token read + {per_seq}"
     )
     for name, err in (("fit points", cal.error()), ("held-out mixed steps", cal.error(True))):
         if err is not None:

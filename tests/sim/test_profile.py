@@ -23,6 +23,7 @@ from sendpath.sim.cost_model import (
 from sendpath.sim.interference import Interference
 from sendpath.sim.nnls import nnls
 from sendpath.sim.profile import QUICK_GRID, profile
+from sendpath.sim.profile_command import print_fit
 
 KNOWN = {"step": 0.03, "token": 0.0015, "seq": 0.0004, "context": 2e-8, "kv": 0.0}
 SHAPES = [
@@ -187,7 +188,9 @@ def test_sim_with_a_bad_cost_model_exits_2(
     assert "run `sendpath profile" in err
 
 
-def test_the_per_sequence_cost_may_bend_at_each_batch_size() -> None:
+def test_the_per_sequence_cost_may_bend_at_each_batch_size(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     # a CPU where 4 sequences cost nearly what 8 do: a line through batch sizes misses it
     knots = (1, 2, 4, 8)
     costs = {"step": 0.04, "token": 0.0015, "context": 1e-8, "kv": 1e-6,
@@ -211,6 +214,9 @@ def test_the_per_sequence_cost_may_bend_at_each_batch_size() -> None:
     assert truth.step_seconds(twelve) == pytest.approx(
         0.04 + 12 * 0.0015 + 12e-8 + 12e-6 + 0.06 + (0.06 - 0.055)
     )
+    print_fit(fitted)  # the table and the bends, as `sendpath profile` prints them
+    printed = capsys.readouterr().out
+    assert "per-sequence ms by batch size (1: 0, 2: 20.0, 4: 55.0, 8: 60.0)" in printed
     linear = Calibrated.fit(points, piecewise=False)
     assert linear.error() is not None and fitted.error() is not None
     assert fitted.error().max < 1e-6 < linear.error().max  # type: ignore[union-attr]
