@@ -1,0 +1,169 @@
+"""Fidelity: the simulator with the calibrated CPU cost model beside `sendpath bench` on
+the real server, request for request.
+
+1. `sendpath serve --no-auth` on the built-in model with the engine defaults (64
+   sequences, 512 batched tokens, 1 GiB of KV cache).
+2. The cost model: `sendpath profile --url` against that server (its grid: single
+   prompts of N tokens, B requests at once of C tokens each, fixed answer lengths); the
+   workloads below are random mixes it never saw. ``--also FILE``: replay every run
+   through a second cost model too (e.g. the in-process `sendpath profile`), side by side.
+3. Per workload, capacity: the requests/s the server completes with all requests sent at
+   once (a burst, so the batch fills).
+4. Per load (25%, 55% and 85% of that capacity): `sendpath bench`'s client sends Poisson
+   arrivals; the simulator replays the *same* requests (send times, prompt tokens as the
+   server counted them, answer lengths), so both sides see the same traffic and only the
+   model of the server differs.
+5. Reported: p50 and p99 of TTFT, TPOT and E2E, simulated / measured.
+
+    .venv/bin/python -m benchmarks.sim_fidelity [--also FILE] [--requests N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from sendpath.bench.client import RequestResult
+from sendpath.bench.command import served_model
+from sendpath.bench.report import summarize
+from sendpath.bench.runner import Load, run
+from sendpath.bench.workload import LengthSpec, build
+from sendpath.config import SchedulerConfig
+from sendpath.fleet import free_port, wait_healthy
+from sendpath.sim.cost_model import Calibrated
+from sendpath.sim.profile_served import profile_served
+from sendpath.sim.simulator import SimConfig, Simulator
+from sendpath.sim.traffic import SimRequest
+
+RESULTS = Path(__file__).parent / "results" / "sim_fidelity.json"
+PROFILE = Path(__file__).parent / "results" / "sim_fidelity_profile.json"  # the served fit
+# (name, prompt words, answer tokens): random text, lengths drawn per request
+WORKLOADS = (
+    ("chat", LengthSpec(40, 200), LengthSpec(32, 128)),
+    ("long-prompt", LengthSpec(300, 600), LengthSpec(16, 48)),
+)
+LOADS = (0.25, 0.55, 0.85)
+METRICS = ("ttft", "tpot", "e2el")
+ENGINE = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512)  # the serve defaults
+
+
+def bench(url: str, words: LengthSpec, out: LengthSpec, n: int, load: Load,
+          seed: int) -> tuple[list[RequestResult], float]:  # fmt: skip
+    conversations = build("random", n, words, out, seed=seed)
+    model = asyncio.run(served_model(url, None))
+    return asyncio.run(run(url, model, conversations, load, extra={"ignore_eos": True}))
+
+
+def replay(results: list[RequestResult], cost: Calibrated, num_blocks: int) -> dict[str, Any]:
+    """The same requests through the simulator: same send times and lengths."""
+    ok = sorted((r for r in results if r.success), key=lambda r: r.start)
+    t0 = ok[0].start
+    rng = random.Random(0)
+    requests = [
+        SimRequest(f"r{i}", r.start - t0,
+                   [rng.randrange(100, 30000) for _ in range(r.prompt_tokens or 1)],
+                   r.output_tokens, i)
+        for i, r in enumerate(ok)
+    ]  # fmt: skip
+    config = SimConfig(scheduler=ENGINE, num_blocks=num_blocks, network_rtt_s=0.001)
+    sim = Simulator(config, cost).run_requests(requests)
+    return sim.report
+
+
+def measured(results: list[RequestResult], wall: float) -> dict[str, Any]:
+    return summarize(results, wall, percentiles=(50.0, 99.0))
+
+
+def compare(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for m in METRICS:
+        out[f"p50_{m}"] = sim[f"median_{m}_ms"] / real[f"median_{m}_ms"]
+        out[f"p99_{m}"] = sim[f"p99_{m}_ms"] / real[f"p99_{m}_ms"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--also", type=Path, default=None, metavar="FILE",
+                        help="a second cost model to replay every run through")  # fmt: skip
+    parser.add_argument("--requests", type=int, default=48, help="per load level")
+    args = parser.parse_args()
+    also = Calibrated.load(args.also) if args.also else None
+    data = Path(tempfile.mkdtemp(prefix="sendpath-fidelity-"))
+    port = free_port()
+    env = {**os.environ, "SENDPATH_DATA_DIR": str(data)}
+    cmd = [sys.executable, "-m", "sendpath.cli", "serve", "--port", str(port), "--no-auth"]
+    server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    runs: list[dict[str, Any]] = []
+    try:
+        wait_healthy({url: server}, 300)
+        httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
+        cost = profile_served(url)
+        PROFILE.parent.mkdir(exist_ok=True)
+        cost.save(PROFILE)
+        num_blocks = int(cost.meta["engine"]["num_blocks"])
+        print(f"served profile: {cost.meta['wall_s']:.0f} s; fit {cost.error()}; "
+              f"held out {cost.error(True)}", flush=True)  # fmt: skip
+        for w, (name, words, out) in enumerate(WORKLOADS):
+            burst, wall = bench(url, words, out, 32, Load(concurrency=64), seed=100 + w)
+            capacity = sum(r.success for r in burst) / wall
+            print(f"{name}: capacity {capacity:.2f} requests/s", flush=True)
+            for i, share in enumerate(LOADS):
+                load = Load(rate=share * capacity, seed=i)
+                start = time.perf_counter()
+                results, wall = bench(url, words, out, args.requests, load, seed=10 * w + i)
+                real = measured(results, wall)
+                sim = replay(results, cost, num_blocks)
+                ratios = compare(real, sim)
+                other = compare(real, replay(results, also, num_blocks)) if also else None
+                runs.append({
+                    "workload": name, "prompt_words": [words.low, words.high],
+                    "output_tokens": [out.low, out.high], "capacity_rps": capacity,
+                    "load": share, "rate": load.rate, "requests": args.requests,
+                    "failed": real["failed"], "wall_s": time.perf_counter() - start,
+                    "measured": real, "simulated": sim, "sim_over_real": ratios,
+                    "also_over_real": other,
+                    "requests_measured": [
+                        {"start": r.start, "prompt_tokens": r.prompt_tokens,
+                         "output_tokens": r.output_tokens, "ttft": r.ttft, "latency": r.latency,
+                         "error": r.error}
+                        for r in results
+                    ],
+                })  # fmt: skip
+                print(f"  {share:.0%}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()),
+                      flush=True)  # fmt: skip
+    finally:
+        server.terminate()
+        server.wait(60)
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}"
+    record = {"machine": machine, "profile": PROFILE.name, "profile_meta": cost.meta,
+              "also": str(args.also) if args.also else None,
+              "also_meta": also.meta if also else None, "runs": runs}  # fmt: skip
+    RESULTS.write_text(json.dumps(record, indent=2) + "\n")
+    print("\n| workload | load | rate req/s | model | TTFT p50 / p99 | TPOT p50 / p99 | "
+          "E2E p50 / p99 |")  # fmt: skip
+    print("|---|---:|---:|---|---|---|---|")
+    for r in runs:
+        for model, x in (("served profile", r["sim_over_real"]),
+                         ("in-process profile", r["also_over_real"])):  # fmt: skip
+            if x is None:
+                continue
+            cells = " | ".join(f"{x[f'p50_{m}']:.2f} / {x[f'p99_{m}']:.2f}" for m in METRICS)
+            print(f"| {r['workload']} | {r['load']:.0%} | {r['rate']:.2f} | {model} | {cells} |")
+
+
+if __name__ == "__main__":
+    main()
