@@ -345,13 +345,14 @@ class Simulator:
             context += computed
         if steps < 2:
             return False
-        bs = kv.block_size
-        needed = sum(
-            max(0, -(-(r.num_computed_tokens + steps) // bs) - len(kv.block_ids(r.request_id)))
-            for r in running
-        )
-        if needed > kv.pool.num_free_blocks:
-            return False  # the cache fills up first: steps, and preemptions, one by one
+        bs, free = kv.block_size, kv.pool.num_free_blocks
+        if batch * (steps // bs + 1) > free:  # else there is room whatever the block fill
+            needed = sum(
+                max(0, -(-(r.num_computed_tokens + steps) // bs) - len(kv.block_ids(r.request_id)))
+                for r in running
+            )
+            if needed > free:
+                return False  # the cache fills up first: steps, and preemptions, one by one
         fast = getattr(self.cost, "decode_steps", None)
         if fast is not None:
             seconds = fast(batch, context, steps)
