@@ -159,9 +159,9 @@ class Simulator:
         )
         self.policy: RoutingPolicy = make_policy(config.policy)
         self._texts = isinstance(self.policy, PrefixAware)  # others never read the prompt
-        self._now = 0.0
+        self._gateway_clock = _ReplicaClock()  # the limiter's time (no cycle back to self)
         self._limits = Limits(config.rpm, config.tpm)
-        self._limiter = MemoryLimiter(clock=lambda: self._now)
+        self._limiter = MemoryLimiter(clock=self._gateway_clock.now)
         self._heap: list[tuple[float, int, str, Any]] = []
         self._seq = itertools.count()
         self._rng = random.Random(0)
@@ -247,7 +247,7 @@ class Simulator:
     def _arrive(self, t: float, req: SimRequest) -> None:
         config = self.config
         if config.tpm is not None or config.rpm is not None:
-            self._now = t
+            self._gateway_clock.set(t)
             tokens = len(req.prompt) + req.output_len
             if not self._limiter.reserve(f"tenant-{req.tenant}", self._limits, tokens).allowed:
                 self.rate_limited += 1
@@ -432,7 +432,7 @@ class Simulator:
             self.policy.routed(route.answered(" " + _text(answer)), endpoint)
         self.results.append(self._client_view(request, sent))
         if self.config.tpm is not None:
-            self._now = self.replicas[index].clock.now()
+            self._gateway_clock.set(self.replicas[index].clock.now())
             reserved = len(req.prompt) + req.output_len
             self._limiter.settle(f"tenant-{req.tenant}", self._limits, reserved,
                                  request.num_tokens)  # fmt: skip
