@@ -37,7 +37,12 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft-p99-ms", type=float, default=None, help="plan: TTFT p99 target")
     p.add_argument("--slo-tpot-p99-ms", type=float, default=None, help="plan: TPOT p99 target")
     p.add_argument("--scenario", choices=list(SCENARIOS), default=None)
-    p.add_argument("--rate", type=float, default=None, help="arrivals per second (Poisson)")
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="arrivals per second (the mean, whatever the --pattern)",
+    )
     p.add_argument("--requests", type=int, default=None, help="requests in all")
     p.add_argument("--input-len", default=None, help="tokens: N or LOW-HIGH")
     p.add_argument("--output-len", default=None, help="tokens: N or LOW-HIGH")
@@ -189,6 +194,8 @@ def _print_fleet(s: dict[str, Any], console: Console) -> None:
         f"busy: {util}; KV peak: {', '.join(f'{k:.0%}' for k in s['kv_peak_usage'])}; "
         f"{s['gpu_hours']:.4f} GPU-hours, ${s['cost_usd']:.4f}"
         + (f", ${per_m:.3f} per 1M output tokens" if per_m else "")
+        + (f"; {s['rate_limited']} over their tenant's limits (429)" if s["rate_limited"] else "")
+        + (f"; {s['rejected']} turned away by full queues (503)" if s["rejected"] else "")
         + f"; simulated {s['steps']} steps in {s['wall_s']:.2f} s"
     )
 

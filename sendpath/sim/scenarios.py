@@ -104,6 +104,7 @@ def simulate(run: Run) -> tuple[SimResult, dict[str, Any]]:
             "utilization": [round(b / result.duration, 4) for b in result.busy],
             "kv_peak_usage": [round(k, 4) for k in result.kv_peak],
             "rejected": result.rejected,
+            "rate_limited": result.rate_limited,
             "steps": result.num_steps,
             "gpu_hours": gpu_hours,
             "cost_usd": cost,
