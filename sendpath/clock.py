@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-__all__ = ["Clock", "RealClock", "VirtualClock"]
+__all__ = ["Clock", "RealClock", "SettableClock", "VirtualClock"]
 
 
 class Clock(Protocol):
@@ -39,3 +39,18 @@ class VirtualClock:
         if seconds < 0:
             raise ValueError(f"a clock cannot go back (advance by {seconds})")
         self._now += seconds
+
+
+class SettableClock:
+    """A simulated replica's time. Events come in time order, but a step moves the clock
+    to its end at once; a request that arrives during that step is queued at its own
+    arrival time, so the clock is set, not only advanced."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def set(self, t: float) -> None:
+        self.t = t

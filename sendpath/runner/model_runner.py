@@ -14,7 +14,10 @@ head ([L, Hkv, S, Dh]); a token at position p of a request lives in slot
 
 from __future__ import annotations
 
+import os
+import platform
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.nn import functional as F
@@ -25,7 +28,7 @@ from sendpath.model.loader import LoadedModel
 from sendpath.model.sampler import make_generator, sample
 from sendpath.request import SamplingParams
 
-__all__ = ["ModelRunner", "PagedAttention", "kv_bytes_per_token"]
+__all__ = ["ModelRunner", "PagedAttention", "describe_device", "kv_bytes_per_token"]
 
 
 def kv_bytes_per_token(config: LlamaConfig, dtype: torch.dtype) -> int:
@@ -137,8 +140,24 @@ class PagedAttention:
         return out
 
 
+def describe_device(device: torch.device) -> str:
+    """The device in words: ``cuda (NVIDIA H200)``, ``cpu (x86_64, 2 cores)``."""
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return f"{device.type} ({platform.machine()}, {os.cpu_count()} cores)"
+
+
 class ModelRunner:
     """Owns the KV cache tensors and each request's sampling state."""
+
+    def describe(self) -> dict[str, Any]:
+        """What runs the steps: device, dtype, torch version and threads."""
+        return {
+            "device": describe_device(self.model.device),
+            "dtype": str(self.model.dtype).removeprefix("torch."),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+        }
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
         self.model = loaded.model

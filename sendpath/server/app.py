@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -106,17 +105,6 @@ class Replica:
         return self.engine
 
 
-def _device(device: Any) -> str:
-    """The device in words: ``cuda (NVIDIA H200)``, ``cpu (x86_64, 2 cores)``."""
-    import platform
-
-    import torch
-
-    if device.type == "cuda":
-        return f"cuda ({torch.cuda.get_device_name(device)})"
-    return f"{device.type} ({platform.machine()}, {os.cpu_count()} cores)"
-
-
 async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -191,11 +179,12 @@ def create_app(config: ReplicaConfig, engine: AsyncEngine | None = None) -> Fast
 
         def read(core: EngineCore) -> dict[str, Any]:
             sched, kv = core.scheduler, core.scheduler.kv
-            model = getattr(core.runner, "model", None)  # the model runner's torch module
+            describe = getattr(core.runner, "describe", None)  # the model runner's
+            runs_on = describe() if describe is not None else {}
             return {
                 "engine": {
-                    "device": _device(model.device) if model is not None else "unknown device",
-                    "dtype": str(model.dtype).removeprefix("torch.") if model is not None else None,
+                    "device": runs_on.get("device", "unknown device"),
+                    "dtype": runs_on.get("dtype"),
                     "max_num_seqs": sched.config.max_num_seqs,
                     "max_num_batched_tokens": sched.config.max_num_batched_tokens,
                     "block_size": kv.block_size,

@@ -293,23 +293,19 @@ def profile(
 
 
 def _meta(core: EngineCore, config: EngineConfig, grid: Grid) -> dict[str, Any]:
-    import torch
+    from sendpath.runner.model_runner import ModelRunner
 
-    assert core.loaded is not None
-    model = core.loaded.model
-    device = model.device.type
-    if device == "cuda":
-        device = f"cuda ({torch.cuda.get_device_name(model.device)})"
-    else:
-        device = f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
+    runner = core.runner.inner if isinstance(core.runner, _Recorder) else core.runner
+    assert core.loaded is not None and isinstance(runner, ModelRunner)
+    runs_on = runner.describe()
     sched, kv = core.scheduler.config, core.scheduler.kv
     return {
         "model": core.model_name,
         "model_path": str(core.loaded.path),
-        "dtype": str(model.dtype).removeprefix("torch."),
-        "device": device,
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
+        "dtype": runs_on["dtype"],
+        "device": runs_on["device"],
+        "torch": runs_on["torch"],
+        "torch_threads": runs_on["torch_threads"],
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),

@@ -22,11 +22,7 @@ event at their end; a request reaching the replica meanwhile cuts the bulk after
 step in flight, as the running step would end in the detailed mode. Committing a bulk
 hands each request its tokens and KV slots in one go (``allocate_slots(request, k)``),
 so the state is what the detailed mode's steps would have left, and so are the times.
-
-Each finished request becomes a ``RequestResult`` as a client would have measured it
-(network and gateway latencies added), so `sendpath sim` reports with the same keys and
-definitions as `sendpath bench`. Past ``ITL_SAMPLE`` requests, inter-token gaps are kept
-for an even sample of them (every n-th), which is what the ITL percentiles read.
+Finished requests become what a client would have measured (``results.py``).
 """
 
 from __future__ import annotations
@@ -37,13 +33,12 @@ import heapq
 import itertools
 import random
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from sendpath.bench.client import RequestResult
 from sendpath.bench.report import summarize
-from sendpath.clock import VirtualClock
-from sendpath.config import SchedulerConfig
+from sendpath.clock import SettableClock, VirtualClock
 from sendpath.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from sendpath.errors import QueueFullError
 from sendpath.gateway.ratelimit import Limits, MemoryLimiter
@@ -52,71 +47,15 @@ from sendpath.request import Request, RequestStatus, SamplingParams
 from sendpath.router.policy import RouteRequest, RoutingPolicy, make_policy
 from sendpath.router.pool import ReplicaPool
 from sendpath.router.prefix_aware import PrefixAware
+from sendpath.sim.config import ITL_SAMPLE, MODES, SimConfig, SimResult
 from sendpath.sim.cost_model import CostModel, StepShape
+from sendpath.sim.results import client_view, token_times
 from sendpath.sim.traffic import SimRequest, Traffic
-from sendpath.trace import EventType, Stage
+from sendpath.trace import EventType
 
 __all__ = ["ITL_SAMPLE", "MODES", "SimConfig", "SimResult", "Simulator"]
 
-MODES = ("detailed", "fleet")
-ITL_SAMPLE = 20_000  # requests whose inter-token gaps are all kept
 TOKEN_BASE = 10_000_000  # above any prompt token id and any context length
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    replicas: int = 1
-    scheduler: SchedulerConfig = field(
-        default_factory=lambda: SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192)
-    )
-    num_blocks: int = 20_000
-    block_size: int = 16
-    policy: str = "round_robin"
-    mode: str = "detailed"  # or "fleet"
-    network_rtt_s: float = 0.02  # client <-> gateway, both ways
-    gateway_auth_s: float = 0.0002  # API-key lookup
-    gateway_ratelimit_s: float = 0.0002  # bucket check (in memory; Redis adds a round trip)
-    gateway_safety_s: float = 0.0001  # prompt filter
-    route_s: float = 0.0005  # gateway -> replica hop and routing decision
-    tpm: int | None = None  # per tenant: tokens per minute (prompt + max_tokens reserved)
-    rpm: int | None = None  # per tenant: requests per minute
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode is one of {', '.join(MODES)}; got {self.mode!r}")
-        if self.replicas < 1:
-            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
-
-    @property
-    def gateway_s(self) -> float:
-        return self.gateway_auth_s + self.gateway_ratelimit_s + self.gateway_safety_s
-
-
-@dataclass
-class SimResult:
-    results: list[RequestResult]
-    duration: float  # virtual seconds from the first arrival to the last answer
-    busy: list[float]  # per replica: virtual seconds spent in steps
-    kv_peak: list[float]  # per replica: the highest KV-cache usage seen
-    num_steps: int
-    rejected: int = 0  # 503: a replica's queue was full
-    rate_limited: int = 0  # 429: over the tenant's limits
-    report: dict[str, Any] = field(default_factory=dict)
-
-
-class _ReplicaClock:
-    """A replica's virtual time. Events come in time order, but a step moves the clock
-    to its end at once; a request that arrives during that step is queued at its own
-    arrival time, so the clock is set, not only advanced."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def now(self) -> float:
-        return self.t
-
-    def set(self, t: float) -> None:
-        self.t = t
 
 
 @dataclass
@@ -130,7 +69,7 @@ class _Bulk:
 
 @dataclass
 class _Replica:
-    clock: _ReplicaClock
+    clock: SettableClock
     kv: KVCacheManager
     scheduler: Scheduler
     busy: bool = False
@@ -151,7 +90,7 @@ class Simulator:
         self.config, self.cost = config, cost
         self.replicas = []
         for _ in range(config.replicas):
-            clock = _ReplicaClock()
+            clock = SettableClock()
             kv = KVCacheManager(config.num_blocks, config.block_size)
             self.replicas.append(_Replica(clock, kv, Scheduler(config.scheduler, kv, clock)))
         self.pool = ReplicaPool(
@@ -159,7 +98,7 @@ class Simulator:
         )
         self.policy: RoutingPolicy = make_policy(config.policy)
         self._texts = isinstance(self.policy, PrefixAware)  # others never read the prompt
-        self._gateway_clock = _ReplicaClock()  # the limiter's time (no cycle back to self)
+        self._gateway_clock = SettableClock()  # the limiter's time (no cycle back to self)
         self._limits = Limits(config.rpm, config.tpm)
         self._limiter = MemoryLimiter(clock=self._gateway_clock.now)
         self._heap: list[tuple[float, int, str, Any]] = []
@@ -430,7 +369,10 @@ class Simulator:
         if self._texts:
             route = self._route(req)
             self.policy.routed(route.answered(" " + _text(answer)), endpoint)
-        self.results.append(self._client_view(request, sent))
+        self._finished_count += 1
+        keep_itl = self._finished_count % self._itl_every == 0
+        times = token_times(request, self._bulk_tokens.pop(request.request_id, None))
+        self.results.append(client_view(request, sent, self.config, times, keep_itl))
         if self.config.tpm is not None:
             self._gateway_clock.set(self.replicas[index].clock.now())
             reserved = len(req.prompt) + req.output_len
@@ -451,46 +393,3 @@ class Simulator:
             back = self.replicas[index].clock.now() + self.config.network_rtt_s / 2
             nxt.arrival = back + (self._rng.expovariate(1 / self._think) if self._think else 0)
             self._push(nxt.arrival, "arrive", nxt)
-
-    def _token_times(self, request: Request) -> list[float]:
-        times = request.timeline.token_times
-        bulks = self._bulk_tokens.pop(request.request_id, None)
-        if bulks:
-            for ends in bulks:
-                times += ends
-            times.sort()
-        return times
-
-    def _client_view(self, request: Request, sent: float) -> RequestResult:
-        """What a client would have measured, with the stages the server would report."""
-        tl = request.timeline
-        config = self.config
-        half = config.network_rtt_s / 2
-        tokens = self._token_times(request)
-        stages = tl.stages()
-        timings = {
-            Stage.GATEWAY_AUTH.value: config.gateway_auth_s * 1000,
-            Stage.GATEWAY_RATELIMIT.value: config.gateway_ratelimit_s * 1000,
-            Stage.GATEWAY_SAFETY.value: config.gateway_safety_s * 1000,
-            Stage.GATEWAY_QUEUE.value: 0.0,
-            Stage.ROUTE.value: config.route_s * 1000,
-        }
-        for stage in (Stage.TOKENIZE, Stage.ENGINE_QUEUE, Stage.PREFILL, Stage.DECODE):
-            timings[stage.value] = stages.get(stage, 0.0) * 1000
-        timings[Stage.STREAM.value] = 0.0
-        end = (tl.end or tokens[-1]) + half
-        timings["total"] = sum(timings.values())  # the server's part; network is the rest
-        self._finished_count += 1
-        keep_itl = self._finished_count % self._itl_every == 0
-        return RequestResult(
-            success=True,
-            request_id=request.request_id,
-            prompt_tokens=request.num_prompt_tokens,
-            output_tokens=len(request.output_token_ids),
-            ttft=tokens[0] + half - sent,
-            itl=[b - a for a, b in itertools.pairwise(tokens)] if keep_itl else [],
-            latency=end - sent,
-            start=sent,
-            finish_reason="length",
-            timings=timings,
-        )

@@ -1,0 +1,59 @@
+"""A finished simulated request as a client would have measured it (network and gateway
+latencies added), with the stages the server would have reported: the same
+``RequestResult`` that `sendpath bench` makes, so `sendpath sim` reports with the same keys
+and definitions. Past ``ITL_SAMPLE`` requests, inter-token gaps are kept for an even sample
+of them (every n-th), which is what the ITL percentiles read."""
+
+from __future__ import annotations
+
+import itertools
+
+from sendpath.bench.client import RequestResult
+from sendpath.request import Request
+from sendpath.sim.config import SimConfig
+from sendpath.trace import Stage
+
+__all__ = ["client_view", "token_times"]
+
+
+def token_times(request: Request, bulks: list[list[float]] | None) -> list[float]:
+    """The request's token times: those its timeline recorded, and its fleet-mode bulks'."""
+    times = request.timeline.token_times
+    if bulks:
+        for ends in bulks:
+            times += ends
+        times.sort()
+    return times
+
+
+def client_view(
+    request: Request, sent: float, config: SimConfig, tokens: list[float], keep_itl: bool
+) -> RequestResult:
+    """``tokens``: the request's token times; ``keep_itl``: keep its inter-token gaps."""
+    tl = request.timeline
+    half = config.network_rtt_s / 2
+    stages = tl.stages()
+    timings = {
+        Stage.GATEWAY_AUTH.value: config.gateway_auth_s * 1000,
+        Stage.GATEWAY_RATELIMIT.value: config.gateway_ratelimit_s * 1000,
+        Stage.GATEWAY_SAFETY.value: config.gateway_safety_s * 1000,
+        Stage.GATEWAY_QUEUE.value: 0.0,
+        Stage.ROUTE.value: config.route_s * 1000,
+    }
+    for stage in (Stage.TOKENIZE, Stage.ENGINE_QUEUE, Stage.PREFILL, Stage.DECODE):
+        timings[stage.value] = stages.get(stage, 0.0) * 1000
+    timings[Stage.STREAM.value] = 0.0
+    end = (tl.end or tokens[-1]) + half
+    timings["total"] = sum(timings.values())  # the server's part; network is the rest
+    return RequestResult(
+        success=True,
+        request_id=request.request_id,
+        prompt_tokens=request.num_prompt_tokens,
+        output_tokens=len(request.output_token_ids),
+        ttft=tokens[0] + half - sent,
+        itl=[b - a for a, b in itertools.pairwise(tokens)] if keep_itl else [],
+        latency=end - sent,
+        start=sent,
+        finish_reason="length",
+        timings=timings,
+    )
