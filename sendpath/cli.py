@@ -100,10 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Load the engine `sendpath replica` would run with the same flags (the "
         "built-in SmolLM2-135M by default), time one engine step (schedule + forward + update) "
         "over a grid of prefill chunks, decode batches and context lengths, fit step = c_step "
-        "+ c_token*tokens + c_seq*seqs + c_context*attended + c_kv*KV read (non-negative least "
-        "squares on relative error; mixed steps held out to check it), print measured vs "
-        "fitted and write the model as JSON. About 2 minutes on 2 idle CPU cores (steps that "
-        "other processes slow are retaken).",
+        "+ c_token*tokens + c_context*attended + c_kv*KV read + seqs(batch size, a line through "
+        "each measured batch size) (non-negative least squares on relative error; mixed steps "
+        "held out to check it), print measured vs fitted and write the model as JSON. About 2 "
+        "minutes on 2 idle CPU cores (steps that other processes slow are retaken). With --url, "
+        "fit the steps a running server logs while it serves a grid of loads instead.",
     )
     add_profile_args(prof)
     srv = sub.add_parser(

@@ -17,23 +17,27 @@ its step time scales with 1/bandwidth (H200 vs H100: 1/1.43); prefill is compute
 ``Calibrated``: a linear model fitted to step times measured on the real engine
 (`sendpath profile`), one coefficient per cost a step pays:
 
-    step = c_step + c_token * tokens + c_seq * seqs + c_context * context + c_kv * kv
+    step = c_step + c_token * tokens + c_context * context + c_kv * kv + seqs(num_seqs)
 
 - ``c_step``: paid once a step whatever its size: the weights are streamed from memory
   once, and every layer's kernels are dispatched from Python once.
 - ``c_token``: the matmuls' work per computed token (about ``2 x params`` FLOPs).
-- ``c_seq``: per scheduled sequence: the scheduler's and the runner's Python, the block
-  table, the logits over the vocabulary and the sampling of its next token.
+- ``seqs``: per scheduled sequence: the scheduler's and the runner's Python, the block
+  table, the logits over the vocabulary and the sampling of its next token. A line
+  through a fitted value at each measured batch size (1, 2, 4, ...; ``seqs@k``, 0 at one
+  sequence), carried on past the last with its last slope; file version 1 had one slope
+  (``c_seq``), which still loads.
 - ``c_context``: attention FLOPs, ``sum over tokens of the positions each attends to``
   (quadratic in a prefill chunk, linear in a decode's context).
 - ``c_kv``: bytes of KV each sequence reads (and the runner gathers) once a step: a
   decode's whole context.
 Coefficients are fitted by non-negative least squares on relative error (each row
 divided by its measured time), so a 40 ms decode counts as much as a 2 s prefill and no
-term can go negative (a negative cost would make some shapes free). Measured on 2 CPU
-cores (SmolLM2-135M, float32): within 8% on held-out mixed steps; what a line cannot
-follow is the BLAS's small matrices: decodes of 2-4 sequences run up to a third slower
-than the fit, a lone decode about a fifth faster.
+term can go negative (a negative cost would make some shapes free). Why bends: on 2 CPU
+cores (SmolLM2-135M, float32) a decode of 4 sequences costs nearly what 8 do (~105 vs
+~115 ms); one slope was 30% off there and the simulated server came out 15-40% fast.
+What the form still misses: one per-token cost for prompt and decode tokens alike prices
+512-token prefill chunks 7-10% high (benchmarks/README.md, sim_fidelity).
 """
 
 from __future__ import annotations
