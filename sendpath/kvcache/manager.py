@@ -56,10 +56,12 @@ class KVCacheManager:
     def _request_hashes(self, request: Request) -> list[BlockHash]:
         """Hashes of every full block of the request's known tokens (extended lazily)."""
         hashes = self._hashes.setdefault(request.request_id, [])
-        tokens = request.all_token_ids
-        if len(tokens) // self.block_size > len(hashes):
+        bs, done = self.block_size, len(hashes)
+        full = request.num_tokens // bs
+        if full > done:  # hash only the blocks filled since (not the whole history again)
             parent = hashes[-1] if hashes else None
-            hashes += block_hashes(tokens, self.block_size, request.cache_salt, len(hashes), parent)
+            new = request.token_ids(done * bs, full * bs)
+            hashes += block_hashes(new, bs, request.cache_salt, 0, parent)
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
