@@ -25,7 +25,7 @@ from sendpath.config import SchedulerConfig
 from sendpath.errors import QueueFullError
 from sendpath.kvcache.manager import KVCacheManager
 from sendpath.request import Request, RequestStatus
-from sendpath.trace import Event, EventType
+from sendpath.trace import EventType
 
 from .queue import make_queue
 
@@ -226,7 +226,7 @@ class Scheduler:
                 if not output:
                     request.record(EventType.FIRST_TOKEN, now)
                 output.append(token)
-                request.timeline.events.append(Event(EventType.TOKEN, now))
+                request.record(EventType.TOKEN, now)
                 new_tokens.append((request, token))
         return new_tokens
 

@@ -57,6 +57,10 @@ class StepLog:
     def record(self, start: float, seconds: float, busy_after: bool, shape: StepShape) -> None:
         self._steps.append(StepRecord(next(self._seq), start, seconds, busy_after, shape))
 
+    @property
+    def last(self) -> StepRecord | None:
+        return self._steps[-1] if self._steps else None
+
     def since(self, seq: int) -> list[StepRecord]:
         """Steps after ``seq`` (0: all kept), oldest first."""
         return [s for s in self._steps if s.seq > seq]

@@ -37,8 +37,8 @@ from functools import partial
 from typing import Any
 
 from sendpath.config import EngineConfig
-from sendpath.engine.core import EngineCore, Runner
-from sendpath.engine.scheduler import RunnerOutput, SchedulerOutput
+from sendpath.engine.core import EngineCore
+from sendpath.engine.scheduler import RunnerOutput
 from sendpath.request import SamplingParams
 from sendpath.sim.cost_model import Calibrated, PointKind, ProfilePoint, StepShape
 from sendpath.sim.interference import Interference
@@ -75,24 +75,6 @@ QUICK_GRID = Grid(
 )
 
 
-class _Recorder:
-    """The engine's runner, unchanged, remembering the last plan it ran (for its shape)."""
-
-    def __init__(self, inner: Runner) -> None:
-        self.inner = inner
-        self.plan = SchedulerOutput()
-
-    def add_request(self, request_id: str, params: SamplingParams) -> None:
-        self.inner.add_request(request_id, params)
-
-    def remove_request(self, request_id: str) -> None:
-        self.inner.remove_request(request_id)
-
-    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
-        self.plan = plan
-        return self.inner.execute(plan)
-
-
 Timed = tuple[float, StepShape, bool]  # wall seconds, the step's shape, clean of neighbours
 MAX_TRIES = 3  # timed steps per point at most, in repeats: past that, keep what was measured
 
@@ -105,8 +87,6 @@ class _Profiler:
 
     def __init__(self, core: EngineCore, grid: Grid, watch: Interference | None) -> None:
         self.core, self.grid, self.watch = core, grid, watch
-        self.recorder = _Recorder(core.runner)
-        core.runner = self.recorder
         self.base = core.scheduler.config
         kv = core.scheduler.kv
         self.block_size, self.num_blocks = kv.block_size, kv.capacity_tokens // kv.block_size
@@ -164,7 +144,9 @@ class _Profiler:
             seconds = time.perf_counter() - start
             others = watch.others_s() - others if watch else 0.0
         clean = watch is None or watch.clean(seconds, others)
-        return seconds, StepShape.of(self.recorder.plan), clean
+        step = self.core.steps.last  # the engine's own record of the step it just ran
+        assert step is not None
+        return seconds, step.shape, clean
 
     def measure(self, kind: PointKind, label: str, once: Callable[[], Timed]) -> ProfilePoint:
         """One warm-up, then steps until ``repeats`` are clean (or ``MAX_TRIES`` x as many
@@ -295,9 +277,8 @@ def profile(
 def _meta(core: EngineCore, config: EngineConfig, grid: Grid) -> dict[str, Any]:
     from sendpath.runner.model_runner import ModelRunner
 
-    runner = core.runner.inner if isinstance(core.runner, _Recorder) else core.runner
-    assert core.loaded is not None and isinstance(runner, ModelRunner)
-    runs_on = runner.describe()
+    assert core.loaded is not None and isinstance(core.runner, ModelRunner)
+    runs_on = core.runner.describe()
     sched, kv = core.scheduler.config, core.scheduler.kv
     return {
         "model": core.model_name,
