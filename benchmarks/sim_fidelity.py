@@ -13,9 +13,13 @@ the real server, request for request.
    arrivals; the simulator replays the *same* requests (send times, prompt tokens as the
    server counted them, answer lengths), so both sides see the same traffic and only the
    model of the server differs.
-5. Reported: p50 and p99 of TTFT, TPOT and E2E, simulated / measured.
+5. Reported: p50 and p99 of TTFT, TPOT and E2E, simulated / measured; and, step by
+   step, the replica's own log of the run (``GET /v1/steps``) against what the cost model
+   prices those very steps at, per kind of step (so a gap in the percentiles can be told
+   apart: the price of a step, or the order of steps the simulator ran).
 
     .venv/bin/python -m benchmarks.sim_fidelity [--also FILE] [--requests N]
+        [--workloads chat,long-prompt] [--loads 0.25,0.55,0.85]
 """
 
 from __future__ import annotations
@@ -43,12 +47,26 @@ from sendpath.bench.workload import LengthSpec, build
 from sendpath.config import SchedulerConfig
 from sendpath.fleet import free_port, wait_healthy
 from sendpath.sim.cost_model import Calibrated
-from sendpath.sim.profile_served import profile_served
+from sendpath.sim.profile_served import profile_served, step_kind, step_times
 from sendpath.sim.simulator import SimConfig, Simulator
 from sendpath.sim.traffic import SimRequest
 
 RESULTS = Path(__file__).parent / "results" / "sim_fidelity.json"
 PROFILE = Path(__file__).parent / "results" / "sim_fidelity_profile.json"  # the served fit
+STEPS = Path(__file__).parent / "results" / "sim_fidelity_steps.json"  # each run's step log
+STEP_KEYS = (
+    "seq",
+    "start",
+    "seconds",
+    "busy_after",
+    "num_tokens",
+    "num_seqs",
+    "context_tokens",
+    "kv_tokens",
+    "prompt_tokens",
+    "prefills",
+    "kv_gathered",
+)
 # (name, prompt words, answer tokens): random text, lengths drawn per request
 WORKLOADS = (
     ("chat", LengthSpec(40, 200), LengthSpec(32, 128)),
@@ -94,12 +112,44 @@ def compare(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def logged_steps(url: str, after: int) -> list[dict[str, Any]]:
+    """The replica's own step log since step ``after`` (``GET /v1/steps``)."""
+    replica = httpx.get(f"{url}/fleet", timeout=30).json()["replicas"][0]["url"]
+    found = httpx.get(f"{replica}/v1/steps", params={"after": after}, timeout=60).json()
+    steps: list[dict[str, Any]] = found["steps"]
+    return steps
+
+
+def steps_vs_model(
+    found: list[dict[str, Any]], models: dict[str, Calibrated]
+) -> dict[str, dict[str, Any]]:
+    """Per kind of step: how many, their measured seconds and each model's price for the
+    same shapes."""
+    out: dict[str, dict[str, Any]] = {}
+    for shape, seconds in step_times(found):
+        row = out.setdefault(step_kind(shape).value, {"steps": 0, "measured_s": 0.0})
+        row["steps"] += 1
+        row["measured_s"] += seconds
+        for name, model in models.items():
+            row[f"{name}_s"] = row.get(f"{name}_s", 0.0) + model.step_seconds(shape)
+    return out
+
+
+def last_step(url: str) -> int:
+    found = logged_steps(url, 0)
+    return int(found[-1]["seq"]) if found else 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--also", type=Path, default=None, metavar="FILE",
                         help="a second cost model to replay every run through")  # fmt: skip
     parser.add_argument("--requests", type=int, default=48, help="per load level")
+    parser.add_argument("--workloads", default=",".join(w[0] for w in WORKLOADS))
+    parser.add_argument("--loads", default=",".join(map(str, LOADS)), help="shares of capacity")
     args = parser.parse_args()
+    workloads = [w for w in WORKLOADS if w[0] in args.workloads.split(",")]
+    loads = [float(x) for x in args.loads.split(",")]
     also = Calibrated.load(args.also) if args.also else None
     data = Path(tempfile.mkdtemp(prefix="sendpath-fidelity-"))
     port = free_port()
@@ -117,14 +167,24 @@ def main() -> None:
         num_blocks = int(cost.meta["engine"]["num_blocks"])
         print(f"served profile: {cost.meta['wall_s']:.0f} s; fit {cost.error()}; "
               f"held out {cost.error(True)}", flush=True)  # fmt: skip
+        step_log: dict[str, list[list[Any]]] = {"keys": [list(STEP_KEYS)]}
+        models = {"served": cost, **({"also": also} if also else {})}
         for w, (name, words, out) in enumerate(WORKLOADS):
+            if (name, words, out) not in workloads:
+                continue
             burst, wall = bench(url, words, out, 32, Load(concurrency=64), seed=100 + w)
             capacity = sum(r.success for r in burst) / wall
             print(f"{name}: capacity {capacity:.2f} requests/s", flush=True)
             for i, share in enumerate(LOADS):
+                if share not in loads:
+                    continue
                 load = Load(rate=share * capacity, seed=i)
                 start = time.perf_counter()
+                before = last_step(url)
                 results, wall = bench(url, words, out, args.requests, load, seed=10 * w + i)
+                logged = logged_steps(url, before)
+                by_kind = steps_vs_model(logged, models)
+                step_log[f"{name} {share}"] = [[step[k] for k in STEP_KEYS] for step in logged]
                 real = measured(results, wall)
                 sim = replay(results, cost, num_blocks)
                 ratios = compare(real, sim)
@@ -135,7 +195,7 @@ def main() -> None:
                     "load": share, "rate": load.rate, "requests": args.requests,
                     "failed": real["failed"], "wall_s": time.perf_counter() - start,
                     "measured": real, "simulated": sim, "sim_over_real": ratios,
-                    "also_over_real": other,
+                    "also_over_real": other, "steps_vs_model": by_kind,
                     "requests_measured": [
                         {"start": r.start, "prompt_tokens": r.prompt_tokens,
                          "output_tokens": r.output_tokens, "ttft": r.ttft, "latency": r.latency,
@@ -145,6 +205,9 @@ def main() -> None:
                 })  # fmt: skip
                 print(f"  {share:.0%}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()),
                       flush=True)  # fmt: skip
+                print("    steps priced / measured: " + ", ".join(
+                    f"{kind} {row['served_s'] / row['measured_s']:.2f} ({row['steps']})"
+                    for kind, row in by_kind.items()), flush=True)  # fmt: skip
     finally:
         server.terminate()
         server.wait(60)
@@ -153,6 +216,7 @@ def main() -> None:
               "also": str(args.also) if args.also else None,
               "also_meta": also.meta if also else None, "runs": runs}  # fmt: skip
     RESULTS.write_text(json.dumps(record, indent=2) + "\n")
+    STEPS.write_text(json.dumps(step_log, separators=(",", ":")) + "\n")
     print("\n| workload | load | rate req/s | model | TTFT p50 / p99 | TPOT p50 / p99 | "
           "E2E p50 / p99 |")  # fmt: skip
     print("|---|---:|---:|---|---|---|---|")

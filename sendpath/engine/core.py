@@ -185,7 +185,8 @@ class EngineCore:
             outputs.append(self._output(request, stream, [token], text))
         if not plan.is_empty:
             busy = self.scheduler.has_unfinished_requests()
-            self.steps.record(start, self.clock.now() - start, busy, StepShape.of(plan))
+            shape = StepShape.of(plan, self.scheduler.kv.block_size)
+            self.steps.record(start, self.clock.now() - start, busy, shape)
         return outputs
 
     def stats(self) -> SchedulerStats:

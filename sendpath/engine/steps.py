@@ -26,16 +26,32 @@ class StepShape:
     num_seqs: int
     context_tokens: int  # sum over computed tokens of the positions they attend to
     kv_tokens: int  # sum over sequences of the KV they read once (their whole context)
+    # the prompt's share: tokens of the prefill chunks (every sequence not decoding one
+    # token), and how many chunks; 0 where unknown (steps logged before they were kept)
+    prompt_tokens: int = 0
+    prefills: int = 0
+    # KV slots the CPU runner gathers for attention: each prefill chunk's whole context,
+    # and the decodes as one batch padded to the longest (B x its blocks)
+    kv_gathered: int = 0
 
     @classmethod
-    def of(cls, plan: SchedulerOutput) -> StepShape:
-        tokens = context = kv = 0
+    def of(cls, plan: SchedulerOutput, block_size: int = 16) -> StepShape:
+        tokens = context = kv = prompt = prefills = gathered = decodes = longest = 0
         for item in plan.requests:
             n, start = len(item.token_ids), item.start_pos
             tokens += n
             context += n * start + n * (n + 1) // 2
             kv += start + n
-        return cls(tokens, len(plan.requests), context, kv)
+            if n == 1 and start > 0:  # a decode, as the runner tells them apart
+                decodes += 1
+                if start >= longest:
+                    longest = start + 1
+            else:
+                prompt += n
+                prefills += 1
+                gathered += start + n
+        gathered += decodes * -(-longest // block_size) * block_size
+        return cls(tokens, len(plan.requests), context, kv, prompt, prefills, gathered)
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ import itertools
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
@@ -122,8 +122,9 @@ class Roofline:
 
 
 TERMS = ("step", "token", "seq", "context", "kv")  # the linear form
+SPLIT_TERMS = ("step", "prompt", "prefill", "context", "kv", "ride")  # + the decodes' terms
 FORMAT = "sendpath-profile"
-VERSION = 2  # 2: an optional piecewise-linear per-sequence cost (``seq_knots``)
+VERSION = 3  # 2: a piecewise-linear per-sequence cost (``seq_knots``); 3: ``split``
 
 
 def seq_knots_for(batch_sizes: set[int]) -> tuple[int, ...]:
@@ -133,21 +134,19 @@ def seq_knots_for(batch_sizes: set[int]) -> tuple[int, ...]:
     return tuple(knots) if len(knots) > 1 else ()
 
 
-def _terms(knots: tuple[int, ...]) -> tuple[str, ...]:
+def _terms(knots: tuple[int, ...], split: bool = False) -> tuple[str, ...]:
+    seqs = tuple(f"seqs@{k}" for k in knots[1:])
+    if split:
+        return (*SPLIT_TERMS, *(seqs or ("seq",)))
     if not knots:
         return TERMS
-    return ("step", "token", "context", "kv", *(f"seqs@{k}" for k in knots[1:]))
+    return ("step", "token", "context", "kv", *seqs)
 
 
-def _features(shape: StepShape, knots: tuple[int, ...] = ()) -> list[float]:
-    """The step's amount of each of ``_terms(knots)``, in order. With knots, the
-    per-sequence cost is a line through fitted values at each knot (0 for one sequence),
-    carried on past the last knot with its last slope."""
-    base = [1.0, float(shape.num_tokens), float(shape.context_tokens), float(shape.kv_tokens)]
-    if not knots:
-        return [base[0], base[1], float(shape.num_seqs), base[2], base[3]]
-    weights = [0.0] * (len(knots) - 1)  # for knots[1:]
-    s = shape.num_seqs
+def _bends(s: int, knots: tuple[int, ...]) -> list[float]:
+    """Weights of the per-sequence values at ``knots[1:]`` for ``s`` sequences: a line
+    through them (0 at one sequence), carried on past the last knot with its last slope."""
+    weights = [0.0] * (len(knots) - 1)
     i = max(
         1, min(len(knots) - 1, next((j for j, k in enumerate(knots) if k >= s), len(knots) - 1))
     )
@@ -156,23 +155,56 @@ def _features(shape: StepShape, knots: tuple[int, ...] = ()) -> list[float]:
     weights[i - 1] += w
     if i >= 2:
         weights[i - 2] += 1 - w
-    return base + weights
+    return weights
+
+
+def _features(shape: StepShape, knots: tuple[int, ...] = (), split: bool = False) -> list[float]:
+    """The step's amount of each of ``_terms(knots, split)``, in order."""
+    if split:
+        decodes = shape.num_seqs - shape.prefills
+        ride = float(decodes) if shape.prefills else 0.0
+        alone = 0 if shape.prefills else decodes  # a decode-only step's sequences
+        if not knots:
+            seqs = [float(alone)]
+        else:
+            seqs = _bends(alone, knots) if alone else [0.0] * (len(knots) - 1)
+        return [1.0, float(shape.prompt_tokens), float(shape.prefills),
+                float(shape.context_tokens), float(shape.kv_gathered), ride, *seqs]  # fmt: skip
+    base = [1.0, float(shape.num_tokens), float(shape.context_tokens), float(shape.kv_tokens)]
+    if not knots:
+        return [base[0], base[1], float(shape.num_seqs), base[2], base[3]]
+    return base + _bends(shape.num_seqs, knots)
+
+
+def _held_out(points: Sequence[ProfilePoint], split: bool) -> list[bool]:
+    """Which points check the fit instead of making it: the mixed steps (prefill chunks
+    with decodes riding along); in the ``split`` form, which prices the riders, every
+    second one (the others fit that price)."""
+    mixed = itertools.count()
+    return [p.kind is PointKind.MIXED and (not split or next(mixed) % 2 == 1) for p in points]
+
+
+def _logged_split(points: Sequence[ProfilePoint]) -> bool:
+    """Whether the points carry the prompt/decode split (steps logged before it did not)."""
+    return bool(points) and all(p.shape.kv_gathered > 0 or p.shape.kv_tokens == 0 for p in points)
 
 
 class PointKind(StrEnum):
-    PREFILL = "prefill"  # one request's chunk
+    PREFILL = "prefill"  # prompt chunks only
     DECODE = "decode"  # a batch of one-token steps
-    MIXED = "mixed"  # decodes + one prefill chunk: held out, checks the fit, never fits it
+    MIXED = "mixed"  # decodes + prefill chunks: held out (every second one in ``split``)
 
 
 @dataclass(frozen=True)
 class ProfilePoint:
-    """One grid point: a step's shape and the median wall time of such steps."""
+    """One grid point: a step's shape and the median wall time of such steps; ``steps``:
+    how many steps it stands for (the fit counts every step the engine ran once)."""
 
     kind: PointKind
     label: str
     shape: StepShape
     seconds: float
+    steps: int = 1
 
 
 @dataclass(frozen=True)
@@ -207,12 +239,13 @@ class Calibrated:
         points: Sequence[ProfilePoint] = (),
         meta: dict[str, Any] | None = None,
         seq_knots: Sequence[int] = (),
+        split: bool = False,
     ) -> None:
         knots = tuple(int(k) for k in seq_knots)
         if knots and (knots[0] != 1 or any(b <= a for a, b in itertools.pairwise(knots))):
             raise ValueError(f"seq_knots must rise from 1, got {list(knots)}")
-        self.seq_knots = knots
-        self.terms = _terms(knots)
+        self.seq_knots, self.split = knots, split
+        self.terms = _terms(knots, split)
         for term in self.terms:
             value = coefficients.get(term)
             if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
@@ -220,6 +253,7 @@ class Calibrated:
         self.coefficients = {term: float(coefficients[term]) for term in self.terms}
         self._c = [self.coefficients[t] for t in self.terms]
         self.points = list(points)
+        self.held_out = _held_out(self.points, split)
         self.meta = dict(meta or {})
 
     @classmethod
@@ -229,35 +263,48 @@ class Calibrated:
         meta: dict[str, Any] | None = None,
         piecewise: bool = True,
     ) -> Calibrated:
-        """Fit on every point but the held-out (mixed) ones; keep them all. ``piecewise``:
-        the per-sequence cost bends at the measured batch sizes 1, 2, 4, ... (given twice
-        as many points as terms; else it is a line)."""
-        used = [p for p in points if p.kind is not PointKind.MIXED]
-        knots = seq_knots_for({p.shape.num_seqs for p in used}) if piecewise else ()
-        if len(used) < 2 * len(_terms(knots)):
+        """Fit on every point but the held-out ones; keep them all. ``piecewise``: the
+        per-sequence cost bends at the measured batch sizes 1, 2, 4, ... (given twice as
+        many points as terms; else it is a line). Points that tell prompt from decode
+        tokens (logged since they were kept) are fitted in the ``split`` form."""
+        split = _logged_split(points)
+        held = _held_out(points, split)
+        used = [p for p, out in zip(points, held, strict=True) if not out]
+        alone = {p.shape.num_seqs - p.shape.prefills for p in used if not p.shape.prefills}
+        if not split:
+            alone = {p.shape.num_seqs for p in used}
+        knots = seq_knots_for(alone) if piecewise else ()
+        if len(used) < 2 * len(_terms(knots, split)):
             knots = ()  # too few points to bend: a line
-        terms = _terms(knots)
+        terms = _terms(knots, split)
         if len(used) < len(terms):
             raise ValueError(f"fitting {len(terms)} terms needs as many points, got {len(used)}")
         if any(p.seconds <= 0 for p in used):
             raise ValueError("every measured step time must be > 0")
-        rows = np.array([_features(p.shape, knots) for p in used]) / np.array(
-            [[p.seconds] for p in used]
-        )  # relative error: row i divided by measured time i, target 1
+        # relative error (row i divided by measured time i, target 1), each point
+        # weighted by the steps it stands for: least squares over the steps themselves
+        weight = np.sqrt([[max(1, p.steps)] for p in used])
+        rows = (
+            np.array([_features(p.shape, knots, split) for p in used])
+            / np.array([[p.seconds] for p in used])
+            * weight
+        )
         scale = np.abs(rows).max(axis=0)
         scale[scale == 0] = 1.0  # a term no point exercises stays 0
-        x = nnls(rows / scale, np.ones(len(used))) / scale
-        return cls(dict(zip(terms, (float(v) for v in x), strict=True)), points, meta, knots)
+        x = nnls(rows / scale, weight[:, 0]) / scale
+        coefficients = dict(zip(terms, (float(v) for v in x), strict=True))
+        return cls(coefficients, points, meta, knots, split)
 
     def step_seconds(self, shape: StepShape) -> float:
-        return sum(c * f for c, f in zip(self._c, _features(shape, self.seq_knots), strict=True))
+        features = _features(shape, self.seq_knots, self.split)
+        return sum(c * f for c, f in zip(self._c, features, strict=True))
 
     def error(self, held_out: bool = False) -> FitError | None:
         """Relative error on the fit points, or on the held-out ones; None without any."""
         errors = [
             abs(self.step_seconds(p.shape) - p.seconds) / p.seconds
-            for p in self.points
-            if (p.kind is PointKind.MIXED) == held_out
+            for p, out in zip(self.points, self.held_out, strict=True)
+            if out == held_out
         ]
         if not errors:
             return None
@@ -287,14 +334,9 @@ class Calibrated:
             "meta": self.meta,
             "coefficients_s": self.coefficients,
             "seq_knots": list(self.seq_knots),
+            "split": self.split,
             "fit": {
-                "terms": "step + token*num_tokens + context*context_tokens + kv*kv_tokens "
-                + (
-                    "+ seqs(num_seqs): through seqs@k at each knot k, 0 at one sequence"
-                    if self.seq_knots
-                    else "+ seq*num_seqs"
-                )
-                + " (seconds)",
+                "terms": self.describe_terms(),
                 "fit_points": asdict(fit) if fit else None,
                 "held_out": asdict(held) if held else None,
             },
@@ -305,10 +347,25 @@ class Calibrated:
                     **asdict(p.shape),
                     "measured_s": p.seconds,
                     "fitted_s": self.step_seconds(p.shape),
+                    "steps": p.steps,
                 }
                 for p in self.points
             ],
         }
+
+    def describe_terms(self) -> str:
+        """The fitted form in words (the file's ``fit.terms``)."""
+        seqs = "seqs(S) through seqs@k at each knot k, 0 at S=1" if self.seq_knots else "seq*S"
+        if self.split:
+            return (
+                "step + prompt*prompt_tokens + prefill*prefills + context*context_tokens + "
+                f"kv*kv_gathered + (ride*decodes with a prefill, else {seqs} over S decodes)"
+                " (seconds)"
+            )
+        return (
+            "step + token*num_tokens + context*context_tokens + kv*kv_tokens + "
+            f"{seqs} over S=num_seqs (seconds)"
+        )
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
@@ -326,7 +383,7 @@ class Calibrated:
             raise CostModelFileError(path, f"not JSON ({exc})") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise CostModelFileError(path, f'not a {FORMAT} file (no "format": "{FORMAT}")')
-        if data.get("version") not in (1, VERSION):
+        if data.get("version") not in range(1, VERSION + 1):
             raise CostModelFileError(
                 path, f"version {data.get('version')!r}, expected 1 to {VERSION}"
             )
@@ -335,14 +392,24 @@ class Calibrated:
                 ProfilePoint(
                     PointKind(p["kind"]),
                     str(p["label"]),
-                    StepShape(**{f.name: int(p[f.name]) for f in fields(StepShape)}),
+                    StepShape(
+                        **{
+                            f.name: int(p[f.name])
+                            for f in fields(StepShape)
+                            if f.name in p or f.default is MISSING
+                        }
+                    ),
                     float(p["measured_s"]),
+                    int(p.get("steps", 1)),
                 )
                 for p in data.get("points", [])
             ]
             meta = data.get("meta", {})
             if not isinstance(meta, dict):
                 raise TypeError("meta is not an object")
-            return cls(data["coefficients_s"], points, meta, data.get("seq_knots", []))
+            split = data.get("split", False)
+            if not isinstance(split, bool):
+                raise TypeError(f"split must be true or false, got {split!r}")
+            return cls(data["coefficients_s"], points, meta, data.get("seq_knots", []), split)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CostModelFileError(path, f"malformed ({type(exc).__name__}: {exc})") from None

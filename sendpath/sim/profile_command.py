@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from sendpath.launch import add_engine_args, engine_config
-from sendpath.sim.cost_model import Calibrated, PointKind, ProfilePoint
+from sendpath.sim.cost_model import Calibrated, ProfilePoint
 from sendpath.sim.profile import DEFAULT_GRID, QUICK_GRID, profile
 from sendpath.sim.profile_served import DEFAULT_SERVED, QUICK_SERVED, profile_served
 
@@ -97,9 +97,9 @@ def print_fit(cal: Calibrated) -> None:
           f"{cal.device})")  # fmt: skip
     print(f"{'point':<34}{'tokens':>7}{'seqs':>6}{'context':>9}{'kv':>7}"
           f"{'measured ms':>13}{'fitted ms':>11}{'error':>8}")  # fmt: skip
-    for p in cal.points:
+    for p, held_out in zip(cal.points, cal.held_out, strict=True):
         fitted, s = cal.step_seconds(p.shape), p.shape
-        label = p.label + (" (held out)" if p.kind is PointKind.MIXED else "")
+        label = p.label + (" (held out)" if held_out else "")
         print(f"{label:<34}{s.num_tokens:>7}{s.num_seqs:>6}{s.context_tokens:>9}"
               f"{s.kv_tokens:>7}{p.seconds * 1e3:>13.1f}{fitted * 1e3:>11.1f}"
               f"{(fitted - p.seconds) / p.seconds:>+8.1%}")  # fmt: skip
@@ -109,11 +109,19 @@ def print_fit(cal: Calibrated) -> None:
         per_seq = f"per-sequence ms by batch size (1: 0, {bends})"
     else:
         per_seq = f"{c['seq'] * 1e3:.3f} ms a sequence"
-    print(
-        f"fitted: {c['step'] * 1e3:.2f} ms a step + {c['token'] * 1e3:.3f} ms a token + "
-        f"{c['context'] * 1e9:.1f} ns a context token attended + {c['kv'] * 1e6:.2f} us a KV "
-        f"token read + {per_seq}"
-    )
+    if cal.split:
+        print(
+            f"fitted: {c['step'] * 1e3:.2f} ms a step + {c['prompt'] * 1e3:.3f} ms a prompt "
+            f"token + {c['prefill'] * 1e3:.2f} ms a prefill chunk + {c['context'] * 1e9:.1f} "
+            f"ns a context token attended + {c['kv'] * 1e6:.2f} us a KV token gathered + "
+            f"{c['ride'] * 1e3:.3f} ms a decode beside a prefill; decode-only steps: {per_seq}"
+        )
+    else:
+        print(
+            f"fitted: {c['step'] * 1e3:.2f} ms a step + {c['token'] * 1e3:.3f} ms a token + "
+            f"{c['context'] * 1e9:.1f} ns a context token attended + {c['kv'] * 1e6:.2f} us a "
+            f"KV token read + {per_seq}"
+        )
     for name, err in (("fit points", cal.error()), ("held-out mixed steps", cal.error(True))):
         if err is not None:
             print(f"relative error on {err.count} {name}: max {err.max:.1%}, mean {err.mean:.1%}")

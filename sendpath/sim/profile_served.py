@@ -11,8 +11,9 @@ and its time. A step's time here is its period, start to the next step's start, 
 engine went straight on (that includes the loop's delivery of outputs between steps,
 which is what the simulator's back-to-back steps stand for); else its own duration.
 
-Grid: single prompts of N tokens (prefill chunks), and B requests at once with prompts of
-C tokens (their prefill mixes with the decodes of those admitted first; then B decode).
+Grid: single prompts of N tokens (prefill chunks), and B requests with prompts of C tokens:
+one first, the other B-1 at once as soon as it decodes (their prefill chunks share steps
+with the decodes of those admitted first; then B decode).
 Steps are grouped per load and kind (prefill / decode / mixed) and shape size; each
 group's median becomes a point. Mixed steps are held out, as in the in-process profile.
 """
@@ -26,7 +27,7 @@ import random
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
 
@@ -35,7 +36,14 @@ import httpx
 from sendpath.engine.steps import StepShape
 from sendpath.sim.cost_model import Calibrated, PointKind, ProfilePoint
 
-__all__ = ["DEFAULT_SERVED", "QUICK_SERVED", "ServedGrid", "profile_served"]
+__all__ = [
+    "DEFAULT_SERVED",
+    "QUICK_SERVED",
+    "ServedGrid",
+    "profile_served",
+    "step_kind",
+    "step_times",
+]
 
 
 @dataclass(frozen=True)
@@ -52,17 +60,20 @@ DEFAULT_SERVED = ServedGrid(
     prefill=(16, 64, 128, 256, 512, 1024), repeats=3,
     batches=(1, 2, 4, 8, 16, 32, 64), contexts=(64, 512), answer=24,
 )  # fmt: skip
-QUICK_SERVED = ServedGrid(prefill=(8, 32), repeats=2, batches=(1, 4), contexts=(16,), answer=6)
+QUICK_SERVED = ServedGrid(prefill=(8, 32), repeats=2, batches=(1, 4), contexts=(16,), answer=32)
 
 
 class ServedProfileError(ValueError):
     """The server cannot be profiled (unreachable, several replicas, refuses requests)."""
 
 
-def _kind(shape: StepShape) -> PointKind:
-    if shape.num_tokens == shape.num_seqs:
+def step_kind(shape: StepShape) -> PointKind:
+    """Decode (one-token steps only), prefill (prompt chunks only) or mixed."""
+    if shape.prefills == 0 and shape.num_tokens == shape.num_seqs:
         return PointKind.DECODE
-    return PointKind.PREFILL if shape.num_seqs == 1 else PointKind.MIXED
+    if shape.num_seqs == 1 or shape.num_seqs == shape.prefills:
+        return PointKind.PREFILL
+    return PointKind.MIXED
 
 
 class _Driver:
@@ -93,7 +104,10 @@ class _Driver:
             raise ServedProfileError(f"GET /v1/models said {r.status_code}: {r.text[:200]}")
         return str(r.json()["data"][0]["id"])
 
-    async def one(self, model: str, prompt_tokens: int, answer: int) -> None:
+    async def one(
+        self, model: str, prompt_tokens: int, answer: int, first: asyncio.Event | None = None
+    ) -> None:
+        """One streamed request; ``first`` is set when its first token arrives."""
         prompt = [self.rng.randrange(100, 30000) for _ in range(prompt_tokens)]
         body = {"model": model, "prompt": prompt, "max_tokens": answer, "ignore_eos": True,
                 "temperature": 0, "stream": True}  # fmt: skip
@@ -101,11 +115,21 @@ class _Driver:
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")
                 raise ServedProfileError(f"a request was refused ({r.status_code}): {text[:300]}")
-            async for _ in r.aiter_lines():
-                pass
+            async for line in r.aiter_lines():
+                if first is not None and line.startswith("data:"):
+                    first.set()
 
     async def load(self, model: str, count: int, prompt_tokens: int, answer: int) -> None:
-        await asyncio.gather(*(self.one(model, prompt_tokens, answer) for _ in range(count)))
+        """``count`` requests: one first, the others once it decodes (so their prefills
+        share steps with its decodes: mixed steps, whatever the token budget)."""
+        first = asyncio.Event()
+        leader = asyncio.create_task(self.one(model, prompt_tokens, answer, first))
+        if count > 1:
+            await first.wait()
+            await asyncio.gather(
+                *(self.one(model, prompt_tokens, answer) for _ in range(count - 1))
+            )
+        await leader
 
 
 async def _steps(client: httpx.AsyncClient, replica: str, after: int) -> dict[str, Any]:
@@ -116,15 +140,16 @@ async def _steps(client: httpx.AsyncClient, replica: str, after: int) -> dict[st
     return found
 
 
-def _times(steps: list[dict[str, Any]]) -> list[tuple[StepShape, float]]:
-    """Each step's shape and time: its period when the next step followed at once."""
+def step_times(steps: list[dict[str, Any]]) -> list[tuple[StepShape, float]]:
+    """Each logged step's shape and time (``GET /v1/steps``' records): its period when
+    the next step followed at once."""
     out = []
     for step, nxt in zip(steps, [*steps[1:], None], strict=True):
         seconds = step["seconds"]
         if step["busy_after"] and nxt is not None and nxt["seq"] == step["seq"] + 1:
             seconds = max(seconds, nxt["start"] - step["start"])
-        shape = StepShape(step["num_tokens"], step["num_seqs"], step["context_tokens"],
-                          step["kv_tokens"])  # fmt: skip
+        shape = StepShape(**{f.name: int(step[f.name]) for f in fields(StepShape)
+                             if f.name in step})  # fmt: skip
         out.append((shape, seconds))
     return out
 
@@ -133,13 +158,13 @@ def _points(label: str, timed: list[tuple[StepShape, float]]) -> list[ProfilePoi
     """One point per kind and size: the median step (by time) of each group."""
     groups: dict[tuple[PointKind, int, int], list[tuple[StepShape, float]]] = defaultdict(list)
     for shape, seconds in timed:
-        groups[(_kind(shape), shape.num_seqs, shape.num_tokens)].append((shape, seconds))
+        groups[(step_kind(shape), shape.num_seqs, shape.num_tokens)].append((shape, seconds))
     points = []
     for (kind, seqs, tokens), items in sorted(groups.items()):
         items.sort(key=lambda item: item[1])
         shape, seconds = items[len(items) // 2]
         name = f"{label}: {kind.value} {tokens} tok / {seqs} seq ({len(items)} steps)"
-        points.append(ProfilePoint(kind, name, shape, seconds))
+        points.append(ProfilePoint(kind, name, shape, seconds, len(items)))
     return points
 
 
@@ -180,7 +205,7 @@ async def _profile(
             found = await _steps(driver.client, replica, last)
             if found["steps"]:
                 last = found["steps"][-1]["seq"]
-            for p in _points(label, _times(found["steps"])):
+            for p in _points(label, step_times(found["steps"])):
                 points.append(p)
                 progress(p)
     meta = {

@@ -240,7 +240,7 @@ class Simulator:
         if plan.is_empty:
             rep.busy = False
             return
-        seconds = self.cost.step_seconds(StepShape.of(plan))
+        seconds = self.cost.step_seconds(StepShape.of(plan, self.config.block_size))
         rep.busy_s += seconds
         self.num_steps += 1
         self._push(t + seconds, "done", (index, plan))
@@ -280,7 +280,7 @@ class Simulator:
         if len(sched.waiting) and batch < sched.config.max_num_seqs:
             return False  # someone could start: the scheduler decides
         steps = 1 << 62
-        context = 0
+        context = longest = 0
         for r in running:
             computed = r.num_computed_tokens
             if len(r.prompt_token_ids) + len(r.output_token_ids) - computed != 1:
@@ -289,6 +289,8 @@ class Simulator:
             if left < steps:
                 steps = left
             context += computed
+            if computed > longest:
+                longest = computed
         if steps < 2:
             return False
         bs, free = kv.block_size, kv.pool.num_free_blocks
@@ -306,7 +308,10 @@ class Simulator:
             seconds = []
             for _ in range(steps):
                 context += batch
-                seconds.append(self.cost.step_seconds(StepShape(batch, batch, context, context)))
+                longest += 1  # the padded batch the CPU runner gathers
+                gathered = batch * -(-longest // bs) * bs
+                shape = StepShape(batch, batch, context, context, kv_gathered=gathered)
+                seconds.append(self.cost.step_seconds(shape))
         ends, now = [], t
         for dt in seconds:
             now += dt

@@ -14,10 +14,13 @@ def test_step_shape_counts_tokens_context_and_kv() -> None:
         [
             ScheduledRequest("a", [1] * 4, 0, [0], True),  # prefill of 4: attends 1+2+3+4
             ScheduledRequest("b", [1], 99, [1], True),  # decode at position 99: attends 100
+            ScheduledRequest("c", [1], 20, [2], True),  # decode at 20: attends 21
         ]
     )
-    assert StepShape.of(plan) == StepShape(num_tokens=5, num_seqs=2, context_tokens=110,
-                                           kv_tokens=104)  # fmt: skip
+    # the CPU runner gathers the decodes as one batch padded to the longest: 2 x 7 blocks
+    assert StepShape.of(plan) == StepShape(num_tokens=6, num_seqs=3, context_tokens=131,
+                                           kv_tokens=125, prompt_tokens=4, prefills=1,
+                                           kv_gathered=4 + 2 * 112)  # fmt: skip
 
 
 def test_h200_decodes_1_43x_faster_than_h100_and_prefills_the_same() -> None:

@@ -104,7 +104,7 @@ def test_save_and_load_round_trip(tmp_path: Path) -> None:
         (None, "no such file"),
         ("{not json", "not JSON"),
         ('{"coefficients_s": {}}', "not a sendpath-profile file"),
-        ('{"format": "sendpath-profile", "version": 9}', "version 9, expected 1 to 2"),
+        ('{"format": "sendpath-profile", "version": 9}', "version 9, expected 1 to 3"),
         ('{"format": "sendpath-profile", "version": 1}', "malformed"),
         ('{"format": "sendpath-profile", "version": 1, "coefficients_s": {"step": -1}}',
          "malformed"),
@@ -130,15 +130,16 @@ def test_quick_profile_measures_every_kind_of_step(tiny_llama_dir: Path) -> None
     )
     cal = profile(config, QUICK_GRID, guard=False)  # every step counts: exact shapes
     assert [(p.label, p.shape) for p in cal.points] == [
-        ("prefill 8 @ 0", StepShape(8, 1, 36, 8)),
-        ("prefill 32 @ 0", StepShape(32, 1, 528, 32)),
-        ("prefill 16 @ 32", StepShape(16, 1, 16 * 32 + 136, 48)),
-        # each batch is timed after the larger one, one token further on per step
-        ("decode 4 x 16", StepShape(4, 4, 4 * 19, 4 * 19)),
-        ("decode 1 x 16", StepShape(1, 1, 22, 22)),
-        ("decode 4 x 64", StepShape(4, 4, 4 * 67, 4 * 67)),
-        ("decode 1 x 64", StepShape(1, 1, 70, 70)),
-        ("mixed 2 x 32 + 16 @ 0", StepShape(18, 3, 2 * 35 + 136, 2 * 35 + 16)),
+        ("prefill 8 @ 0", StepShape(8, 1, 36, 8, 8, 1, 8)),
+        ("prefill 32 @ 0", StepShape(32, 1, 528, 32, 32, 1, 32)),
+        ("prefill 16 @ 32", StepShape(16, 1, 16 * 32 + 136, 48, 16, 1, 48)),
+        # each batch is timed after the larger one, one token further on per step; the
+        # decodes' KV gathered in whole blocks of 16
+        ("decode 4 x 16", StepShape(4, 4, 4 * 19, 4 * 19, kv_gathered=4 * 32)),
+        ("decode 1 x 16", StepShape(1, 1, 22, 22, kv_gathered=32)),
+        ("decode 4 x 64", StepShape(4, 4, 4 * 67, 4 * 67, kv_gathered=4 * 80)),
+        ("decode 1 x 64", StepShape(1, 1, 70, 70, kv_gathered=80)),
+        ("mixed 2 x 32 + 16 @ 0", StepShape(18, 3, 2 * 35 + 136, 2 * 35 + 16, 16, 1, 2 * 48 + 16)),
     ]
     assert {p.kind for p in cal.points} == set(PointKind)
     assert all(p.seconds > 0 and cal.step_seconds(p.shape) > 0 for p in cal.points)
