@@ -50,7 +50,7 @@ from sendpath.bench.runner import Load, run
 from sendpath.bench.workload import LengthSpec, build
 from sendpath.config import SchedulerConfig
 from sendpath.fleet import free_port, wait_healthy
-from sendpath.sim.cost_model import Calibrated
+from sendpath.sim.cost_model import Calibrated, CostModel
 from sendpath.sim.profile_served import profile_served, step_kind, step_times
 from sendpath.sim.simulator import SimConfig, Simulator
 from sendpath.sim.traffic import SimRequest
@@ -89,8 +89,11 @@ def bench(url: str, words: LengthSpec, out: LengthSpec, n: int, load: Load,
     return asyncio.run(run(url, model, conversations, load, extra={"ignore_eos": True}))
 
 
-def replay(results: list[RequestResult], cost: Calibrated, num_blocks: int) -> dict[str, Any]:
-    """The same requests through the simulator: same send times and lengths."""
+def replay(
+    results: list[RequestResult], cost: CostModel, num_blocks: int, overhead_s: float = 0.001
+) -> dict[str, Any]:
+    """The same requests through the simulator: same send times and lengths; a request's
+    time outside the engine's steps (``overhead_s``) goes on its network round trip."""
     ok = sorted((r for r in results if r.success), key=lambda r: r.start)
     t0 = ok[0].start
     rng = random.Random(0)
@@ -100,7 +103,7 @@ def replay(results: list[RequestResult], cost: Calibrated, num_blocks: int) -> d
                    r.output_tokens, i)
         for i, r in enumerate(ok)
     ]  # fmt: skip
-    config = SimConfig(scheduler=ENGINE, num_blocks=num_blocks, network_rtt_s=0.001)
+    config = SimConfig(scheduler=ENGINE, num_blocks=num_blocks, network_rtt_s=overhead_s)
     sim = Simulator(config, cost).run_requests(requests)
     return sim.report
 
@@ -190,6 +193,7 @@ def main() -> None:
         PROFILE.parent.mkdir(exist_ok=True)
         cost.save(PROFILE)
         num_blocks = int(cost.meta["engine"]["num_blocks"])
+        overhead = float(cost.meta.get("request_overhead_s") or 0.001)
         print(f"served profile: {cost.meta['wall_s']:.0f} s; fit {cost.error()}; "
               f"held out {cost.error(True)}", flush=True)  # fmt: skip
         step_log: dict[str, list[list[Any]]] = {"keys": [list(STEP_KEYS)]}
@@ -219,9 +223,9 @@ def main() -> None:
                 by_kind = steps_vs_model(logged, models)
                 step_log[f"{name} {share}"] = [[step[k] for k in STEP_KEYS] for step in logged]
                 real = measured(results, wall)
-                sim = replay(results, cost, num_blocks)
+                sim = replay(results, cost, num_blocks, overhead)
                 ratios = compare(real, sim)
-                other = compare(real, replay(results, also, num_blocks)) if also else None
+                other = compare(real, replay(results, also, num_blocks, overhead)) if also else None
                 runs.append({
                     "workload": name, "prompt_words": [words.low, words.high],
                     "output_tokens": [out.low, out.high], "capacity_rps": capacity,

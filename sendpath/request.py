@@ -101,7 +101,7 @@ class RequestStatus(StrEnum):
     ABORTED = "aborted"
 
 
-@dataclass
+@dataclass(slots=True)
 class Request:
     """A request as the scheduler and KV manager see it: token ids and progress, no text.
 

@@ -85,8 +85,11 @@ class Timeline:
         before = after = 0.0
         since: float | None = None
         seen_token = False
+        token, requeued = EventType.TOKEN, (EventType.QUEUED, EventType.PREEMPTED)
         for e in self.events:
-            if e.type in (EventType.QUEUED, EventType.PREEMPTED):
+            if e.type is token:  # most events: nothing to do
+                continue
+            if e.type in requeued:
                 since = e.time
             elif e.type is EventType.SCHEDULED and since is not None:
                 if seen_token:

@@ -77,10 +77,6 @@ class SchedulerStats:
     num_computed_tokens: int  # all tokens run through the model so far (prefill + decode)
 
 
-def _is_prefilling(request: Request) -> bool:
-    return request.is_prefilling
-
-
 class Scheduler:
     """Waiting and running queues over one KV cache manager."""
 
@@ -135,11 +131,17 @@ class Scheduler:
         planned: dict[str, int] = {}  # request id -> tokens this step, in planning order
         preempted: list[str] = []
 
-        # 1. running: decodes first, then prefill chunks (stable within each group)
-        for request in sorted(self.running, key=_is_prefilling):
-            if request.request_id in preempted or budget == 0:
+        # 1. running: decodes first, then prefill chunks (each group in running order)
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for request in self.running:
+            known = len(request.prompt_token_ids) + len(request.output_token_ids)
+            (prefills if known - request.num_computed_tokens > 1 else decodes).append(request)
+        for request in decodes + prefills if prefills else decodes:
+            if budget == 0 or (preempted and request.request_id in preempted):
                 continue
-            n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            remaining = request.num_tokens - request.num_computed_tokens
+            n = 1 if remaining == 1 else self._chunk(remaining, budget)
             while self.kv.allocate_slots(request, n) is None:
                 victim = self._pick_victim(exclude=preempted)
                 self._preempt(victim, now)

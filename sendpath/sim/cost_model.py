@@ -14,48 +14,24 @@ about half of peak in serving engines (``COMPUTE_EFF`` 0.5), and decode's weight
 streaming about 80% of memory bandwidth (``MEMORY_EFF`` 0.8). Decode is memory-bound, so
 its step time scales with 1/bandwidth (H200 vs H100: 1/1.43); prefill is compute-bound.
 
-``Calibrated``: a linear model fitted to step times measured on the real engine
-(`sendpath profile`), one coefficient per cost a step pays:
-
-    step = c_step + c_token * tokens + c_context * context + c_kv * kv + seqs(num_seqs)
-
-- ``c_step``: paid once a step whatever its size: the weights are streamed from memory
-  once, and every layer's kernels are dispatched from Python once.
-- ``c_token``: the matmuls' work per computed token (about ``2 x params`` FLOPs).
-- ``seqs``: per scheduled sequence: the scheduler's and the runner's Python, the block
-  table, the logits over the vocabulary and the sampling of its next token. A line
-  through a fitted value at each measured batch size (1, 2, 4, ...; ``seqs@k``, 0 at one
-  sequence), carried on past the last with its last slope; file version 1 had one slope
-  (``c_seq``), which still loads.
-- ``c_context``: attention FLOPs, ``sum over tokens of the positions each attends to``
-  (quadratic in a prefill chunk, linear in a decode's context).
-- ``c_kv``: bytes of KV each sequence reads (and the runner gathers) once a step: a
-  decode's whole context.
-Coefficients are fitted by non-negative least squares on relative error (each row
-divided by its measured time), so a 40 ms decode counts as much as a 2 s prefill and no
-term can go negative (a negative cost would make some shapes free). Why bends: on 2 CPU
-cores (SmolLM2-135M, float32) a decode of 4 sequences costs nearly what 8 do (~105 vs
-~115 ms); one slope was 30% off there and the simulated server came out 15-40% fast.
-What the form still misses: one per-token cost for prompt and decode tokens alike prices
-512-token prefill chunks 7-10% high (benchmarks/README.md, sim_fidelity).
+``Calibrated`` (``calibrated.py``, re-exported here): a linear model fitted to step times
+measured on the real engine (`sendpath profile`).
 """
 
 from __future__ import annotations
 
-import itertools
-import json
-import math
-from collections.abc import Sequence
-from dataclasses import MISSING, asdict, dataclass, fields
-from enum import StrEnum
-from pathlib import Path
-from typing import Any, Protocol
-
-import numpy as np
+from typing import Protocol
 
 from sendpath.engine.steps import StepShape
+from sendpath.sim.calibrated import (
+    TERMS,
+    Calibrated,
+    CostModelFileError,
+    FitError,
+    PointKind,
+    ProfilePoint,
+)
 from sendpath.sim.hardware import Hardware, ModelSpec
-from sendpath.sim.nnls import nnls
 
 __all__ = [
     "COMPUTE_EFF",
@@ -64,6 +40,7 @@ __all__ = [
     "Calibrated",
     "CostModel",
     "CostModelFileError",
+    "FitError",
     "PointKind",
     "ProfilePoint",
     "Roofline",
@@ -119,297 +96,3 @@ class Roofline:
             memory_s = w + kv * (context + batch)
             out.append((compute_s if compute_s > memory_s else memory_s) + allreduce + overhead)
         return out
-
-
-TERMS = ("step", "token", "seq", "context", "kv")  # the linear form
-SPLIT_TERMS = ("step", "prompt", "prefill", "context", "kv", "ride")  # + the decodes' terms
-FORMAT = "sendpath-profile"
-VERSION = 3  # 2: a piecewise-linear per-sequence cost (``seq_knots``); 3: ``split``
-
-
-def seq_knots_for(batch_sizes: set[int]) -> tuple[int, ...]:
-    """Where the per-sequence cost may bend: 1 and the powers of two among the measured
-    batch sizes (each knot's value needs a point there)."""
-    knots = [1] + [k for k in sorted(batch_sizes) if k > 1 and k & (k - 1) == 0]
-    return tuple(knots) if len(knots) > 1 else ()
-
-
-def _terms(knots: tuple[int, ...], split: bool = False) -> tuple[str, ...]:
-    seqs = tuple(f"seqs@{k}" for k in knots[1:])
-    if split:
-        return (*SPLIT_TERMS, *(seqs or ("seq",)))
-    if not knots:
-        return TERMS
-    return ("step", "token", "context", "kv", *seqs)
-
-
-def _bends(s: int, knots: tuple[int, ...]) -> list[float]:
-    """Weights of the per-sequence values at ``knots[1:]`` for ``s`` sequences: a line
-    through them (0 at one sequence), carried on past the last knot with its last slope."""
-    weights = [0.0] * (len(knots) - 1)
-    i = max(
-        1, min(len(knots) - 1, next((j for j, k in enumerate(knots) if k >= s), len(knots) - 1))
-    )
-    lo, hi = knots[i - 1], knots[i]
-    w = (s - lo) / (hi - lo)  # > 1 past the last knot: extrapolation
-    weights[i - 1] += w
-    if i >= 2:
-        weights[i - 2] += 1 - w
-    return weights
-
-
-def _features(shape: StepShape, knots: tuple[int, ...] = (), split: bool = False) -> list[float]:
-    """The step's amount of each of ``_terms(knots, split)``, in order."""
-    if split:
-        decodes = shape.num_seqs - shape.prefills
-        ride = float(decodes) if shape.prefills else 0.0
-        alone = 0 if shape.prefills else decodes  # a decode-only step's sequences
-        if not knots:
-            seqs = [float(alone)]
-        else:
-            seqs = _bends(alone, knots) if alone else [0.0] * (len(knots) - 1)
-        return [1.0, float(shape.prompt_tokens), float(shape.prefills),
-                float(shape.context_tokens), float(shape.kv_gathered), ride, *seqs]  # fmt: skip
-    base = [1.0, float(shape.num_tokens), float(shape.context_tokens), float(shape.kv_tokens)]
-    if not knots:
-        return [base[0], base[1], float(shape.num_seqs), base[2], base[3]]
-    return base + _bends(shape.num_seqs, knots)
-
-
-def _held_out(points: Sequence[ProfilePoint], split: bool) -> list[bool]:
-    """Which points check the fit instead of making it: the mixed steps (prefill chunks
-    with decodes riding along); in the ``split`` form, which prices the riders, every
-    second one (the others fit that price)."""
-    mixed = itertools.count()
-    return [p.kind is PointKind.MIXED and (not split or next(mixed) % 2 == 1) for p in points]
-
-
-def _logged_split(points: Sequence[ProfilePoint]) -> bool:
-    """Whether the points carry the prompt/decode split (steps logged before it did not)."""
-    return bool(points) and all(p.shape.kv_gathered > 0 or p.shape.kv_tokens == 0 for p in points)
-
-
-class PointKind(StrEnum):
-    PREFILL = "prefill"  # prompt chunks only
-    DECODE = "decode"  # a batch of one-token steps
-    MIXED = "mixed"  # decodes + prefill chunks: held out (every second one in ``split``)
-
-
-@dataclass(frozen=True)
-class ProfilePoint:
-    """One grid point: a step's shape and the median wall time of such steps; ``steps``:
-    how many steps it stands for (the fit counts every step the engine ran once)."""
-
-    kind: PointKind
-    label: str
-    shape: StepShape
-    seconds: float
-    steps: int = 1
-
-
-@dataclass(frozen=True)
-class FitError:
-    """Relative errors ``|fitted - measured| / measured`` over a set of points."""
-
-    max: float
-    mean: float
-    count: int
-
-
-class CostModelFileError(ValueError):
-    """A cost-model file that is missing or not a `sendpath profile` result."""
-
-    def __init__(self, path: str | Path, problem: str) -> None:
-        super().__init__(
-            f"cost model {str(path)!r}: {problem}; run `sendpath profile --out {path}` to "
-            "measure this machine and write one"
-        )
-
-
-class Calibrated:
-    """A step time fitted to this machine's engine; see the module docstring for the terms.
-
-    ``points`` are the measurements it came from (kept to report the fit's error), ``meta``
-    what was measured: model, dtype, device, torch, CPU count, date, engine settings.
-    """
-
-    def __init__(
-        self,
-        coefficients: dict[str, float],
-        points: Sequence[ProfilePoint] = (),
-        meta: dict[str, Any] | None = None,
-        seq_knots: Sequence[int] = (),
-        split: bool = False,
-    ) -> None:
-        knots = tuple(int(k) for k in seq_knots)
-        if knots and (knots[0] != 1 or any(b <= a for a, b in itertools.pairwise(knots))):
-            raise ValueError(f"seq_knots must rise from 1, got {list(knots)}")
-        self.seq_knots, self.split = knots, split
-        self.terms = _terms(knots, split)
-        for term in self.terms:
-            value = coefficients.get(term)
-            if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"coefficient {term!r} must be a number >= 0, got {value!r}")
-        self.coefficients = {term: float(coefficients[term]) for term in self.terms}
-        self._c = [self.coefficients[t] for t in self.terms]
-        self.points = list(points)
-        self.held_out = _held_out(self.points, split)
-        self.meta = dict(meta or {})
-
-    @classmethod
-    def fit(
-        cls,
-        points: Sequence[ProfilePoint],
-        meta: dict[str, Any] | None = None,
-        piecewise: bool = True,
-    ) -> Calibrated:
-        """Fit on every point but the held-out ones; keep them all. ``piecewise``: the
-        per-sequence cost bends at the measured batch sizes 1, 2, 4, ... (given twice as
-        many points as terms; else it is a line). Points that tell prompt from decode
-        tokens (logged since they were kept) are fitted in the ``split`` form."""
-        split = _logged_split(points)
-        held = _held_out(points, split)
-        used = [p for p, out in zip(points, held, strict=True) if not out]
-        alone = {p.shape.num_seqs - p.shape.prefills for p in used if not p.shape.prefills}
-        if not split:
-            alone = {p.shape.num_seqs for p in used}
-        knots = seq_knots_for(alone) if piecewise else ()
-        if len(used) < 2 * len(_terms(knots, split)):
-            knots = ()  # too few points to bend: a line
-        terms = _terms(knots, split)
-        if len(used) < len(terms):
-            raise ValueError(f"fitting {len(terms)} terms needs as many points, got {len(used)}")
-        if any(p.seconds <= 0 for p in used):
-            raise ValueError("every measured step time must be > 0")
-        # relative error (row i divided by measured time i, target 1), each point
-        # weighted by the steps it stands for: least squares over the steps themselves
-        weight = np.sqrt([[max(1, p.steps)] for p in used])
-        rows = (
-            np.array([_features(p.shape, knots, split) for p in used])
-            / np.array([[p.seconds] for p in used])
-            * weight
-        )
-        scale = np.abs(rows).max(axis=0)
-        scale[scale == 0] = 1.0  # a term no point exercises stays 0
-        x = nnls(rows / scale, weight[:, 0]) / scale
-        coefficients = dict(zip(terms, (float(v) for v in x), strict=True))
-        return cls(coefficients, points, meta, knots, split)
-
-    def step_seconds(self, shape: StepShape) -> float:
-        features = _features(shape, self.seq_knots, self.split)
-        return sum(c * f for c, f in zip(self._c, features, strict=True))
-
-    def error(self, held_out: bool = False) -> FitError | None:
-        """Relative error on the fit points, or on the held-out ones; None without any."""
-        errors = [
-            abs(self.step_seconds(p.shape) - p.seconds) / p.seconds
-            for p, out in zip(self.points, self.held_out, strict=True)
-            if out == held_out
-        ]
-        if not errors:
-            return None
-        return FitError(max(errors), sum(errors) / len(errors), len(errors))
-
-    @property
-    def model_name(self) -> str:
-        return str(self.meta.get("model", "unknown model"))
-
-    @property
-    def device(self) -> str:
-        return str(self.meta.get("device", "unknown device"))
-
-    @property
-    def engine(self) -> dict[str, int]:
-        """The profiled engine's integer settings (KV blocks, block size, batch limits)."""
-        found = self.meta.get("engine")
-        if not isinstance(found, dict):
-            return {}
-        return {k: v for k, v in found.items() if isinstance(v, int) and not isinstance(v, bool)}
-
-    def to_json(self) -> dict[str, Any]:
-        fit, held = self.error(), self.error(held_out=True)
-        return {
-            "format": FORMAT,
-            "version": VERSION,
-            "meta": self.meta,
-            "coefficients_s": self.coefficients,
-            "seq_knots": list(self.seq_knots),
-            "split": self.split,
-            "fit": {
-                "terms": self.describe_terms(),
-                "fit_points": asdict(fit) if fit else None,
-                "held_out": asdict(held) if held else None,
-            },
-            "points": [
-                {
-                    "kind": p.kind.value,
-                    "label": p.label,
-                    **asdict(p.shape),
-                    "measured_s": p.seconds,
-                    "fitted_s": self.step_seconds(p.shape),
-                    "steps": p.steps,
-                }
-                for p in self.points
-            ],
-        }
-
-    def describe_terms(self) -> str:
-        """The fitted form in words (the file's ``fit.terms``)."""
-        seqs = "seqs(S) through seqs@k at each knot k, 0 at S=1" if self.seq_knots else "seq*S"
-        if self.split:
-            return (
-                "step + prompt*prompt_tokens + prefill*prefills + context*context_tokens + "
-                f"kv*kv_gathered + (ride*decodes with a prefill, else {seqs} over S decodes)"
-                " (seconds)"
-            )
-        return (
-            "step + token*num_tokens + context*context_tokens + kv*kv_tokens + "
-            f"{seqs} over S=num_seqs (seconds)"
-        )
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path) -> Calibrated:
-        """Read a `sendpath profile` file; ``CostModelFileError`` (a ValueError) if bad."""
-        try:
-            data = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise CostModelFileError(path, "no such file") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise CostModelFileError(path, f"cannot read it ({exc})") from None
-        except json.JSONDecodeError as exc:
-            raise CostModelFileError(path, f"not JSON ({exc})") from None
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise CostModelFileError(path, f'not a {FORMAT} file (no "format": "{FORMAT}")')
-        if data.get("version") not in range(1, VERSION + 1):
-            raise CostModelFileError(
-                path, f"version {data.get('version')!r}, expected 1 to {VERSION}"
-            )
-        try:
-            points = [
-                ProfilePoint(
-                    PointKind(p["kind"]),
-                    str(p["label"]),
-                    StepShape(
-                        **{
-                            f.name: int(p[f.name])
-                            for f in fields(StepShape)
-                            if f.name in p or f.default is MISSING
-                        }
-                    ),
-                    float(p["measured_s"]),
-                    int(p.get("steps", 1)),
-                )
-                for p in data.get("points", [])
-            ]
-            meta = data.get("meta", {})
-            if not isinstance(meta, dict):
-                raise TypeError("meta is not an object")
-            split = data.get("split", False)
-            if not isinstance(split, bool):
-                raise TypeError(f"split must be true or false, got {split!r}")
-            return cls(data["coefficients_s"], points, meta, data.get("seq_knots", []), split)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise CostModelFileError(path, f"malformed ({type(exc).__name__}: {exc})") from None

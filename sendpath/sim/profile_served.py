@@ -24,6 +24,7 @@ import asyncio
 import os
 import platform
 import random
+import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -106,8 +107,10 @@ class _Driver:
 
     async def one(
         self, model: str, prompt_tokens: int, answer: int, first: asyncio.Event | None = None
-    ) -> None:
-        """One streamed request; ``first`` is set when its first token arrives."""
+    ) -> float:
+        """One streamed request; ``first`` is set when its first token arrives. Returns the
+        seconds from sending it to its first token, as a client sees them."""
+        sent, ttft = time.perf_counter(), 0.0
         prompt = [self.rng.randrange(100, 30000) for _ in range(prompt_tokens)]
         body = {"model": model, "prompt": prompt, "max_tokens": answer, "ignore_eos": True,
                 "temperature": 0, "stream": True}  # fmt: skip
@@ -116,12 +119,16 @@ class _Driver:
                 text = (await r.aread()).decode(errors="replace")
                 raise ServedProfileError(f"a request was refused ({r.status_code}): {text[:300]}")
             async for line in r.aiter_lines():
-                if first is not None and line.startswith("data:"):
-                    first.set()
+                if not ttft and line.startswith("data:"):
+                    ttft = time.perf_counter() - sent
+                    if first is not None:
+                        first.set()
+        return ttft
 
-    async def load(self, model: str, count: int, prompt_tokens: int, answer: int) -> None:
+    async def load(self, model: str, count: int, prompt_tokens: int, answer: int) -> float:
         """``count`` requests: one first, the others once it decodes (so their prefills
-        share steps with its decodes: mixed steps, whatever the token budget)."""
+        share steps with its decodes: mixed steps, whatever the token budget). Returns
+        the first one's time to first token."""
         first = asyncio.Event()
         leader = asyncio.create_task(self.one(model, prompt_tokens, answer, first))
         if count > 1:
@@ -129,7 +136,7 @@ class _Driver:
             await asyncio.gather(
                 *(self.one(model, prompt_tokens, answer) for _ in range(count - 1))
             )
-        await leader
+        return await leader
 
 
 async def _steps(client: httpx.AsyncClient, replica: str, after: int) -> dict[str, Any]:
@@ -192,6 +199,7 @@ async def _profile(
         last = seen["steps"][-1]["seq"] if seen["steps"] else 0
         capacity = engine["num_blocks"] * engine["block_size"]
         points, skipped = [], []
+        overheads: list[float] = []  # a lone request's time to first token outside steps
         loads = [(f"prompt {n}", 1, n, 1) for n in grid.prefill for _ in range(grid.repeats)]
         loads += [(f"{b} x {c}", b, c, grid.answer) for c in grid.contexts for b in grid.batches]
         for label, count, tokens, answer in loads:
@@ -201,10 +209,12 @@ async def _profile(
             if tokens + answer > engine["max_model_len"]:
                 skipped.append(label)
                 continue
-            await driver.load(model, count, tokens, answer)
+            ttft = await driver.load(model, count, tokens, answer)
             found = await _steps(driver.client, replica, last)
             if found["steps"]:
                 last = found["steps"][-1]["seq"]
+            if count == 1 and answer == 1:  # the request alone: its steps are its prefill
+                overheads.append(ttft - sum(step["seconds"] for step in found["steps"]))
             for p in _points(label, step_times(found["steps"])):
                 points.append(p)
                 progress(p)
@@ -219,6 +229,9 @@ async def _profile(
         "engine": engine,
         "grid": {"name": "served", "answer": grid.answer, "repeats": grid.repeats},
         "skipped": skipped,
+        # what a request spends outside the engine's steps on its way in and its first
+        # token's way out (HTTP, gateway, tokenizer, stream): the median over lone prompts
+        "request_overhead_s": statistics.median(overheads) if overheads else None,
         "wall_s": round(time.perf_counter() - started, 1),
     }
     return Calibrated.fit(points, meta)

@@ -49,6 +49,7 @@ from sendpath.router.pool import ReplicaPool
 from sendpath.router.prefix_aware import PrefixAware
 from sendpath.sim.config import ITL_SAMPLE, MODES, SimConfig, SimResult
 from sendpath.sim.cost_model import CostModel, StepShape
+from sendpath.sim.fleet import decode_run
 from sendpath.sim.results import client_view, token_times
 from sendpath.sim.traffic import SimRequest, Traffic
 from sendpath.trace import EventType
@@ -272,46 +273,9 @@ class Simulator:
     def _start_bulk(self, rep: _Replica, index: int, t: float) -> bool:
         """Price the decode steps up to the next finish as one event, when nothing else
         can happen on this replica before then (else the scheduler takes the step)."""
-        sched, kv = rep.scheduler, rep.kv
-        running = sched.running
-        batch = len(running)
-        if not batch or batch > sched.config.max_num_batched_tokens:
+        seconds = decode_run(rep.scheduler, self.cost)
+        if seconds is None:
             return False
-        if len(sched.waiting) and batch < sched.config.max_num_seqs:
-            return False  # someone could start: the scheduler decides
-        steps = 1 << 62
-        context = longest = 0
-        for r in running:
-            computed = r.num_computed_tokens
-            if len(r.prompt_token_ids) + len(r.output_token_ids) - computed != 1:
-                return False  # still prefilling
-            left = r.sampling_params.max_tokens - len(r.output_token_ids)
-            if left < steps:
-                steps = left
-            context += computed
-            if computed > longest:
-                longest = computed
-        if steps < 2:
-            return False
-        bs, free = kv.block_size, kv.pool.num_free_blocks
-        if batch * (steps // bs + 1) > free:  # else there is room whatever the block fill
-            needed = sum(
-                max(0, -(-(r.num_computed_tokens + steps) // bs) - len(kv.block_ids(r.request_id)))
-                for r in running
-            )
-            if needed > free:
-                return False  # the cache fills up first: steps, and preemptions, one by one
-        fast = getattr(self.cost, "decode_steps", None)
-        if fast is not None:
-            seconds = fast(batch, context, steps)
-        else:
-            seconds = []
-            for _ in range(steps):
-                context += batch
-                longest += 1  # the padded batch the CPU runner gathers
-                gathered = batch * -(-longest // bs) * bs
-                shape = StepShape(batch, batch, context, context, kv_gathered=gathered)
-                seconds.append(self.cost.step_seconds(shape))
         ends, now = [], t
         for dt in seconds:
             now += dt
@@ -348,15 +312,26 @@ class Simulator:
         sched, kv = rep.scheduler, rep.kv
         sched.num_computed_tokens += k * len(sched.running)
         done = []
-        for r in list(sched.running):
-            if kv.allocate_slots(r, k) is None:
+        allocate, cache, bases, bulks = (
+            kv.allocate_slots,
+            kv.cache_computed_blocks,
+            self._base,
+            self._bulk_tokens,
+        )
+        for r in sched.running:
+            if allocate(r, k) is None:
                 raise AssertionError("a bulk was priced with blocks it cannot get")
-            first = self._base[r.request_id] + r.num_tokens
+            rid, output = r.request_id, r.output_token_ids
+            first = bases[rid] + len(r.prompt_token_ids) + len(output)
             r.num_computed_tokens += k
-            r.output_token_ids += range(first, first + k)
-            kv.cache_computed_blocks(r)
-            self._bulk_tokens.setdefault(r.request_id, []).append(ends)
-            if len(r.output_token_ids) >= r.sampling_params.max_tokens:
+            output += range(first, first + k)
+            cache(r)
+            held = bulks.get(rid)
+            if held is None:
+                bulks[rid] = [ends]
+            else:
+                held.append(ends)
+            if len(output) >= r.sampling_params.max_tokens:
                 done.append(r)
         for r in done:
             sched.finish_request(r.request_id, RequestStatus.FINISHED)

@@ -14,7 +14,7 @@ import pytest
 from sendpath.bench.workload import LengthSpec
 from sendpath.cli import main
 from sendpath.config import SchedulerConfig
-from sendpath.sim.cost_model import Roofline
+from sendpath.sim.cost_model import Calibrated, CostModel, Roofline
 from sendpath.sim.hardware import hardware, model_spec
 from sendpath.sim.scenarios import SCENARIOS, simulate
 from sendpath.sim.simulator import SimConfig, Simulator
@@ -97,7 +97,18 @@ def test_runs_repeat_and_the_cli_reports_benchs_keys(tmp_path: Path) -> None:
     assert main(["sim", "--model", "llama-3.1-70b", "--hardware", "L4"]) == 2  # does not fit
 
 
-def test_fleet_mode_gives_the_detailed_modes_answers_with_fewer_scheduler_calls() -> None:
+# a CPU-like calibrated model: no bulk pricing of its own, decodes padded to the longest
+CALIBRATED = Calibrated(
+    {"step": 0.04, "prompt": 0.0015, "prefill": 0.03, "context": 1e-9, "kv": 1e-5,
+     "ride": 0.002, "seqs@2": 0.02, "seqs@4": 0.05, "seqs@8": 0.06},
+    seq_knots=(1, 2, 4, 8), split=True,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("cost", [COST, CALIBRATED], ids=["roofline", "calibrated"])
+def test_fleet_mode_gives_the_detailed_modes_answers_with_fewer_scheduler_calls(
+    cost: CostModel,
+) -> None:
     traffic = Traffic(
         rate=12, num_requests=300, input_len=LengthSpec(32, 512), output_len=LengthSpec(8, 300),
         shared_prefix=64, turns=3, think_s=1.0, tenants=2, seed=5,
@@ -107,7 +118,7 @@ def test_fleet_mode_gives_the_detailed_modes_answers_with_fewer_scheduler_calls(
         runs = {}
         for mode in ("detailed", "fleet"):
             config = SimConfig(replicas=3, num_blocks=num_blocks, mode=mode, policy="prefix_aware")
-            sim = Simulator(config, COST)
+            sim = Simulator(config, cost)
             calls = 0
             for rep in sim.replicas:
                 real = rep.scheduler.schedule
