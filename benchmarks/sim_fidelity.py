@@ -212,7 +212,9 @@ def main() -> None:
                 while True:
                     start = time.perf_counter()
                     before = last_step(url)
-                    results, wall = bench(url, words, out, args.requests, load, seed=10 * w + i)
+                    # a retake sends new prompts: the old ones would hit the prefix cache
+                    seed = 10 * w + i + 1000 * len(retaken)
+                    results, wall = bench(url, words, out, args.requests, load, seed=seed)
                     logged = logged_steps(url, before)
                     speed = machine_speed(logged, cost)
                     if all(abs(x - 1) <= DRIFT for x in speed) or len(retaken) >= args.retakes:
