@@ -69,6 +69,7 @@ STEP_KEYS = (
     "kv_tokens",
     "prompt_tokens",
     "prefills",
+    "resumed",
     "kv_gathered",
 )
 # (name, prompt words, answer tokens): random text, lengths drawn per request
@@ -92,17 +93,22 @@ def bench(url: str, words: LengthSpec, out: LengthSpec, n: int, load: Load,
 def replay(
     results: list[RequestResult], cost: CostModel, num_blocks: int, overhead_s: float = 0.001
 ) -> dict[str, Any]:
-    """The same requests through the simulator: same send times and lengths; a request's
-    time outside the engine's steps (``overhead_s``) goes on its network round trip."""
+    """The same requests through the simulator: same send times and lengths, and the same
+    shared start (the chat template's system prompt: the prompt tokens most requests had
+    from the prefix cache), so the simulated cache hits where the real one did; a
+    request's time outside the engine's steps (``overhead_s``) goes on its round trip."""
     ok = sorted((r for r in results if r.success), key=lambda r: r.start)
     t0 = ok[0].start
     rng = random.Random(0)
-    requests = [
-        SimRequest(f"r{i}", r.start - t0,
-                   [rng.randrange(100, 30000) for _ in range(r.prompt_tokens or 1)],
-                   r.output_tokens, i)
-        for i, r in enumerate(ok)
-    ]  # fmt: skip
+    hits = [r.cached_tokens or 0 for r in ok]
+    shared = max(set(hits), key=hits.count)
+    common = [rng.randrange(100, 30000) for _ in range(shared)]
+    requests = []
+    for i, r in enumerate(ok):
+        n = r.prompt_tokens or 1
+        start = common[: min(shared, n - 1)]
+        rest = [rng.randrange(100, 30000) for _ in range(n - len(start))]
+        requests.append(SimRequest(f"r{i}", r.start - t0, start + rest, r.output_tokens, i))
     config = SimConfig(scheduler=ENGINE, num_blocks=num_blocks, network_rtt_s=overhead_s)
     sim = Simulator(config, cost).run_requests(requests)
     return sim.report
@@ -238,6 +244,7 @@ def main() -> None:
                     "machine_speed_by_fifth": speed, "retaken": retaken,
                     "requests_measured": [
                         {"start": r.start, "prompt_tokens": r.prompt_tokens,
+                         "cached_tokens": r.cached_tokens,
                          "output_tokens": r.output_tokens, "ttft": r.ttft, "latency": r.latency,
                          "error": r.error}
                         for r in results

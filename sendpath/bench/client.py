@@ -26,6 +26,7 @@ class RequestResult:
     request_id: str | None = None
     replica: str | None = None
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # of the prompt, served from the prefix cache (usage)
     output_tokens: int = 0  # from usage when reported, else the number of text chunks
     ttft: float | None = None  # seconds
     itl: list[float] = field(default_factory=list)
@@ -83,6 +84,8 @@ async def stream_request(
                     out.timings = event["timings"]
                 if event.get("usage"):
                     out.prompt_tokens = event["usage"].get("prompt_tokens")
+                    details = event["usage"].get("prompt_tokens_details") or {}
+                    out.cached_tokens = details.get("cached_tokens")
                     out.output_tokens = event["usage"].get("completion_tokens", chunks)
                 for choice in event.get("choices") or []:
                     delta = choice.get("delta")

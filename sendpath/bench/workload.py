@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-__all__ = ["DATASETS", "Conversation", "LengthSpec", "build"]
+__all__ = ["DATASETS", "Conversation", "LengthSpec", "build", "random_text"]
 
 DATASETS = ("random", "shared-prefix", "long-document")
 _COMMON = (
@@ -81,7 +81,7 @@ class Conversation:
         ]
 
 
-def _text(rng: random.Random, n: int) -> str:
+def random_text(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(n))
 
 
@@ -99,17 +99,17 @@ def build(
     rng = random.Random(seed)
     if dataset == "random":
         return [
-            Conversation(None, [_text(rng, input_len.sample(rng))], [output_len.sample(rng)])
+            Conversation(None, [random_text(rng, input_len.sample(rng))], [output_len.sample(rng)])
             for _ in range(num_requests)
         ]
     if dataset == "long-document":
         out = []
         for _ in range(num_requests):
-            document = _text(rng, input_len.sample(rng))
+            document = random_text(rng, input_len.sample(rng))
             question = f"Here is a document:\n\n{document}\n\nSummarise it in one sentence."
             out.append(Conversation(None, [question], [output_len.sample(rng)]))
         return out
-    system = "You are a helpful assistant. " + _text(rng, SYSTEM_WORDS)
+    system = "You are a helpful assistant. " + random_text(rng, SYSTEM_WORDS)
     conversations = []
     left = num_requests
     while left > 0:
@@ -117,7 +117,7 @@ def build(
         conversations.append(
             Conversation(
                 system,
-                [_text(rng, input_len.sample(rng)) for _ in range(n)],
+                [random_text(rng, input_len.sample(rng)) for _ in range(n)],
                 [output_len.sample(rng) for _ in range(n)],
             )
         )

@@ -30,13 +30,14 @@ class StepShape:
     # token), and how many chunks; 0 where unknown (steps logged before they were kept)
     prompt_tokens: int = 0
     prefills: int = 0
+    resumed: int = 0  # prefill chunks not starting at 0 (attended through an explicit mask)
     # KV slots the CPU runner gathers for attention: each prefill chunk's whole context,
     # and the decodes as one batch padded to the longest (B x its blocks)
     kv_gathered: int = 0
 
     @classmethod
     def of(cls, plan: SchedulerOutput, block_size: int = 16) -> StepShape:
-        tokens = context = kv = prompt = prefills = gathered = decodes = longest = 0
+        tokens = context = kv = prompt = prefills = resumed = gathered = decodes = longest = 0
         for item in plan.requests:
             n, start = len(item.token_ids), item.start_pos
             tokens += n
@@ -49,9 +50,10 @@ class StepShape:
             else:
                 prompt += n
                 prefills += 1
+                resumed += start > 0
                 gathered += start + n
         gathered += decodes * -(-longest // block_size) * block_size
-        return cls(tokens, len(plan.requests), context, kv, prompt, prefills, gathered)
+        return cls(tokens, len(plan.requests), context, kv, prompt, prefills, resumed, gathered)
 
 
 @dataclass(frozen=True)

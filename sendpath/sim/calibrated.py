@@ -6,7 +6,7 @@ one coefficient per cost a step pays. The form since file version 3
 differently:
 
     step = c_step + c_prompt * prompt_tokens + c_prefill * prefill_chunks
-           + c_context * context + c_kv * kv_gathered
+           + c_resume * resumed_chunks + c_context * context + c_kv * kv_gathered
            + (c_ride * decodes            if the step has a prefill chunk
               else seqs(decodes))
 
@@ -14,7 +14,11 @@ differently:
   once, and every layer's kernels are dispatched from Python once.
 - ``c_prompt``: the matmuls' work per prompt token (about ``2 x params`` FLOPs), in big
   batched GEMMs; ``c_prefill``: per prefill chunk (its own attention call, its mask and
-  context gather, and for a first chunk the request's admission).
+  context gather, and for a first chunk the request's admission); ``c_resume``: per chunk
+  that does not start at position 0 (a long prompt's later chunk, or the rest of a prompt
+  after a prefix-cache hit, as every chat request's system prompt is): the runner
+  attends it through an explicit mask, where a chunk from 0 takes the fused causal
+  kernel (~50 ms more on this CPU for a 100-token chunk).
 - ``seqs``: a decode-only step's sequences: the scheduler's and the runner's Python, the
   block table, the logits over the vocabulary and the sampling of each next token, and
   their rows of the matmuls. A line through a fitted value at each measured batch size
@@ -69,7 +73,15 @@ __all__ = [
 ]
 
 TERMS = ("step", "token", "seq", "context", "kv")  # the linear form
-SPLIT_TERMS = ("step", "prompt", "prefill", "context", "kv", "ride")  # + the decodes' terms
+SPLIT_TERMS = (
+    "step",
+    "prompt",
+    "prefill",
+    "resume",
+    "context",
+    "kv",
+    "ride",
+)  # + the decodes' terms
 FORMAT = "sendpath-profile"
 VERSION = 3  # 2: a piecewise-linear per-sequence cost (``seq_knots``); 3: ``split``
 
@@ -115,7 +127,7 @@ def _features(shape: StepShape, knots: tuple[int, ...] = (), split: bool = False
             seqs = [float(alone)]
         else:
             seqs = _bends(alone, knots) if alone else [0.0] * (len(knots) - 1)
-        return [1.0, float(shape.prompt_tokens), float(shape.prefills),
+        return [1.0, float(shape.prompt_tokens), float(shape.prefills), float(shape.resumed),
                 float(shape.context_tokens), float(shape.kv_gathered), ride, *seqs]  # fmt: skip
     base = [1.0, float(shape.num_tokens), float(shape.context_tokens), float(shape.kv_tokens)]
     if not knots:
@@ -305,7 +317,8 @@ class Calibrated:
         seqs = "seqs(S) through seqs@k at each knot k, 0 at S=1" if self.seq_knots else "seq*S"
         if self.split:
             return (
-                "step + prompt*prompt_tokens + prefill*prefills + context*context_tokens + "
+                "step + prompt*prompt_tokens + prefill*prefills + resume*resumed + "
+                "context*context_tokens + "
                 f"kv*kv_gathered + (ride*decodes with a prefill, else {seqs} over S decodes)"
                 " (seconds)"
             )

@@ -1,21 +1,23 @@
 """`sendpath profile --url`: calibrate from a live server, as it serves.
 
 The in-process profile times the engine alone. A served engine shares the machine with
-its HTTP server, the gateway and the clients, whose per-token work (SSE events through
-two processes) slows its steps on a small machine: on this 2-core CPU the served steps
-run ~1.4x longer than the same steps in-process (benchmarks/README.md). So this drives a
-running `sendpath serve` (or one `sendpath replica`) with a grid of loads, as clients
-would (streaming completions, prompts of exact token counts, answers of fixed length),
-and reads the replica's own record of every step it ran (``GET /v1/steps``): its shape
+its HTTP server, the gateway and the clients, whose per-request and per-token work (the
+filters, the tokenizer, SSE events through two processes) can slow its steps on a small
+machine. So this drives a running `sendpath serve` (or one `sendpath replica`) with a
+grid of loads, as clients would (streaming completions of text prompts, answers of fixed
+length), and reads the replica's own record of every step it ran (``GET /v1/steps``): its shape
 and its time. A step's time here is its period, start to the next step's start, when the
 engine went straight on (that includes the loop's delivery of outputs between steps,
 which is what the simulator's back-to-back steps stand for); else its own duration.
 
-Grid: single prompts of N tokens (prefill chunks), and B requests with prompts of C tokens:
-one first, the other B-1 at once as soon as it decodes (their prefill chunks share steps
-with the decodes of those admitted first; then B decode).
-Steps are grouped per load and kind (prefill / decode / mixed) and shape size; each
-group's median becomes a point. Mixed steps are held out, as in the in-process profile.
+Prompts are text (common words, about a token each), so the gateway's filters and the
+replica's tokenizer do the work they do for clients, on the same 2 cores as the engine.
+Grid: single prompts of about N tokens (prefill chunks), and B requests with prompts of
+about C tokens: one first, the other B-1 at once as soon as it decodes (their prefill
+chunks share steps with the decodes of those admitted first; then B decode). Steps are
+grouped per load and kind (prefill / decode / mixed) and shape size; each group's median
+becomes a point, standing for the group's steps in the fit; every second mixed point is
+held out to check it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any
 
 import httpx
 
+from sendpath.bench.workload import random_text
 from sendpath.engine.steps import StepShape
 from sendpath.sim.cost_model import Calibrated, PointKind, ProfilePoint
 
@@ -64,6 +67,9 @@ DEFAULT_SERVED = ServedGrid(
 QUICK_SERVED = ServedGrid(prefill=(8, 32), repeats=2, batches=(1, 4), contexts=(16,), answer=32)
 
 
+PREAMBLE_WORDS = 32  # two KV blocks of a shared prompt start
+
+
 class ServedProfileError(ValueError):
     """The server cannot be profiled (unreachable, several replicas, refuses requests)."""
 
@@ -82,6 +88,7 @@ class _Driver:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=600)
         self.rng = random.Random(0)
+        self.preamble = random_text(random.Random(1), PREAMBLE_WORDS)
 
     async def replica(self) -> str:
         """The replica whose steps to read: the URL itself, or the gateway's only one."""
@@ -106,12 +113,25 @@ class _Driver:
         return str(r.json()["data"][0]["id"])
 
     async def one(
-        self, model: str, prompt_tokens: int, answer: int, first: asyncio.Event | None = None
+        self,
+        model: str,
+        prompt_tokens: int,
+        answer: int,
+        first: asyncio.Event | None = None,
+        cached_prefix: bool = False,
     ) -> float:
         """One streamed request; ``first`` is set when its first token arrives. Returns the
-        seconds from sending it to its first token, as a client sees them."""
+        seconds from sending it to its first token, as a client sees them. Text, as
+        clients send it (the gateway and the tokenizer run as they do in use): common
+        words, about one token each; the step log has the exact counts. With
+        ``cached_prefix`` it starts with the preamble every such prompt shares (as chat
+        requests share a system prompt), whose blocks the prefix cache holds."""
         sent, ttft = time.perf_counter(), 0.0
-        prompt = [self.rng.randrange(100, 30000) for _ in range(prompt_tokens)]
+        if cached_prefix:
+            rest = random_text(self.rng, max(1, prompt_tokens - 1 - PREAMBLE_WORDS))
+            prompt = f"{self.preamble} {rest}"
+        else:
+            prompt = random_text(self.rng, max(1, prompt_tokens - 1))
         body = {"model": model, "prompt": prompt, "max_tokens": answer, "ignore_eos": True,
                 "temperature": 0, "stream": True}  # fmt: skip
         async with self.client.stream("POST", "/v1/completions", json=body) as r:
@@ -193,23 +213,33 @@ async def _profile(
     async with driver.client:
         replica = await driver.replica()
         model = await driver.model()
-        await driver.one(model, 8, 2)  # warm-up
+        await driver.one(model, 8, 2, cached_prefix=True)  # warm-up; caches the preamble
         seen = await _steps(driver.client, replica, 0)
         engine: dict[str, Any] = seen["engine"]
         last = seen["steps"][-1]["seq"] if seen["steps"] else 0
         capacity = engine["num_blocks"] * engine["block_size"]
         points, skipped = [], []
         overheads: list[float] = []  # a lone request's time to first token outside steps
-        loads = [(f"prompt {n}", 1, n, 1) for n in grid.prefill for _ in range(grid.repeats)]
-        loads += [(f"{b} x {c}", b, c, grid.answer) for c in grid.contexts for b in grid.batches]
-        for label, count, tokens, answer in loads:
+        # single prompts, every second one after a cached prefix (its chunk resumes there)
+        loads = [
+            (f"prompt {n}" + (" after a cached prefix" if r % 2 else ""), 1, n, 1, r % 2 == 1)
+            for n in grid.prefill
+            for r in range(grid.repeats)
+        ]
+        loads += [
+            (f"{b} x {c}", b, c, grid.answer, False) for c in grid.contexts for b in grid.batches
+        ]
+        for label, count, tokens, answer, cached_prefix in loads:
             if count > engine["max_num_seqs"] or count * (tokens + answer + 16) > capacity:
                 skipped.append(label)
                 continue
             if tokens + answer > engine["max_model_len"]:
                 skipped.append(label)
                 continue
-            ttft = await driver.load(model, count, tokens, answer)
+            if count == 1:
+                ttft = await driver.one(model, tokens, answer, cached_prefix=cached_prefix)
+            else:
+                ttft = await driver.load(model, count, tokens, answer)
             found = await _steps(driver.client, replica, last)
             if found["steps"]:
                 last = found["steps"][-1]["seq"]

@@ -19,7 +19,7 @@ def test_step_shape_counts_tokens_context_and_kv() -> None:
     )
     # the CPU runner gathers the decodes as one batch padded to the longest: 2 x 7 blocks
     assert StepShape.of(plan) == StepShape(num_tokens=6, num_seqs=3, context_tokens=131,
-                                           kv_tokens=125, prompt_tokens=4, prefills=1,
+                                           kv_tokens=125, prompt_tokens=4, prefills=1, resumed=0,
                                            kv_gathered=4 + 2 * 112)  # fmt: skip
 
 

@@ -130,16 +130,19 @@ def test_quick_profile_measures_every_kind_of_step(tiny_llama_dir: Path) -> None
     )
     cal = profile(config, QUICK_GRID, guard=False)  # every step counts: exact shapes
     assert [(p.label, p.shape) for p in cal.points] == [
-        ("prefill 8 @ 0", StepShape(8, 1, 36, 8, 8, 1, 8)),
-        ("prefill 32 @ 0", StepShape(32, 1, 528, 32, 32, 1, 32)),
-        ("prefill 16 @ 32", StepShape(16, 1, 16 * 32 + 136, 48, 16, 1, 48)),
+        ("prefill 8 @ 0", StepShape(8, 1, 36, 8, 8, 1, kv_gathered=8)),
+        ("prefill 32 @ 0", StepShape(32, 1, 528, 32, 32, 1, kv_gathered=32)),
+        ("prefill 16 @ 32", StepShape(16, 1, 16 * 32 + 136, 48, 16, 1, 1, 48)),
         # each batch is timed after the larger one, one token further on per step; the
         # decodes' KV gathered in whole blocks of 16
         ("decode 4 x 16", StepShape(4, 4, 4 * 19, 4 * 19, kv_gathered=4 * 32)),
         ("decode 1 x 16", StepShape(1, 1, 22, 22, kv_gathered=32)),
         ("decode 4 x 64", StepShape(4, 4, 4 * 67, 4 * 67, kv_gathered=4 * 80)),
         ("decode 1 x 64", StepShape(1, 1, 70, 70, kv_gathered=80)),
-        ("mixed 2 x 32 + 16 @ 0", StepShape(18, 3, 2 * 35 + 136, 2 * 35 + 16, 16, 1, 2 * 48 + 16)),
+        (
+            "mixed 2 x 32 + 16 @ 0",
+            StepShape(18, 3, 2 * 35 + 136, 2 * 35 + 16, 16, 1, kv_gathered=2 * 48 + 16),
+        ),
     ]
     assert {p.kind for p in cal.points} == set(PointKind)
     assert all(p.seconds > 0 and cal.step_seconds(p.shape) > 0 for p in cal.points)
