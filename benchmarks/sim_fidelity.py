@@ -50,7 +50,7 @@ from sendpath.bench.runner import Load, run
 from sendpath.bench.workload import LengthSpec, build
 from sendpath.config import SchedulerConfig
 from sendpath.fleet import free_port, wait_healthy
-from sendpath.sim.cost_model import Calibrated, CostModel
+from sendpath.sim.cost_model import Calibrated, CostModel, StepShape
 from sendpath.sim.profile_served import profile_served, step_kind, step_times
 from sendpath.sim.simulator import SimConfig, Simulator
 from sendpath.sim.traffic import SimRequest
@@ -171,6 +171,66 @@ def last_step(url: str) -> int:
     return int(found[-1]["seq"]) if found else 0
 
 
+class AtSpeed:
+    """A cost model on a machine running at ``speed`` of its calibrated speed."""
+
+    def __init__(self, base: CostModel, speed: float) -> None:
+        self.base, self.speed = base, speed
+
+    def step_seconds(self, shape: StepShape) -> float:
+        return self.base.step_seconds(shape) / self.speed
+
+
+def at_run_speed(runs: list[dict[str, Any]], step_log: dict[str, Any], cost: Calibrated) -> None:
+    """Each run replayed once more with the model scaled to the speed the machine ran at
+    through it (one number per run: the model's price of the replica's logged steps over
+    their measured time), beside the plain replay; kept in ``run_speed`` and
+    ``at_run_speed_over_real``."""
+    keys = step_log["keys"][0]
+    overhead = float(cost.meta.get("request_overhead_s") or 0.001)
+    num_blocks = int(cost.meta["engine"]["num_blocks"])
+    for r in runs:
+        logged = [
+            dict(zip(keys, row, strict=True)) for row in step_log[f"{r['workload']} {r['load']}"]
+        ]
+        timed = step_times(logged)
+        speed = sum(cost.step_seconds(shape) for shape, _ in timed) / sum(t for _, t in timed)
+        results = [
+            RequestResult(success=q["error"] is None, start=q["start"],
+                          prompt_tokens=q["prompt_tokens"], cached_tokens=q.get("cached_tokens"),
+                          output_tokens=q["output_tokens"], ttft=q["ttft"],
+                          latency=q["latency"], error=q["error"])
+            for q in r["requests_measured"]
+        ]  # fmt: skip
+        r["run_speed"] = round(speed, 3)
+        sim = replay(results, AtSpeed(cost, speed), num_blocks, overhead)
+        r["at_run_speed_over_real"] = compare(r["measured"], sim)
+
+
+def print_table(runs: list[dict[str, Any]]) -> None:
+    print("\n| workload | load | rate req/s | model | TTFT p50 / p99 | TPOT p50 / p99 | "
+          "E2E p50 / p99 |")  # fmt: skip
+    print("|---|---:|---:|---|---|---|---|")
+    for r in runs:
+        rows = (("served profile", r["sim_over_real"]),
+                ("in-process profile", r["also_over_real"]),
+                (f"served, at the run's speed ({r.get('run_speed', 0):.2f})",
+                 r.get("at_run_speed_over_real")))  # fmt: skip
+        for model, x in rows:
+            if x is None:
+                continue
+            cells = " | ".join(f"{x[f'p50_{m}']:.2f} / {x[f'p99_{m}']:.2f}" for m in METRICS)
+            print(f"| {r['workload']} | {r['load']:.0%} | {r['rate']:.2f} | {model} | {cells} |")
+
+
+def rescore() -> None:
+    """Recompute the run-speed replays from the saved results (no server)."""
+    record = json.loads(RESULTS.read_text())
+    at_run_speed(record["runs"], json.loads(STEPS.read_text()), Calibrated.load(PROFILE))
+    RESULTS.write_text(json.dumps(record, indent=2) + "\n")
+    print_table(record["runs"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--also", type=Path, default=None, metavar="FILE",
@@ -181,7 +241,11 @@ def main() -> None:
         "--retakes", type=int, default=1, help="times a run is taken again when the machine drifts"
     )
     parser.add_argument("--loads", default=",".join(map(str, LOADS)), help="shares of capacity")
+    parser.add_argument("--rescore", action="store_true",
+                        help="only redo the run-speed replays of the saved results")  # fmt: skip
     args = parser.parse_args()
+    if args.rescore:
+        return rescore()
     workloads = [w for w in WORKLOADS if w[0] in args.workloads.split(",")]
     loads = [float(x) for x in args.loads.split(",")]
     also = Calibrated.load(args.also) if args.also else None
@@ -246,7 +310,7 @@ def main() -> None:
                         {"start": r.start, "prompt_tokens": r.prompt_tokens,
                          "cached_tokens": r.cached_tokens,
                          "output_tokens": r.output_tokens, "ttft": r.ttft, "latency": r.latency,
-                         "error": r.error}
+                         "error": r.error, "server_ms": r.timings}
                         for r in results
                     ],
                 })  # fmt: skip
@@ -262,18 +326,10 @@ def main() -> None:
     record = {"machine": machine, "profile": PROFILE.name, "profile_meta": cost.meta,
               "also": str(args.also) if args.also else None,
               "also_meta": also.meta if also else None, "runs": runs}  # fmt: skip
+    at_run_speed(runs, step_log, cost)
     RESULTS.write_text(json.dumps(record, indent=2) + "\n")
     STEPS.write_text(json.dumps(step_log, separators=(",", ":")) + "\n")
-    print("\n| workload | load | rate req/s | model | TTFT p50 / p99 | TPOT p50 / p99 | "
-          "E2E p50 / p99 |")  # fmt: skip
-    print("|---|---:|---:|---|---|---|---|")
-    for r in runs:
-        for model, x in (("served profile", r["sim_over_real"]),
-                         ("in-process profile", r["also_over_real"])):  # fmt: skip
-            if x is None:
-                continue
-            cells = " | ".join(f"{x[f'p50_{m}']:.2f} / {x[f'p99_{m}']:.2f}" for m in METRICS)
-            print(f"| {r['workload']} | {r['load']:.0%} | {r['rate']:.2f} | {model} | {cells} |")
+    print_table(runs)
 
 
 if __name__ == "__main__":

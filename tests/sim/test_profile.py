@@ -224,3 +224,44 @@ def test_the_per_sequence_cost_may_bend_at_each_batch_size(
     linear = Calibrated.fit(points, piecewise=False)
     assert linear.error() is not None and fitted.error() is not None
     assert fitted.error().max < 1e-6 < linear.error().max  # type: ignore[union-attr]
+
+
+def test_a_split_fit_prices_prompt_chunks_resumed_chunks_and_riding_decodes_apart() -> None:
+    # what the CPU runner does: a chunk resuming past 0 takes the masked path; decodes
+    # beside a prefill ride in its matmuls; decode-only steps bend by batch size
+    truth = Calibrated(
+        {"step": 0.045, "prompt": 0.0014, "prefill": 0.025, "resume": 0.02, "context": 6e-7,
+         "kv": 9e-6, "ride": 0.004, "seqs@2": 0.022, "seqs@4": 0.06, "seqs@8": 0.068},
+        seq_knots=(1, 2, 4, 8), split=True,
+    )  # fmt: skip
+
+    def prefill(n: int, start: int) -> StepShape:
+        return StepShape(n, 1, n * start + n * (n + 1) // 2, start + n, n, 1, int(start > 0),
+                         start + n)  # fmt: skip
+
+    def decode(b: int, ctx: int) -> StepShape:
+        return StepShape(b, b, b * ctx, b * ctx, kv_gathered=b * -(-ctx // 16) * 16)
+
+    def mixed(b: int, ctx: int, n: int, start: int) -> StepShape:
+        p, d = prefill(n, start), decode(b, ctx)
+        return StepShape(n + b, b + 1, p.context_tokens + d.context_tokens,
+                         p.kv_tokens + d.kv_tokens, n, 1, p.resumed,
+                         p.kv_gathered + d.kv_gathered)  # fmt: skip
+
+    shapes = [(PointKind.PREFILL, prefill(n, s)) for n in (16, 64, 256, 512) for s in (0, 32, 512)]
+    shapes += [(PointKind.DECODE, decode(b, c)) for b in (1, 2, 3, 4, 6, 8) for c in (64, 512)]
+    shapes += [(PointKind.MIXED, mixed(b, 300, n, s)) for b in (2, 8) for n in (64, 256)
+               for s in (0, 32)]  # fmt: skip
+    points = [ProfilePoint(k, f"p{i}", s, truth.step_seconds(s)) for i, (k, s) in
+              enumerate(shapes)]  # fmt: skip
+    fitted = Calibrated.fit(points)
+    assert fitted.split and fitted.seq_knots == (1, 2, 4, 8)
+    for term, value in truth.coefficients.items():
+        assert fitted.coefficients[term] == pytest.approx(value, rel=1e-6, abs=1e-12)
+    assert fitted.held_out.count(True) == 4  # every second mixed step checks the fit
+    held = fitted.error(held_out=True)
+    assert held is not None and held.max < 1e-9
+    # a resumed 100-token chunk costs ``resume`` more than one from position 0
+    later, first = prefill(100, 16), prefill(100, 0)
+    extra = fitted.step_seconds(later) - fitted.step_seconds(first)
+    assert extra == pytest.approx(0.02 + 6e-7 * 100 * 16 + 9e-6 * 16)
