@@ -18,15 +18,15 @@ differently:
   that does not start at position 0 (a long prompt's later chunk, or the rest of a prompt
   after a prefix-cache hit, as every chat request's system prompt is): the runner
   attends it through an explicit mask, where a chunk from 0 takes the fused causal
-  kernel (~50 ms more on this CPU for a 100-token chunk).
+  kernel (15-21 ms more in this CPU's fits).
 - ``seqs``: a decode-only step's sequences: the scheduler's and the runner's Python, the
   block table, the logits over the vocabulary and the sampling of each next token, and
   their rows of the matmuls. A line through a fitted value at each measured batch size
   (1, 2, 4, ...; ``seqs@k``, 0 at one sequence), carried on past the last with its last
   slope.
 - ``c_ride``: a decode in a step that also runs a prefill chunk: its rows ride in the
-  chunk's GEMMs, so it costs far less than in a decode-only step (on this CPU ~2 ms
-  against ~5-20 ms).
+  chunk's GEMMs, so it costs far less than in a decode-only step (0.1-4 ms in this CPU's
+  fits, against 3-25 ms a sequence in a decode-only step).
 - ``c_context``: attention FLOPs, ``sum over tokens of the positions each attends to``
   (quadratic in a prefill chunk, linear in a decode's context).
 - ``c_kv``: KV the runner gathers for attention once a step: each chunk's context, and

@@ -87,7 +87,8 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="step times fitted by `sendpath profile` on a real engine, instead of the "
-        "roofline (the model, device, KV blocks and batch limits come from the file)",
+        "roofline (the model, device, KV blocks and batch limits come from the file; from "
+        "a served profile, --url, also the request overhead as the network round trip)",
     )
     p.add_argument(
         "--mode",
@@ -122,7 +123,8 @@ def build_run(args: argparse.Namespace) -> Run:
     )
     sched = c.scheduler
     if args.cost_model is not None:  # the KV cache and batch limits of the profiled engine
-        engine = Calibrated.load(args.cost_model).engine
+        calibrated = Calibrated.load(args.cost_model)
+        engine = calibrated.engine
         sched = SchedulerConfig(
             max_num_seqs=engine.get("max_num_seqs", sched.max_num_seqs),
             max_num_batched_tokens=engine.get("max_num_batched_tokens",
@@ -134,6 +136,9 @@ def build_run(args: argparse.Namespace) -> Run:
             num_blocks=engine.get("num_blocks", c.num_blocks),
             block_size=engine.get("block_size", c.block_size),
         )
+        overhead = calibrated.meta.get("request_overhead_s")  # a served profile measured it
+        if isinstance(overhead, int | float) and overhead > 0:
+            c = replace(c, network_rtt_s=float(overhead))  # a request's way outside steps
     config = replace(
         c,
         replicas=args.replicas if args.replicas is not None else c.replicas,

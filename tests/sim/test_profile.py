@@ -180,6 +180,12 @@ def test_sim_with_a_cost_model(tmp_path: Path) -> None:
     s = json.loads(report.read_text())["simulated"]
     assert s["hardware"] == "calibrated: cpu.json (cpu (x86_64, 2 cores))"
     assert s["model"] == "Tiny-Test" and s["kv_blocks_per_replica"] == 300
+    # a served profile's time outside the steps goes on every request's way in and out
+    ttft = json.loads(report.read_text())["median_ttft_ms"]
+    Calibrated.fit(points_of(KNOWN), {**META, "request_overhead_s": 0.25}).save(path)
+    assert main(argv) == 0
+    later = json.loads(report.read_text())["median_ttft_ms"]
+    assert later == pytest.approx(ttft + 250 - 20, rel=1e-6)  # in place of the stated 20 ms
 
 
 def test_sim_with_a_bad_cost_model_exits_2(

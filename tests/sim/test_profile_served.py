@@ -41,7 +41,10 @@ def test_a_served_profile_fits_prefill_decode_and_holds_out_mixed_steps(
         assert server.idle()  # every request finished, every block back
         out = tmp_path / "served.json"
         assert main(["profile", "--url", server.url, "--quick", "--out", str(out)]) == 0
-        assert Calibrated.load(out).meta["grid"]["name"] == "served"
+        served = Calibrated.load(out)
+        assert served.meta["grid"]["name"] == "served" and served.split
+        # a lone request's time to first token outside the engine's steps (HTTP, tokenizer)
+        assert 0 < served.meta["request_overhead_s"] < 1
 
 
 def test_an_unreachable_server_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
