@@ -7,7 +7,8 @@ from the same flags (model, dtype resolution, device, block size, KV-cache memor
 - prefill: one request's chunk of N tokens from position 0, and later chunks (N tokens
   from position S > 0) whose attention also reads the earlier context;
 - decode: B requests at context C, one token each per step;
-- mixed: B decodes plus one prefill chunk. Held out: they check the fit, never fit it.
+- mixed: B decodes plus one prefill chunk. Every second one is held out to check the fit
+  (the others price the decodes riding beside a chunk).
 
 Each point: one untimed warm-up step, then ``repeats`` timed ones; the median is kept. A
 step during which other processes used the CPU is retaken (``sim/interference.py``).
