@@ -181,20 +181,16 @@ class AtSpeed:
         return self.base.step_seconds(shape) / self.speed
 
 
-def at_run_speed(runs: list[dict[str, Any]], step_log: dict[str, Any], cost: Calibrated) -> None:
+def at_run_speed(runs: list[dict[str, Any]], cost: Calibrated) -> None:
     """Each run replayed once more with the model scaled to the speed the machine ran at
     through it (one number per run: the model's price of the replica's logged steps over
-    their measured time), beside the plain replay; kept in ``run_speed`` and
-    ``at_run_speed_over_real``."""
-    keys = step_log["keys"][0]
+    their measured time, from ``steps_vs_model``), beside the plain replay; kept in
+    ``run_speed`` and ``at_run_speed_over_real``."""
     overhead = float(cost.meta.get("request_overhead_s") or 0.001)
     num_blocks = int(cost.meta["engine"]["num_blocks"])
     for r in runs:
-        logged = [
-            dict(zip(keys, row, strict=True)) for row in step_log[f"{r['workload']} {r['load']}"]
-        ]
-        timed = step_times(logged)
-        speed = sum(cost.step_seconds(shape) for shape, _ in timed) / sum(t for _, t in timed)
+        kinds = r["steps_vs_model"].values()
+        speed = sum(k["served_s"] for k in kinds) / sum(k["measured_s"] for k in kinds)
         results = [
             RequestResult(success=q["error"] is None, start=q["start"],
                           prompt_tokens=q["prompt_tokens"], cached_tokens=q.get("cached_tokens"),
@@ -226,7 +222,7 @@ def print_table(runs: list[dict[str, Any]]) -> None:
 def rescore() -> None:
     """Recompute the run-speed replays from the saved results (no server)."""
     record = json.loads(RESULTS.read_text())
-    at_run_speed(record["runs"], json.loads(STEPS.read_text()), Calibrated.load(PROFILE))
+    at_run_speed(record["runs"], Calibrated.load(PROFILE))
     RESULTS.write_text(json.dumps(record, indent=2) + "\n")
     print_table(record["runs"])
 
@@ -326,7 +322,7 @@ def main() -> None:
     record = {"machine": machine, "profile": PROFILE.name, "profile_meta": cost.meta,
               "also": str(args.also) if args.also else None,
               "also_meta": also.meta if also else None, "runs": runs}  # fmt: skip
-    at_run_speed(runs, step_log, cost)
+    at_run_speed(runs, cost)
     RESULTS.write_text(json.dumps(record, indent=2) + "\n")
     STEPS.write_text(json.dumps(step_log, separators=(",", ":")) + "\n")
     print_table(runs)
