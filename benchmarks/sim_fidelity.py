@@ -11,8 +11,10 @@ the real server, request for request.
    once (a burst, so the batch fills).
 4. Per load (25%, 55% and 85% of that capacity): `sendpath bench`'s client sends Poisson
    arrivals; the simulator replays the *same* requests (send times, prompt tokens as the
-   server counted them, answer lengths), so both sides see the same traffic and only the
-   model of the server differs.
+   server counted them, answer lengths; greedy, as `sendpath bench` sends them), so both
+   sides see the same traffic and only the model of the server differs. The replay takes
+   from the profile a request's time outside the steps and the share of answers whose
+   first token the output filter held back for the next ones.
 5. The machine's speed drifts on a shared host (this one's steps took 15-45% longer some
    minutes than others). So each run's own step log is priced by the calibrated model in
    fifths of the run; where a fifth ran more than ``DRIFT`` off the calibrated speed, the
@@ -87,16 +89,16 @@ def bench(url: str, words: LengthSpec, out: LengthSpec, n: int, load: Load,
           seed: int) -> tuple[list[RequestResult], float]:  # fmt: skip
     conversations = build("random", n, words, out, seed=seed)
     model = asyncio.run(served_model(url, None))
-    return asyncio.run(run(url, model, conversations, load, extra={"ignore_eos": True}))
+    extra: dict[str, object] = {"ignore_eos": True, "temperature": 0.0}  # as `sendpath bench`
+    return asyncio.run(run(url, model, conversations, load, extra=extra))
 
 
-def replay(
-    results: list[RequestResult], cost: CostModel, num_blocks: int, overhead_s: float = 0.001
-) -> dict[str, Any]:
+def replay(results: list[RequestResult], cost: CostModel, meta: dict[str, Any]) -> dict[str, Any]:
     """The same requests through the simulator: same send times and lengths, and the same
     shared start (the chat template's system prompt: the prompt tokens most requests had
-    from the prefix cache), so the simulated cache hits where the real one did; a
-    request's time outside the engine's steps (``overhead_s``) goes on its round trip."""
+    from the prefix cache), so the simulated cache hits where the real one did. From the
+    served profile's ``meta``: the KV blocks, a request's time outside the engine's steps
+    (on its round trip) and the output filter's hold on first tokens."""
     ok = sorted((r for r in results if r.success), key=lambda r: r.start)
     t0 = ok[0].start
     rng = random.Random(0)
@@ -109,7 +111,12 @@ def replay(
         start = common[: min(shared, n - 1)]
         rest = [rng.randrange(100, 30000) for _ in range(n - len(start))]
         requests.append(SimRequest(f"r{i}", r.start - t0, start + rest, r.output_tokens, i))
-    config = SimConfig(scheduler=ENGINE, num_blocks=num_blocks, network_rtt_s=overhead_s)
+    config = SimConfig(
+        scheduler=ENGINE,
+        num_blocks=int(meta["engine"]["num_blocks"]),
+        network_rtt_s=float(meta.get("request_overhead_s") or 0.001),
+        first_token_hold=tuple(meta.get("first_token_hold") or ()),
+    )
     sim = Simulator(config, cost).run_requests(requests)
     return sim.report
 
@@ -186,8 +193,6 @@ def at_run_speed(runs: list[dict[str, Any]], cost: Calibrated) -> None:
     through it (one number per run: the model's price of the replica's logged steps over
     their measured time, from ``steps_vs_model``), beside the plain replay; kept in
     ``run_speed`` and ``at_run_speed_over_real``."""
-    overhead = float(cost.meta.get("request_overhead_s") or 0.001)
-    num_blocks = int(cost.meta["engine"]["num_blocks"])
     for r in runs:
         kinds = r["steps_vs_model"].values()
         speed = sum(k["served_s"] for k in kinds) / sum(k["measured_s"] for k in kinds)
@@ -199,7 +204,7 @@ def at_run_speed(runs: list[dict[str, Any]], cost: Calibrated) -> None:
             for q in r["requests_measured"]
         ]  # fmt: skip
         r["run_speed"] = round(speed, 3)
-        sim = replay(results, AtSpeed(cost, speed), num_blocks, overhead)
+        sim = replay(results, AtSpeed(cost, speed), cost.meta)
         r["at_run_speed_over_real"] = compare(r["measured"], sim)
 
 
@@ -258,10 +263,9 @@ def main() -> None:
         cost = profile_served(url)
         PROFILE.parent.mkdir(exist_ok=True)
         cost.save(PROFILE)
-        num_blocks = int(cost.meta["engine"]["num_blocks"])
-        overhead = float(cost.meta.get("request_overhead_s") or 0.001)
         print(f"served profile: {cost.meta['wall_s']:.0f} s; fit {cost.error()}; "
-              f"held out {cost.error(True)}", flush=True)  # fmt: skip
+              f"held out {cost.error(True)}; first tokens held by the output filter "
+              f"{cost.meta['first_token_hold']}", flush=True)  # fmt: skip
         step_log: dict[str, list[list[Any]]] = {"keys": [list(STEP_KEYS)]}
         models = {"served": cost, **({"also": also} if also else {})}
         for w, (name, words, out) in enumerate(WORKLOADS):
@@ -291,9 +295,9 @@ def main() -> None:
                 by_kind = steps_vs_model(logged, models)
                 step_log[f"{name} {share}"] = [[step[k] for k in STEP_KEYS] for step in logged]
                 real = measured(results, wall)
-                sim = replay(results, cost, num_blocks, overhead)
+                sim = replay(results, cost, cost.meta)
                 ratios = compare(real, sim)
-                other = compare(real, replay(results, also, num_blocks, overhead)) if also else None
+                other = compare(real, replay(results, also, cost.meta)) if also else None
                 runs.append({
                     "workload": name, "prompt_words": [words.low, words.high],
                     "output_tokens": [out.low, out.high], "capacity_rps": capacity,

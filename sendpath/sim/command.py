@@ -88,7 +88,8 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="step times fitted by `sendpath profile` on a real engine, instead of the "
         "roofline (the model, device, KV blocks and batch limits come from the file; from "
-        "a served profile, --url, also the request overhead as the network round trip)",
+        "a served profile, --url, also the request overhead as the network round trip and "
+        "the output filter's hold on first tokens)",
     )
     p.add_argument(
         "--mode",
@@ -139,6 +140,9 @@ def build_run(args: argparse.Namespace) -> Run:
         overhead = calibrated.meta.get("request_overhead_s")  # a served profile measured it
         if isinstance(overhead, int | float) and overhead > 0:
             c = replace(c, network_rtt_s=float(overhead))  # a request's way outside steps
+        hold = calibrated.meta.get("first_token_hold")  # and the output filter's hold
+        if isinstance(hold, list) and hold:
+            c = replace(c, first_token_hold=tuple(float(x) for x in hold))
     config = replace(
         c,
         replicas=args.replicas if args.replicas is not None else c.replicas,

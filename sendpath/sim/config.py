@@ -31,12 +31,19 @@ class SimConfig:
     route_s: float = 0.0005  # gateway -> replica hop and routing decision
     tpm: int | None = None  # per tenant: tokens per minute (prompt + max_tokens reserved)
     rpm: int | None = None  # per tenant: requests per minute
+    # the output filter's hold on a stream's start: entry h is the share of requests whose
+    # first token reaches the client together with the next h (the filter held it while
+    # it could still start a blocked phrase); () for none. A served profile measures it.
+    first_token_hold: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode is one of {', '.join(MODES)}; got {self.mode!r}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        hold = self.first_token_hold
+        if hold and (min(hold) < 0 or abs(sum(hold) - 1) > 1e-6):
+            raise ValueError(f"first_token_hold is shares that add up to 1, got {hold}")
 
     @property
     def gateway_s(self) -> float:

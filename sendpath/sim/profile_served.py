@@ -18,11 +18,18 @@ chunks share steps with the decodes of those admitted first; then B decode). Ste
 grouped per load and kind (prefill / decode / mixed) and shape size; each group's median
 becomes a point, standing for the group's steps in the fit; every second mixed point is
 held out to check it.
+
+Two things outside the steps go into the file's ``meta`` for the simulator: a lone
+request's time to first token past its steps (``request_overhead_s``: HTTP, gateway,
+tokenizer), and how often the gateway's output filter held an answer's first token back
+until the next ones showed it could not start a blocked phrase (``first_token_hold``: the
+share of answers held h tokens, read from each stream's stitched timings).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import platform
 import random
@@ -39,11 +46,13 @@ import httpx
 from sendpath.bench.workload import random_text
 from sendpath.engine.steps import StepShape
 from sendpath.sim.cost_model import Calibrated, PointKind, ProfilePoint
+from sendpath.trace import Stage
 
 __all__ = [
     "DEFAULT_SERVED",
     "QUICK_SERVED",
     "ServedGrid",
+    "held_first_tokens",
     "profile_served",
     "step_kind",
     "step_times",
@@ -89,6 +98,7 @@ class _Driver:
         self.client = httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=600)
         self.rng = random.Random(0)
         self.preamble = random_text(random.Random(1), PREAMBLE_WORDS)
+        self.holds: list[int] = []  # per answer: tokens the output filter held its first for
 
     async def replica(self) -> str:
         """The replica whose steps to read: the URL itself, or the gateway's only one."""
@@ -139,10 +149,16 @@ class _Driver:
                 text = (await r.aread()).decode(errors="replace")
                 raise ServedProfileError(f"a request was refused ({r.status_code}): {text[:300]}")
             async for line in r.aiter_lines():
-                if not ttft and line.startswith("data:"):
+                if not line.startswith("data:"):
+                    continue
+                if not ttft:
                     ttft = time.perf_counter() - sent
                     if first is not None:
                         first.set()
+                if '"timings"' in line:  # the last event: the stitched stage times
+                    held = held_first_tokens(json.loads(line[5:])["timings"], answer)
+                    if held is not None:
+                        self.holds.append(held)
         return ttft
 
     async def load(self, model: str, count: int, prompt_tokens: int, answer: int) -> float:
@@ -157,6 +173,30 @@ class _Driver:
                 *(self.one(model, prompt_tokens, answer) for _ in range(count - 1))
             )
         return await leader
+
+
+# the stages up to the replica's first token, in the order of the stitched timings
+_TO_FIRST_TOKEN = tuple(Stage)[1 : tuple(Stage).index(Stage.PREFILL) + 1]
+
+
+def held_first_tokens(timings: dict[str, float], answer: int) -> int | None:
+    """How many more tokens a stream's first token waited for before the gateway let it
+    out (the output filter holds text that could still become a blocked phrase), from
+    the response's ``timings``: the time to first token past the replica's first token
+    (the stages through prefill), in this request's own gaps between tokens. ``None``
+    when that cannot be told (one token, or no gateway's first-token time)."""
+    if answer < 2 or "ttft" not in timings or not timings.get(Stage.DECODE.value):
+        return None
+    engine_first = sum(timings.get(stage.value, 0.0) for stage in _TO_FIRST_TOKEN)
+    gap = timings[Stage.DECODE.value] / (answer - 1)
+    return max(0, round((timings["ttft"] - engine_first) / gap))
+
+
+def hold_shares(holds: list[int]) -> list[float] | None:
+    """``SimConfig.first_token_hold`` from measured holds: the share held h tokens."""
+    if not holds:
+        return None
+    return [holds.count(h) / len(holds) for h in range(max(holds) + 1)]
 
 
 async def _steps(client: httpx.AsyncClient, replica: str, after: int) -> dict[str, Any]:
@@ -262,6 +302,9 @@ async def _profile(
         # what a request spends outside the engine's steps on its way in and its first
         # token's way out (HTTP, gateway, tokenizer, stream): the median over lone prompts
         "request_overhead_s": statistics.median(overheads) if overheads else None,
+        # the output filter's hold on answers' first tokens (SimConfig.first_token_hold)
+        "first_token_hold": hold_shares(driver.holds),
+        "first_token_hold_answers": len(driver.holds),
         "wall_s": round(time.perf_counter() - started, 1),
     }
     return Calibrated.fit(points, meta)

@@ -2,18 +2,22 @@
 latencies added), with the stages the server would have reported: the same
 ``RequestResult`` that `sendpath bench` makes, so `sendpath sim` reports with the same keys
 and definitions. Past ``ITL_SAMPLE`` requests, inter-token gaps are kept for an even sample
-of them (every n-th), which is what the ITL percentiles read."""
+of them (every n-th), which is what the ITL percentiles read. Where the output filter
+holds a stream's first token (``SimConfig.first_token_hold``), the client sees it with the
+next ones, as one event: its time to first token is theirs."""
 
 from __future__ import annotations
 
+import bisect
 import itertools
+import zlib
 
 from sendpath.bench.client import RequestResult
 from sendpath.request import Request
 from sendpath.sim.config import SimConfig
 from sendpath.trace import Stage
 
-__all__ = ["client_view", "token_times"]
+__all__ = ["client_view", "held_tokens", "token_times"]
 
 
 def token_times(request: Request, bulks: list[list[float]] | None) -> list[float]:
@@ -24,6 +28,16 @@ def token_times(request: Request, bulks: list[list[float]] | None) -> list[float
             times += ends
         times.sort()
     return times
+
+
+def held_tokens(request_id: str, shares: tuple[float, ...]) -> int:
+    """How many more tokens the output filter waits for before it lets a request's first
+    one out: drawn from ``shares`` by a hash of the id (the same in both modes and
+    whatever order requests finish in)."""
+    if not shares:
+        return 0
+    u = zlib.crc32(request_id.encode()) / 2**32
+    return min(bisect.bisect_right(list(itertools.accumulate(shares)), u), len(shares) - 1)
 
 
 def client_view(
@@ -44,14 +58,16 @@ def client_view(
         timings[stage.value] = stages.get(stage, 0.0) * 1000
     timings[Stage.STREAM.value] = 0.0
     end = (tl.end or tokens[-1]) + half
+    held = min(held_tokens(request.request_id, config.first_token_hold), len(tokens) - 1)
+    seen = tokens[held:] if held else tokens  # what reached the client as its own event
     timings["total"] = sum(timings.values())  # the server's part; network is the rest
     return RequestResult(
         success=True,
         request_id=request.request_id,
         prompt_tokens=request.num_prompt_tokens,
         output_tokens=len(request.output_token_ids),
-        ttft=tokens[0] + half - sent,
-        itl=[b - a for a, b in itertools.pairwise(tokens)] if keep_itl else [],
+        ttft=seen[0] + half - sent,
+        itl=[b - a for a, b in itertools.pairwise(seen)] if keep_itl else [],
         latency=end - sent,
         start=sent,
         finish_reason="length",

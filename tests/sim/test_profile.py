@@ -184,8 +184,15 @@ def test_sim_with_a_cost_model(tmp_path: Path) -> None:
     ttft = json.loads(report.read_text())["median_ttft_ms"]
     Calibrated.fit(points_of(KNOWN), {**META, "request_overhead_s": 0.25}).save(path)
     assert main(argv) == 0
-    later = json.loads(report.read_text())["median_ttft_ms"]
-    assert later == pytest.approx(ttft + 250 - 20, rel=1e-6)  # in place of the stated 20 ms
+    later = json.loads(report.read_text())
+    assert later["median_ttft_ms"] == pytest.approx(ttft + 250 - 20, rel=1e-6)  # not 20 ms
+    # and its output filter's hold: every first token reaches the client with the next one
+    meta = {**META, "request_overhead_s": 0.25, "first_token_hold": [0.0, 1.0]}
+    Calibrated.fit(points_of(KNOWN), meta).save(path)
+    assert main(argv) == 0
+    held = json.loads(report.read_text())
+    assert held["median_ttft_ms"] > later["median_ttft_ms"]
+    assert held["median_e2el_ms"] == pytest.approx(later["median_e2el_ms"])
 
 
 def test_sim_with_a_bad_cost_model_exits_2(

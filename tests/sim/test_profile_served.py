@@ -8,9 +8,16 @@ import httpx
 import pytest
 
 from sendpath.cli import main
+from sendpath.gateway.safety import RulesFilter
 from sendpath.model.loader import LoadedModel
 from sendpath.sim.cost_model import Calibrated, PointKind
-from sendpath.sim.profile_served import QUICK_SERVED, ServedProfileError, profile_served
+from sendpath.sim.profile_served import (
+    QUICK_SERVED,
+    ServedProfileError,
+    held_first_tokens,
+    profile_served,
+)
+from tests.gateway.conftest import gateway
 from tests.server.conftest import BLOCKS, serve
 
 
@@ -45,6 +52,29 @@ def test_a_served_profile_fits_prefill_decode_and_holds_out_mixed_steps(
         assert served.meta["grid"]["name"] == "served" and served.split
         # a lone request's time to first token outside the engine's steps (HTTP, tokenizer)
         assert 0 < served.meta["request_overhead_s"] < 1
+        # no gateway, no output filter: every answer's first token went out at once
+        assert served.meta["first_token_hold"] == [1.0]
+        assert served.meta["first_token_hold_answers"] == 6  # warm-up, batches of 1 and 4
+
+
+def test_the_output_filters_hold_on_first_tokens_is_measured(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    # a rule that any text could still grow into: the filter holds every answer whole
+    hold_all = RulesFilter({"never": [r".*QQZX-never-said"]})
+    with serve(tiny) as replica, gateway(replica, tmp_path, safety=hold_all) as gw:
+        cal = profile_served(gw.url, gw.key("profiler"), grid=QUICK_SERVED)
+        hold = cal.meta["first_token_hold"]
+        assert cal.meta["first_token_hold_answers"] == 6  # warm-up, batches of 1 and 4
+        # the batches' 32-token answers: held whole, or until the filter's 256-character cap
+        assert sum(hold[QUICK_SERVED.answer // 2 :]) == pytest.approx(5 / 6)
+        assert replica.idle()
+    # from a stream's stitched timings: 45 ms past the replica's first token, 20 ms a token
+    timings = {"gateway.auth": 1.0, "route": 4.0, "tokenize": 1.0, "engine.queue": 2.0,
+               "prefill": 50.0, "decode": 100.0, "stream": 3.0, "ttft": 103.0}  # fmt: skip
+    assert held_first_tokens(timings, 6) == 2
+    assert held_first_tokens({**timings, "ttft": 60.0}, 6) == 0
+    assert held_first_tokens(timings, 1) is None
 
 
 def test_an_unreachable_server_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,6 +16,7 @@ from sendpath.cli import main
 from sendpath.config import SchedulerConfig
 from sendpath.sim.cost_model import Calibrated, CostModel, Roofline
 from sendpath.sim.hardware import hardware, model_spec
+from sendpath.sim.results import held_tokens
 from sendpath.sim.scenarios import SCENARIOS, simulate
 from sendpath.sim.simulator import SimConfig, Simulator
 from sendpath.sim.traffic import Traffic
@@ -179,3 +180,22 @@ def test_first_turns_must_come_in_arrival_order() -> None:
     requests = Traffic(rate=5, num_requests=3).first_turns()
     with pytest.raises(ValueError, match="arrival order"):
         Simulator(SimConfig(), COST).run_requests(reversed(requests), total=3)
+
+
+def test_a_held_first_token_reaches_the_client_with_the_next() -> None:
+    traffic = Traffic(rate=4, num_requests=40, input_len=LengthSpec(64, 256),
+                      output_len=LengthSpec(4, 32), seed=3)  # fmt: skip
+    plain = {r.request_id: r for r in Simulator(SimConfig(), COST).run(traffic).results}
+    held = Simulator(SimConfig(first_token_hold=(0.0, 0.0, 1.0)), COST).run(traffic).results
+    for r in held:  # two more tokens: the first event comes with the third token
+        p = plain[r.request_id]
+        assert r.ttft is not None and p.ttft is not None
+        assert r.ttft == pytest.approx(p.ttft + p.itl[0] + p.itl[1])
+        assert r.itl == pytest.approx(p.itl[2:]) and r.latency == pytest.approx(p.latency)
+    # the share held h tokens is drawn per request id, in the shares given
+    shares = (0.7, 0.2, 0.1)
+    drawn = [held_tokens(f"r{i}", shares) for i in range(20_000)]
+    assert [drawn.count(h) / len(drawn) for h in range(3)] == pytest.approx(shares, abs=0.01)
+    assert drawn == [held_tokens(f"r{i}", shares) for i in range(20_000)]
+    with pytest.raises(ValueError, match="add up to 1"):
+        SimConfig(first_token_hold=(0.5, 0.2))
