@@ -1,7 +1,7 @@
 """The async engine: the step loop on its own thread, an async stream per request.
 
-The event loop never runs model code. ``generate()`` hands the request to the engine
-thread (tokenize + queue happen there, errors come back to the caller), then yields the
+The event loop never runs model code. ``generate()`` tokenizes the request on a worker
+thread and hands it to the engine thread (errors come back to the caller), then yields the
 request's ``EngineOutput`` deltas as the thread produces them. Leaving the iterator early
 (client gone, task cancelled) aborts the request, which frees its slot and KV blocks.
 """
@@ -56,16 +56,22 @@ class AsyncEngine:
         strict_max_tokens: bool = False,
     ) -> RequestStream:
         """Queue a request; raises what ``EngineCore.add_request`` raises (bad prompt,
-        queue full). Iterate the returned stream for its outputs."""
+        queue full). Iterate the returned stream for its outputs.
+
+        The chat template and tokenizer run on a worker thread, not the engine's, so a
+        step never waits for them; the request then waits for the step in flight to end
+        (its ``engine.queue`` time starts when it is handed over)."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[_Item] = asyncio.Queue()
         added: Future[Request] = Future()
+        request = await asyncio.to_thread(
+            self.core.prepare, prompt, params, request_id, priority, cache_salt, strict_max_tokens
+        )
+        handed_over = self.core.clock.now()
 
         def add() -> None:
             try:
-                request = self.core.add_request(
-                    prompt, params, request_id, priority, cache_salt, strict_max_tokens
-                )
+                self.core.enqueue(request, handed_over)
             except BaseException as exc:
                 added.set_exception(exc)
                 return
@@ -73,7 +79,7 @@ class AsyncEngine:
             added.set_result(request)
 
         self._submit(add)
-        request = await asyncio.wrap_future(added)
+        await asyncio.wrap_future(added)
         return RequestStream(self, request, outputs)
 
     async def generate(

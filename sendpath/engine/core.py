@@ -111,6 +111,21 @@ class EngineCore:
         ``strict_max_tokens``: refuse a request whose prompt + max_tokens exceeds the
         context (the OpenAI API's rule) instead of stopping it at the context's end.
         """
+        return self.enqueue(
+            self.prepare(prompt, params, request_id, priority, cache_salt, strict_max_tokens)
+        )
+
+    def prepare(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        strict_max_tokens: bool = False,
+    ) -> Request:
+        """The checked, tokenized request (``add_request``'s first half). It reads no engine
+        state, so a server runs it on its own thread while the engine steps."""
         params.validate()
         arrived = self.clock.now()
         if isinstance(prompt, str):
@@ -143,14 +158,20 @@ class EngineCore:
         )
         request.record(EventType.ARRIVED, arrived)
         request.record(EventType.TOKENIZED, self.clock.now())
+        return request
+
+    def enqueue(self, request: Request, handed_over: float | None = None) -> Request:
+        """Queue a prepared request (the engine's thread). ``handed_over``: when it was
+        handed to this thread, the start of its wait (a step in flight ends first)."""
+        params = request.sampling_params
         self.runner.add_request(request.request_id, params)
-        try:
-            self.scheduler.add_request(request)  # QueueFullError: nothing may stay behind
+        try:  # QueueFullError: nothing may stay behind
+            self.scheduler.add_request(request, handed_over)
         except BaseException:
             self.runner.remove_request(request.request_id)
             raise
         self._streams[request.request_id] = OutputStream(
-            self.tokenizer, params, len(ids), self.max_model_len
+            self.tokenizer, params, request.num_prompt_tokens, self.max_model_len
         )
         return request
 

@@ -92,8 +92,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in and out
 
-    def add_request(self, request: Request) -> None:
-        """Queue a request; ``QueueFullError`` when ``max_queued_requests`` are waiting."""
+    def add_request(self, request: Request, queued_at: float | None = None) -> None:
+        """Queue a request; ``QueueFullError`` when ``max_queued_requests`` are waiting.
+        ``queued_at``: when it joined the queue, if before now (handed over mid-step)."""
         limit = self.config.max_queued_requests
         if limit is not None and len(self.waiting) >= limit:
             raise QueueFullError(limit)
@@ -101,7 +102,7 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
-        request.record(EventType.QUEUED, self.clock.now())
+        request.record(EventType.QUEUED, self.clock.now() if queued_at is None else queued_at)
         self.waiting.add(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:

@@ -23,7 +23,9 @@ Two things outside the steps go into the file's ``meta`` for the simulator: a lo
 request's time to first token past its steps (``request_overhead_s``: HTTP, gateway,
 tokenizer), and how often the gateway's output filter held an answer's first token back
 until the next ones showed it could not start a blocked phrase (``first_token_hold``: the
-share of answers held h tokens, read from each stream's stitched timings).
+share of answers held h tokens). That is a matter of what the model says, so it is read
+from chat answers to prompts of common words (``chats`` of them, one at a time, after the
+grid, their steps not fitted), from each stream's stitched timings.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class ServedGrid:
     batches: tuple[int, ...]  # B requests at once
     contexts: tuple[int, ...]  # of C prompt tokens each
     answer: int  # tokens each answer is long (the decode steps per load)
+    chats: int = 16  # chat requests, one at a time, for the output filter's hold (not fitted)
 
 
 # about 3 minutes on 2 cores with the built-in model
@@ -73,7 +76,9 @@ DEFAULT_SERVED = ServedGrid(
     prefill=(16, 64, 128, 256, 512, 1024), repeats=3,
     batches=(1, 2, 4, 8, 16, 32, 64), contexts=(64, 512), answer=24,
 )  # fmt: skip
-QUICK_SERVED = ServedGrid(prefill=(8, 32), repeats=2, batches=(1, 4), contexts=(16,), answer=32)
+QUICK_SERVED = ServedGrid(
+    prefill=(8, 32), repeats=2, batches=(1, 4), contexts=(16,), answer=32, chats=4
+)
 
 
 PREAMBLE_WORDS = 32  # two KV blocks of a shared prompt start
@@ -129,22 +134,30 @@ class _Driver:
         answer: int,
         first: asyncio.Event | None = None,
         cached_prefix: bool = False,
+        chat: bool = False,
     ) -> float:
         """One streamed request; ``first`` is set when its first token arrives. Returns the
         seconds from sending it to its first token, as a client sees them. Text, as
         clients send it (the gateway and the tokenizer run as they do in use): common
         words, about one token each; the step log has the exact counts. With
         ``cached_prefix`` it starts with the preamble every such prompt shares (as chat
-        requests share a system prompt), whose blocks the prefix cache holds."""
+        requests share a system prompt), whose blocks the prefix cache holds. With
+        ``chat``, the prompt is a user message, and the answer's first-token hold (the
+        output filter's) is kept in ``holds``."""
         sent, ttft = time.perf_counter(), 0.0
         if cached_prefix:
             rest = random_text(self.rng, max(1, prompt_tokens - 1 - PREAMBLE_WORDS))
             prompt = f"{self.preamble} {rest}"
         else:
             prompt = random_text(self.rng, max(1, prompt_tokens - 1))
-        body = {"model": model, "prompt": prompt, "max_tokens": answer, "ignore_eos": True,
-                "temperature": 0, "stream": True}  # fmt: skip
-        async with self.client.stream("POST", "/v1/completions", json=body) as r:
+        body: dict[str, Any] = {"model": model, "max_tokens": answer, "ignore_eos": True,
+                                "temperature": 0, "stream": True}  # fmt: skip
+        if chat:
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        async with self.client.stream("POST", path, json=body) as r:
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")
                 raise ServedProfileError(f"a request was refused ({r.status_code}): {text[:300]}")
@@ -155,7 +168,7 @@ class _Driver:
                     ttft = time.perf_counter() - sent
                     if first is not None:
                         first.set()
-                if '"timings"' in line:  # the last event: the stitched stage times
+                if chat and '"timings"' in line:  # the last event: the stitched stage times
                     held = held_first_tokens(json.loads(line[5:])["timings"], answer)
                     if held is not None:
                         self.holds.append(held)
@@ -288,6 +301,11 @@ async def _profile(
             for p in _points(label, step_times(found["steps"])):
                 points.append(p)
                 progress(p)
+        # chat answers, one at a time (steady gaps between tokens): how often the output
+        # filter holds a first token back, a property of the model's answers and the rules
+        for _ in range(grid.chats):
+            words = driver.rng.randint(40, 120)
+            await driver.one(model, words, max(2, grid.answer), chat=True)
     meta = {
         "model": model,
         "served_at": url,
@@ -302,7 +320,7 @@ async def _profile(
         # what a request spends outside the engine's steps on its way in and its first
         # token's way out (HTTP, gateway, tokenizer, stream): the median over lone prompts
         "request_overhead_s": statistics.median(overheads) if overheads else None,
-        # the output filter's hold on answers' first tokens (SimConfig.first_token_hold)
+        # the output filter's hold on chat answers' first tokens (SimConfig.first_token_hold)
         "first_token_hold": hold_shares(driver.holds),
         "first_token_hold_answers": len(driver.holds),
         "wall_s": round(time.perf_counter() - started, 1),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+from typing import Any
 
 import pytest
 
@@ -15,6 +17,7 @@ from sendpath.kvcache.manager import KVCacheManager
 from sendpath.model.loader import LoadedModel
 from sendpath.request import SamplingParams
 from sendpath.runner.model_runner import ModelRunner
+from sendpath.trace import EventType, Stage
 
 BLOCKS, BLOCK = 64, 16
 
@@ -127,3 +130,42 @@ def test_shutdown_fails_open_streams(tiny: LoadedModel) -> None:
 
     asyncio.run(main())
     assert not engine.is_running
+
+
+def test_a_request_is_tokenized_off_the_engine_thread_and_queues_behind_the_step(
+    tiny: LoadedModel,
+) -> None:
+    engine = make_engine(tiny)
+    core = engine.core
+    inside, gate = threading.Event(), threading.Event()
+    execute = core.runner.execute
+
+    def held(plan: Any) -> Any:  # every step waits for the gate
+        inside.set()
+        assert gate.wait(10)
+        return execute(plan)
+
+    core.runner.execute = held  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+    async def main() -> tuple[float, Any]:
+        first = asyncio.ensure_future(collect(engine, [7] * 8, 2))
+        await asyncio.to_thread(inside.wait, 10)  # a step in flight
+        second = asyncio.ensure_future(engine.add("a few words to tokenize", params))
+        await asyncio.sleep(0.3)
+        released = core.clock.now()
+        gate.set()
+        stream = await second
+        async for _ in stream:
+            pass
+        await first
+        return released, stream.request.timeline
+
+    released, tl = asyncio.run(main())
+    engine.shutdown()
+    # tokenized while the engine thread was held; queued from the hand-over, not from the
+    # moment the engine thread took it in (after the step in flight)
+    assert tl.first(EventType.TOKENIZED) < released
+    assert tl.first(EventType.QUEUED) < released < tl.first(EventType.SCHEDULED)
+    stages = tl.stages()
+    assert stages[Stage.TOKENIZE] < 0.2 and stages[Stage.ENGINE_QUEUE] >= 0.25

@@ -54,7 +54,7 @@ def test_a_served_profile_fits_prefill_decode_and_holds_out_mixed_steps(
         assert 0 < served.meta["request_overhead_s"] < 1
         # no gateway, no output filter: every answer's first token went out at once
         assert served.meta["first_token_hold"] == [1.0]
-        assert served.meta["first_token_hold_answers"] == 6  # warm-up, batches of 1 and 4
+        assert served.meta["first_token_hold_answers"] == QUICK_SERVED.chats
 
 
 def test_the_output_filters_hold_on_first_tokens_is_measured(
@@ -65,9 +65,9 @@ def test_the_output_filters_hold_on_first_tokens_is_measured(
     with serve(tiny) as replica, gateway(replica, tmp_path, safety=hold_all) as gw:
         cal = profile_served(gw.url, gw.key("profiler"), grid=QUICK_SERVED)
         hold = cal.meta["first_token_hold"]
-        assert cal.meta["first_token_hold_answers"] == 6  # warm-up, batches of 1 and 4
-        # the batches' 32-token answers: held whole, or until the filter's 256-character cap
-        assert sum(hold[QUICK_SERVED.answer // 2 :]) == pytest.approx(5 / 6)
+        assert cal.meta["first_token_hold_answers"] == QUICK_SERVED.chats
+        # the 32-token answers: held whole, or until the filter's 256-character cap
+        assert sum(hold[QUICK_SERVED.answer // 2 :]) == pytest.approx(1)
         assert replica.idle()
     # from a stream's stitched timings: 45 ms past the replica's first token, 20 ms a token
     timings = {"gateway.auth": 1.0, "route": 4.0, "tokenize": 1.0, "engine.queue": 2.0,
