@@ -25,7 +25,7 @@ from sendpath.config import SchedulerConfig
 from sendpath.errors import QueueFullError
 from sendpath.kvcache.manager import KVCacheManager
 from sendpath.request import Request, RequestStatus
-from sendpath.trace import EventType
+from sendpath.trace import Event, EventType
 
 from .queue import make_queue
 
@@ -133,17 +133,21 @@ class Scheduler:
         preempted: list[str] = []
 
         # 1. running: decodes first, then prefill chunks (each group in running order)
-        decodes: list[Request] = []
-        prefills: list[Request] = []
+        decodes: list[tuple[Request, int]] = []  # (request, tokens left to compute)
+        prefills: list[tuple[Request, int]] = []
         for request in self.running:
-            known = len(request.prompt_token_ids) + len(request.output_token_ids)
-            (prefills if known - request.num_computed_tokens > 1 else decodes).append(request)
-        for request in decodes + prefills if prefills else decodes:
+            left = (
+                len(request.prompt_token_ids)
+                + len(request.output_token_ids)
+                - request.num_computed_tokens
+            )
+            (prefills if left > 1 else decodes).append((request, left))
+        allocate = self.kv.allocate_slots
+        for request, left in decodes + prefills if prefills else decodes:
             if budget == 0 or (preempted and request.request_id in preempted):
                 continue
-            remaining = request.num_tokens - request.num_computed_tokens
-            n = 1 if remaining == 1 else self._chunk(remaining, budget)
-            while self.kv.allocate_slots(request, n) is None:
+            n = 1 if left == 1 else self._chunk(left, budget)
+            while allocate(request, n) is None:
                 victim = self._pick_victim(exclude=preempted)
                 self._preempt(victim, now)
                 preempted.append(victim.request_id)
@@ -183,14 +187,13 @@ class Scheduler:
             request = requests[request_id]
             start = request.num_computed_tokens
             end = start + n
+            known = len(request.prompt_token_ids) + len(request.output_token_ids)
+            if n == 1 and end == known:  # a decode: the last known token
+                ids = request.output_token_ids[-1:] or request.prompt_token_ids[-1:]
+            else:
+                ids = request.token_ids(start, end)
             items.append(
-                ScheduledRequest(
-                    request_id,
-                    request.token_ids(start, end),
-                    start,
-                    block_ids(request_id),
-                    end == request.num_tokens,
-                )
+                ScheduledRequest(request_id, ids, start, block_ids(request_id), end == known)
             )
         return out
 
@@ -208,19 +211,23 @@ class Scheduler:
         """
         now = self.clock.now()
         new_tokens: list[tuple[Request, int]] = []
-        requests, cache_blocks, running = (
+        requests, cache_blocks, running, bs = (
             self.requests,
             self.kv.cache_computed_blocks,
             RequestStatus.RUNNING,
+            self.kv.block_size,
         )
+        token_event = Event(EventType.TOKEN, now)  # the same for every token of this step
+        computed = 0
         for item in plan.requests:
             request = requests.get(item.request_id)
             if request is None or request.status is not running:
                 continue
             n = len(item.token_ids)
             request.num_computed_tokens += n
-            self.num_computed_tokens += n
-            cache_blocks(request)
+            computed += n
+            if n > 1 or request.num_computed_tokens % bs == 0:  # else no block filled up
+                cache_blocks(request)
             output = request.output_token_ids
             if not output:
                 request.record(EventType.PREFILL_CHUNK, now, n)
@@ -229,8 +236,9 @@ class Scheduler:
                 if not output:
                     request.record(EventType.FIRST_TOKEN, now)
                 output.append(token)
-                request.record(EventType.TOKEN, now)
+                request.timeline.events.append(token_event)
                 new_tokens.append((request, token))
+        self.num_computed_tokens += computed
         return new_tokens
 
     # ------------------------------------------------------------------ preemption

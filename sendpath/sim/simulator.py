@@ -311,6 +311,7 @@ class Simulator:
         self.num_steps += k
         sched, kv = rep.scheduler, rep.kv
         sched.num_computed_tokens += k * len(sched.running)
+        bs = kv.block_size
         done = []
         allocate, cache, bases, bulks = (
             kv.allocate_slots,
@@ -325,7 +326,8 @@ class Simulator:
             first = bases[rid] + len(r.prompt_token_ids) + len(output)
             r.num_computed_tokens += k
             output += range(first, first + k)
-            cache(r)
+            if r.num_computed_tokens % bs < k:  # a block filled up
+                cache(r)
             held = bulks.get(rid)
             if held is None:
                 bulks[rid] = [ends]
