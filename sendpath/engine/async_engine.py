@@ -58,27 +58,34 @@ class AsyncEngine:
         """Queue a request; raises what ``EngineCore.add_request`` raises (bad prompt,
         queue full). Iterate the returned stream for its outputs.
 
-        The chat template and tokenizer run on a worker thread, not the engine's, so a
-        step never waits for them; the request then waits for the step in flight to end
-        (its ``engine.queue`` time starts when it is handed over)."""
+        The chat template and tokenizer run on a worker thread, which hands the request
+        straight to the engine's thread: the step loop does not stop for them (they share
+        the GIL with it while they run). The request then waits for the step in flight to
+        end; its ``engine.queue`` time starts at the hand-over."""
+        self._check_running()  # before tokenizing: a dead engine is the answer, not a 400
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[_Item] = asyncio.Queue()
         added: Future[Request] = Future()
-        request = await asyncio.to_thread(
-            self.core.prepare, prompt, params, request_id, priority, cache_salt, strict_max_tokens
-        )
-        handed_over = self.core.clock.now()
 
-        def add() -> None:
-            try:
-                self.core.enqueue(request, handed_over)
-            except BaseException as exc:
-                added.set_exception(exc)
-                return
-            self._streams[request.request_id] = (loop, outputs)
-            added.set_result(request)
+        def prepare_and_hand_over() -> Request:  # a worker thread, straight to the engine's
+            request = self.core.prepare(
+                prompt, params, request_id, priority, cache_salt, strict_max_tokens
+            )
+            handed_over = self.core.clock.now()
 
-        self._submit(add)
+            def add() -> None:
+                try:
+                    self.core.enqueue(request, handed_over)
+                except BaseException as exc:
+                    added.set_exception(exc)
+                    return
+                self._streams[request.request_id] = (loop, outputs)
+                added.set_result(request)
+
+            self._submit(add)
+            return request
+
+        request = await asyncio.to_thread(prepare_and_hand_over)
         await asyncio.wrap_future(added)
         return RequestStream(self, request, outputs)
 
@@ -131,9 +138,12 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ engine thread
 
-    def _submit(self, command: Callable[[], None]) -> None:
+    def _check_running(self) -> None:
         if self._stopped.is_set() or not self._thread.is_alive():
             raise EngineDeadError(f"the engine is not running ({self._error or 'shut down'})")
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._check_running()
         self._commands.put(command)
 
     def _abort_now(self, request_id: str) -> None:

@@ -56,6 +56,7 @@ class GatewayContext:
     usage: tuple[int, int] | None = None  # (prompt, completion) as the replica reported it
     streamed_chunks: int = 0  # text chunks relayed (the usage estimate if none is reported)
     first_token_at: float | None = None
+    first_token_held: int | None = None  # text chunks the output filter held the first for
     relayed: list[float] = field(default_factory=list)  # when each text chunk went out
     client_id: str | None = None  # the client's own name for it (x-sendpath-client-id)
     replica: str | None = None

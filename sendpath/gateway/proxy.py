@@ -10,8 +10,9 @@ replica only means trying another. After that the stream is relayed event by eve
 goes through the output guard, which holds back only what could still become a blocked
 phrase; a blocked stream ends with finish_reason ``content_filter`` (the replica is
 disconnected, which aborts the request there). The last event carries the stitched
-``timings``. A replica that fails after its first token yields an explicit SSE error event
-and no ``[DONE]``.
+``timings`` and, under the output filter, ``first_token_held``: how many more text chunks
+(tokens, nearly always) the first one waited for before it could go out. A replica that
+fails after its first token yields an explicit SSE error event and no ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -254,6 +255,8 @@ class Proxy:
             ctx.end = ctx.clock.now()
             if events:
                 events[-1]["timings"] = ctx.timings_ms()
+                if ctx.first_token_held is not None:
+                    events[-1]["first_token_held"] = ctx.first_token_held
             self.on_done(ctx)
             return [sse(c) for c in events] + ["data: [DONE]\n\n"]
 
@@ -306,7 +309,10 @@ class Proxy:
                 for c in out:
                     if text_of(c["choices"][0]):
                         ctx.relayed.append(ctx.clock.now())
-                        ctx.first_token_at = ctx.first_token_at or ctx.relayed[-1]
+                        if ctx.first_token_at is None:
+                            ctx.first_token_at = ctx.relayed[-1]
+                            if guard is not None:
+                                ctx.first_token_held = ctx.streamed_chunks - 1
                     yield sse(c)
             why = "the replica closed the stream before [DONE]"
         except httpx.HTTPError as exc:

@@ -141,7 +141,11 @@ def build_run(args: argparse.Namespace) -> Run:
         if isinstance(overhead, int | float) and overhead > 0:
             c = replace(c, network_rtt_s=float(overhead))  # a request's way outside steps
         hold = calibrated.meta.get("first_token_hold")  # and the output filter's hold
-        if isinstance(hold, list) and hold:
+        if hold:
+            if not isinstance(hold, list) or not all(isinstance(x, int | float) for x in hold):
+                raise ValueError(
+                    f"{args.cost_model}: first_token_hold must be a list of shares; got {hold!r}"
+                )
             c = replace(c, first_token_hold=tuple(float(x) for x in hold))
     config = replace(
         c,

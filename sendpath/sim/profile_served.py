@@ -25,7 +25,8 @@ tokenizer), and how often the gateway's output filter held an answer's first tok
 until the next ones showed it could not start a blocked phrase (``first_token_hold``: the
 share of answers held h tokens). That is a matter of what the model says, so it is read
 from chat answers to prompts of common words (``chats`` of them, one at a time, after the
-grid, their steps not fitted), from each stream's stitched timings.
+grid, their steps not fitted), as the gateway reports each (``first_token_held``; a
+replica alone has no filter, and the file says ``None``).
 """
 
 from __future__ import annotations
@@ -48,13 +49,11 @@ import httpx
 from sendpath.bench.workload import random_text
 from sendpath.engine.steps import StepShape
 from sendpath.sim.cost_model import Calibrated, PointKind, ProfilePoint
-from sendpath.trace import Stage
 
 __all__ = [
     "DEFAULT_SERVED",
     "QUICK_SERVED",
     "ServedGrid",
-    "held_first_tokens",
     "profile_served",
     "step_kind",
     "step_times",
@@ -168,10 +167,8 @@ class _Driver:
                     ttft = time.perf_counter() - sent
                     if first is not None:
                         first.set()
-                if chat and '"timings"' in line:  # the last event: the stitched stage times
-                    held = held_first_tokens(json.loads(line[5:])["timings"], answer)
-                    if held is not None:
-                        self.holds.append(held)
+                if chat and '"first_token_held"' in line:  # the last event, from a gateway
+                    self.holds.append(int(json.loads(line[5:])["first_token_held"]))
         return ttft
 
     async def load(self, model: str, count: int, prompt_tokens: int, answer: int) -> float:
@@ -186,23 +183,6 @@ class _Driver:
                 *(self.one(model, prompt_tokens, answer) for _ in range(count - 1))
             )
         return await leader
-
-
-# the stages up to the replica's first token, in the order of the stitched timings
-_TO_FIRST_TOKEN = tuple(Stage)[1 : tuple(Stage).index(Stage.PREFILL) + 1]
-
-
-def held_first_tokens(timings: dict[str, float], answer: int) -> int | None:
-    """How many more tokens a stream's first token waited for before the gateway let it
-    out (the output filter holds text that could still become a blocked phrase), from
-    the response's ``timings``: the time to first token past the replica's first token
-    (the stages through prefill), in this request's own gaps between tokens. ``None``
-    when that cannot be told (one token, or no gateway's first-token time)."""
-    if answer < 2 or "ttft" not in timings or not timings.get(Stage.DECODE.value):
-        return None
-    engine_first = sum(timings.get(stage.value, 0.0) for stage in _TO_FIRST_TOKEN)
-    gap = timings[Stage.DECODE.value] / (answer - 1)
-    return max(0, round((timings["ttft"] - engine_first) / gap))
 
 
 def hold_shares(holds: list[int]) -> list[float] | None:

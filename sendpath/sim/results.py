@@ -9,8 +9,8 @@ next ones, as one event: its time to first token is theirs."""
 from __future__ import annotations
 
 import bisect
+import hashlib
 import itertools
-import zlib
 
 from sendpath.bench.client import RequestResult
 from sendpath.request import Request
@@ -36,7 +36,8 @@ def held_tokens(request_id: str, shares: tuple[float, ...]) -> int:
     whatever order requests finish in)."""
     if not shares:
         return 0
-    u = zlib.crc32(request_id.encode()) / 2**32
+    digest = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
+    u = int.from_bytes(digest) / 2**64  # even for ids that differ in a digit (crc32 is not)
     return min(bisect.bisect_right(list(itertools.accumulate(shares)), u), len(shares) - 1)
 
 

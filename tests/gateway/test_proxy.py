@@ -111,3 +111,19 @@ def test_prefix_cache_isolation_per_key_and_shared(replica: Server, tmp_path: Pa
         body["messages"][1]["content"] = "hello"
         _cached(gw.post, carol, body)
         assert _cached(gw.post, dave, body) > 0
+
+
+def test_the_last_event_says_how_long_the_filter_held_the_first_token(
+    replica: Server, tmp_path: Path
+) -> None:
+    with gateway(replica, tmp_path / "open", safety=RulesFilter({})) as gw:
+        events = gw.stream(gw.key("a"), GREEDY)
+    last = [e for e in events if isinstance(e, dict)][-1]
+    assert last["first_token_held"] == 0 and "timings" in last  # nothing could match
+    # a rule any text could still grow into: the first token waits for the whole answer
+    hold_all = RulesFilter({"never": [r".*QQZX-never-said"]})
+    body = {**GREEDY, "max_tokens": 6}
+    with gateway(replica, tmp_path / "held", safety=hold_all) as gw:
+        events = gw.stream(gw.key("a"), body)
+    last = [e for e in events if isinstance(e, dict)][-1]
+    assert last["first_token_held"] == 5 and len(content(events)) == 1

@@ -193,6 +193,8 @@ def test_sim_with_a_cost_model(tmp_path: Path) -> None:
     held = json.loads(report.read_text())
     assert held["median_ttft_ms"] > later["median_ttft_ms"]
     assert held["median_e2el_ms"] == pytest.approx(later["median_e2el_ms"])
+    Calibrated.fit(points_of(KNOWN), {**meta, "first_token_hold": [None, 1.0]}).save(path)
+    assert main(argv) == 2  # not shares: a clear error, no traceback
 
 
 def test_sim_with_a_bad_cost_model_exits_2(

@@ -197,5 +197,7 @@ def test_a_held_first_token_reaches_the_client_with_the_next() -> None:
     drawn = [held_tokens(f"r{i}", shares) for i in range(20_000)]
     assert [drawn.count(h) / len(drawn) for h in range(3)] == pytest.approx(shares, abs=0.01)
     assert drawn == [held_tokens(f"r{i}", shares) for i in range(20_000)]
+    few = [held_tokens(f"r{i}", (1 / 16, 15 / 16)) for i in range(1000)]  # ids a digit apart
+    assert few.count(0) / 1000 == pytest.approx(1 / 16, abs=0.012)
     with pytest.raises(ValueError, match="add up to 1"):
         SimConfig(first_token_hold=(0.5, 0.2))
