@@ -93,12 +93,12 @@ def bench(url: str, words: LengthSpec, out: LengthSpec, n: int, load: Load,
     return asyncio.run(run(url, model, conversations, load, extra=extra))
 
 
-def replay(results: list[RequestResult], cost: CostModel, meta: dict[str, Any]) -> dict[str, Any]:
+def replay(results: list[RequestResult], cost: CostModel, profile: Calibrated) -> dict[str, Any]:
     """The same requests through the simulator: same send times and lengths, and the same
     shared start (the chat template's system prompt: the prompt tokens most requests had
     from the prefix cache), so the simulated cache hits where the real one did. From the
-    served profile's ``meta``: the KV blocks, a request's time outside the engine's steps
-    (on its round trip) and the output filter's hold on first tokens."""
+    served ``profile``: the KV blocks, a request's time outside the engine's steps (on its
+    round trip) and the output filter's hold on first tokens."""
     ok = sorted((r for r in results if r.success), key=lambda r: r.start)
     t0 = ok[0].start
     rng = random.Random(0)
@@ -111,12 +111,8 @@ def replay(results: list[RequestResult], cost: CostModel, meta: dict[str, Any]) 
         start = common[: min(shared, n - 1)]
         rest = [rng.randrange(100, 30000) for _ in range(n - len(start))]
         requests.append(SimRequest(f"r{i}", r.start - t0, start + rest, r.output_tokens, i))
-    config = SimConfig(
-        scheduler=ENGINE,
-        num_blocks=int(meta["engine"]["num_blocks"]),
-        network_rtt_s=float(meta.get("request_overhead_s") or 0.001),
-        first_token_hold=tuple(meta.get("first_token_hold") or ()),
-    )
+    num_blocks = profile.engine["num_blocks"]
+    config = SimConfig(scheduler=ENGINE, num_blocks=num_blocks, **profile.outside_steps())
     sim = Simulator(config, cost).run_requests(requests)
     return sim.report
 
@@ -204,7 +200,7 @@ def at_run_speed(runs: list[dict[str, Any]], cost: Calibrated) -> None:
             for q in r["requests_measured"]
         ]  # fmt: skip
         r["run_speed"] = round(speed, 3)
-        sim = replay(results, AtSpeed(cost, speed), cost.meta)
+        sim = replay(results, AtSpeed(cost, speed), cost)
         r["at_run_speed_over_real"] = compare(r["measured"], sim)
 
 
@@ -295,9 +291,9 @@ def main() -> None:
                 by_kind = steps_vs_model(logged, models)
                 step_log[f"{name} {share}"] = [[step[k] for k in STEP_KEYS] for step in logged]
                 real = measured(results, wall)
-                sim = replay(results, cost, cost.meta)
+                sim = replay(results, cost, cost)
                 ratios = compare(real, sim)
-                other = compare(real, replay(results, also, cost.meta)) if also else None
+                other = compare(real, replay(results, also, cost)) if also else None
                 runs.append({
                     "workload": name, "prompt_words": [words.low, words.high],
                     "output_tokens": [out.low, out.high], "capacity_rps": capacity,

@@ -2,9 +2,9 @@
 
 ``fcfs``: the order requests join the queue (on a server: once tokenized, which runs in
 parallel, so a short prompt may overtake a long one sent just before it); preempted
-requests go back to the front. ``priority``: lowest
-``priority`` value first, then arrival. In both, the preemption victim is the request the
-policy would admit last (newest, or lowest priority then newest).
+requests go back to the front. ``priority``: lowest ``priority`` value first, then
+arrival. In both, the preemption victim is the request the policy would admit last
+(newest, or lowest priority then newest).
 """
 
 from __future__ import annotations

@@ -285,6 +285,21 @@ class Calibrated:
             return {}
         return {k: v for k, v in found.items() if isinstance(v, int) and not isinstance(v, bool)}
 
+    def outside_steps(self) -> dict[str, Any]:
+        """``SimConfig`` fields a served profile measured beyond the steps: a request's
+        time outside them as the round trip, and the output filter's hold on first
+        tokens. ``ValueError`` for a hold that is not a list of shares."""
+        out: dict[str, Any] = {}
+        overhead = self.meta.get("request_overhead_s")
+        if isinstance(overhead, int | float) and overhead > 0:
+            out["network_rtt_s"] = float(overhead)
+        hold = self.meta.get("first_token_hold")
+        if hold:
+            if not isinstance(hold, list) or not all(isinstance(x, int | float) for x in hold):
+                raise ValueError(f"first_token_hold must be a list of shares; got {hold!r}")
+            out["first_token_hold"] = tuple(float(x) for x in hold)
+        return out
+
     def to_json(self) -> dict[str, Any]:
         fit, held = self.error(), self.error(held_out=True)
         return {

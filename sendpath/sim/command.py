@@ -137,16 +137,10 @@ def build_run(args: argparse.Namespace) -> Run:
             num_blocks=engine.get("num_blocks", c.num_blocks),
             block_size=engine.get("block_size", c.block_size),
         )
-        overhead = calibrated.meta.get("request_overhead_s")  # a served profile measured it
-        if isinstance(overhead, int | float) and overhead > 0:
-            c = replace(c, network_rtt_s=float(overhead))  # a request's way outside steps
-        hold = calibrated.meta.get("first_token_hold")  # and the output filter's hold
-        if hold:
-            if not isinstance(hold, list) or not all(isinstance(x, int | float) for x in hold):
-                raise ValueError(
-                    f"{args.cost_model}: first_token_hold must be a list of shares; got {hold!r}"
-                )
-            c = replace(c, first_token_hold=tuple(float(x) for x in hold))
+        try:  # what a served profile measured outside the steps
+            c = replace(c, **calibrated.outside_steps())
+        except ValueError as exc:
+            raise ValueError(f"{args.cost_model}: {exc}") from None
     config = replace(
         c,
         replicas=args.replicas if args.replicas is not None else c.replicas,
