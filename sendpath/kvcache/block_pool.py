@@ -70,29 +70,32 @@ class BlockPool:
         """Fraction of blocks held by requests (0.0 - 1.0)."""
         return 1.0 - self.num_free_blocks / len(self._blocks)
 
-    def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> KVBlock | None:
-        """The cached block with this hash whose tokens really are ``token_ids``, if any."""
+    def lookup(self, block_hash: BlockHash, token_ids: Sequence[int] | bytes) -> KVBlock | None:
+        """The cached block with this hash whose tokens really are ``token_ids`` (or these
+        int64 bytes), if any."""
         block = self._cached.get(block_hash)
-        if block is None or block.tokens != _pack(token_ids):
+        if block is None:
             return None
-        return block
+        packed = token_ids if isinstance(token_ids, bytes) else _pack(token_ids)
+        return block if block.tokens == packed else None
 
     def allocate(self, n: int) -> list[KVBlock] | None:
         """Take ``n`` free blocks (evicting their cached hashes), or ``None`` if too few."""
         if n > self.num_free_blocks:
             return None
         out = []
+        blocks, free, cached = self._blocks, self._free, self._cached
         for _ in range(n):
-            if self._fresh < len(self._blocks):
-                fresh = self._blocks[self._fresh] = KVBlock(self._fresh, ref_cnt=1)
+            if self._fresh < len(blocks):
+                fresh = blocks[self._fresh] = KVBlock(self._fresh, ref_cnt=1)
                 self._fresh += 1
                 out.append(fresh)
                 continue
-            block_id, _ = self._free.popitem(last=False)
-            block = self._blocks[block_id]
+            block_id, _ = free.popitem(last=False)
+            block = blocks[block_id]
             assert block is not None  # it was handed out before it was freed
             if block.block_hash is not None:
-                self._cached.pop(block.block_hash, None)
+                cached.pop(block.block_hash, None)
                 block.block_hash, block.tokens = None, b""
             block.ref_cnt = 1
             out.append(block)
@@ -118,11 +121,15 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = None
 
-    def cache(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
-        """Index a full block under its hash (first writer wins: duplicates stay private)."""
+    def cache(
+        self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int] | bytes
+    ) -> None:
+        """Index a full block under its hash (first writer wins: duplicates stay private);
+        ``token_ids`` may come packed already (int64 bytes)."""
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self._cached:
             return
-        block.block_hash, block.tokens = block_hash, _pack(token_ids)
+        packed = token_ids if isinstance(token_ids, bytes) else _pack(token_ids)
+        block.block_hash, block.tokens = block_hash, packed
         self._cached[block_hash] = block

@@ -35,13 +35,25 @@ def block_hashes(
     salt: str | None = None,
     start: int = 0,
     parent: BlockHash | None = None,
+    packed: list[bytes] | None = None,
 ) -> list[BlockHash]:
     """Hashes of the full blocks of ``token_ids`` from block index ``start`` on.
 
-    ``parent`` must be the hash of block ``start - 1`` when ``start > 0``.
+    ``parent`` must be the hash of block ``start - 1`` when ``start > 0``. ``packed``, if
+    given, gets each block's token ids as int64 bytes (what the block pool keeps).
     """
     out: list[BlockHash] = []
-    for i in range(start, len(token_ids) // block_size):
-        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], salt)
-        out.append(parent)
+    end = len(token_ids) // block_size
+    if end <= start:
+        return out
+    # what hash_block feeds BLAKE2b, one block at a time, packed in one go
+    data = array("q", token_ids[start * block_size : end * block_size]).tobytes()
+    tail, width = salt.encode() if salt else b"", 8 * block_size
+    link = parent or b"\0" * 16
+    for offset in range(0, len(data), width):
+        chunk = data[offset : offset + width]
+        link = blake2b(link + chunk + tail, digest_size=16).digest()
+        out.append(link)
+        if packed is not None:
+            packed.append(chunk)
     return out

@@ -33,6 +33,7 @@ class KVCacheManager:
         self._blocks: dict[str, list[KVBlock]] = {}
         self._block_ids: dict[str, list[int]] = {}  # the same tables as block ids
         self._hashes: dict[str, list[BlockHash]] = {}  # hashes of the request's full blocks
+        self._packed: dict[str, list[bytes]] = {}  # and their token ids, packed
         self._num_cached: dict[str, int] = {}  # leading blocks already offered to the index
         self.num_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_hits = 0  # of those, tokens served from it
@@ -55,13 +56,17 @@ class KVCacheManager:
 
     def _request_hashes(self, request: Request) -> list[BlockHash]:
         """Hashes of every full block of the request's known tokens (extended lazily)."""
-        hashes = self._hashes.setdefault(request.request_id, [])
+        hashes = self._hashes.get(request.request_id)
+        if hashes is None:
+            hashes = self._hashes[request.request_id] = []
+            self._packed[request.request_id] = []
         bs, done = self.block_size, len(hashes)
         full = request.num_tokens // bs
         if full > done:  # hash only the blocks filled since (not the whole history again)
             parent = hashes[-1] if hashes else None
             new = request.token_ids(done * bs, full * bs)
-            hashes += block_hashes(new, bs, request.cache_salt, 0, parent)
+            packed = self._packed[request.request_id]
+            hashes += block_hashes(new, bs, request.cache_salt, 0, parent, packed)
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
@@ -71,11 +76,12 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching or request.num_computed_tokens > 0:
             return [], 0
-        tokens = request.all_token_ids
-        max_blocks = (len(tokens) - 1) // self.block_size
+        max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
-        for i, h in enumerate(self._request_hashes(request)[:max_blocks]):
-            block = self.pool.lookup(h, tokens[i * self.block_size : (i + 1) * self.block_size])
+        hashes = self._request_hashes(request)
+        packed = self._packed[request.request_id]
+        for i in range(min(max_blocks, len(hashes))):
+            block = self.pool.lookup(hashes[i], packed[i])
             if block is None:
                 break
             hits.append(block)
@@ -110,15 +116,28 @@ class KVCacheManager:
             if not held:
                 del self._blocks[rid], self._block_ids[rid]
             return None
-        self.pool.touch(new_computed_blocks)
+        ids = self._block_ids[rid]
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
+            held += new_computed_blocks
+            ids += [b.block_id for b in new_computed_blocks]
         new = self.pool.allocate(needed)
         assert new is not None
-        held += new_computed_blocks
         held += new
-        ids = self._block_ids[rid]
-        ids += [b.block_id for b in new_computed_blocks]
         ids += [b.block_id for b in new]
         return new
+
+    def append_blocks(self, request_ids: Sequence[str]) -> None:
+        """One more block for each of these requests, in this order (decodes crossing into
+        a new block, as ``allocate_slots(request, 1)`` would give them one at a time); the
+        caller has checked that enough blocks are free."""
+        new = self.pool.allocate(len(request_ids))
+        if new is None:
+            raise RuntimeError(f"{len(request_ids)} blocks asked for, fewer free")
+        blocks, ids = self._blocks, self._block_ids
+        for rid, block in zip(request_ids, new, strict=True):
+            blocks[rid].append(block)
+            ids[rid].append(block.block_id)
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Make the request's full, computed blocks findable by later requests."""
@@ -129,10 +148,10 @@ class KVCacheManager:
         blocks = self._blocks.get(request.request_id, [])
         num_full = min(num_full, len(blocks))
         hashes = self._request_hashes(request)
-        bs = self.block_size
+        packed, cache = self._packed[request.request_id], self.pool.cache
         for i in range(start, num_full):
             if blocks[i].block_hash is None:
-                self.pool.cache(blocks[i], hashes[i], request.token_ids(i * bs, (i + 1) * bs))
+                cache(blocks[i], hashes[i], packed[i])
         self._num_cached[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
@@ -140,5 +159,6 @@ class KVCacheManager:
         blocks = self._blocks.pop(request.request_id, [])
         self._block_ids.pop(request.request_id, None)
         self._hashes.pop(request.request_id, None)
+        self._packed.pop(request.request_id, None)
         self._num_cached.pop(request.request_id, None)
         self.pool.release(reversed(blocks))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from sendpath.kvcache.hashing import block_hashes, hash_block
 from sendpath.kvcache.manager import KVCacheManager
 from tests.factories import make_request
@@ -38,6 +40,17 @@ def test_allocate_slots_rounds_up_to_blocks() -> None:
     assert kv.allocate_slots(make_request("b", 8), 8) is None  # only 1 block left
     kv.free(req)
     assert kv.pool.free_block_ids() == [4, 3, 2, 1, 0]
+
+
+def test_append_blocks_gives_one_block_each_in_the_order_asked() -> None:
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    a, b = make_request("a", 4), make_request("b", 8)
+    assert kv.allocate_slots(a, 4) is not None and kv.allocate_slots(b, 8) is not None
+    kv.append_blocks(["b", "a"])  # as allocate_slots(b, 1) then allocate_slots(a, 1) would
+    assert kv.block_ids("a") == [0, 4] and kv.block_ids("b") == [1, 2, 3]
+    with pytest.raises(RuntimeError, match="2 blocks asked for"):
+        kv.append_blocks(["a", "b"])  # one free
+    assert kv.pool.num_free_blocks == 1
 
 
 def test_prefix_hit_lengths_and_last_token_rule() -> None:
