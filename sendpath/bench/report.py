@@ -10,6 +10,7 @@ Goodput: requests per second that met every SLO given (``ttft``, ``tpot``, ``e2e
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from typing import Any
 
@@ -24,7 +25,7 @@ NOT_STAGES = ("ttft", "total")  # timings keys that are not stages
 
 
 def _stats(name: str, values_s: list[float], percentiles: list[float]) -> dict[str, float]:
-    ms = [v * 1000 for v in values_s] or [0.0]
+    ms = np.asarray(values_s or [0.0], dtype=np.float64) * 1000
     out = {
         f"mean_{name}_ms": float(np.mean(ms)),
         f"median_{name}_ms": float(np.median(ms)),
@@ -65,7 +66,7 @@ def summarize(
         "total_token_throughput": (input_tokens + output_tokens) / duration,
         **_stats("ttft", [r.ttft for r in ok if r.ttft is not None], pct),
         **_stats("tpot", tpots, pct),
-        **_stats("itl", [gap for r in ok for gap in r.itl], pct),
+        **_stats("itl", list(itertools.chain.from_iterable(r.itl for r in ok)), pct),
         **_stats("e2el", [r.latency for r in ok], pct),
     }
     if goodput_slos_ms:

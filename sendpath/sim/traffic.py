@@ -93,8 +93,16 @@ class Traffic:
         rng = random.Random(self.seed)
         ids = np.random.default_rng(self.seed)  # token ids: random, and drawn in bulk
 
+        pool: list[int] = []
+        at = 0
+
         def tokens(n: int) -> list[int]:
-            return ids.integers(100, 30000, n).tolist()  # type: ignore[no-any-return]
+            nonlocal pool, at
+            if at + n > len(pool):  # drawn 64k at a time: a prompt is then one slice
+                pool = ids.integers(100, 30000, max(n, 1 << 16)).tolist()
+                at = 0
+            at += n
+            return pool[at - n : at]
 
         prefix = tokens(self.shared_prefix)
         sessions = -(-self.num_requests // self.turns)
