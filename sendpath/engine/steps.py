@@ -36,8 +36,19 @@ class StepShape:
     kv_gathered: int = 0
 
     @classmethod
-    def of(cls, plan: SchedulerOutput, block_size: int = 16) -> StepShape:
-        tokens = context = kv = prompt = prefills = resumed = gathered = decodes = longest = 0
+    def of(
+        cls,
+        plan: SchedulerOutput,
+        block_size: int = 16,
+        more_decodes: tuple[int, int, int] = (0, 0, 0),
+    ) -> StepShape:
+        """``more_decodes``: decodes in the step beside the plan's (how many, their computed
+        tokens summed, the most computed), as the fleet simulator keeps its parked ones."""
+        decodes, computed, most = more_decodes
+        tokens = decodes
+        context = kv = computed + decodes
+        longest = most + 1 if decodes else 0
+        prompt = prefills = resumed = gathered = 0
         for item in plan.requests:
             n, start = len(item.token_ids), item.start_pos
             tokens += n
@@ -53,7 +64,8 @@ class StepShape:
                 resumed += start > 0
                 gathered += start + n
         gathered += decodes * -(-longest // block_size) * block_size
-        return cls(tokens, len(plan.requests), context, kv, prompt, prefills, resumed, gathered)
+        seqs = len(plan.requests) + more_decodes[0]
+        return cls(tokens, seqs, context, kv, prompt, prefills, resumed, gathered)
 
 
 @dataclass(frozen=True)

@@ -1,59 +1,68 @@
-"""The fleet mode's one question: may a replica run its next decode steps in bulk, and
-what do they cost?
+"""The fleet mode's lane of parked decodes: a replica's decoding requests advanced by a
+step counter instead of one by one.
 
-A replica may when nothing else can happen on it before its next finish: every running
-request past its prefill, nobody waiting who could start, and KV blocks for every step
-(else steps, and preemptions, go one by one through the scheduler). The steps up to
-that finish are then priced at once: each a decode of the whole batch, one token
-further on; a cost model with ``decode_steps`` prices them in one call, bit for bit as
-its ``step_seconds`` would.
+A request whose prompt is computed only decodes from then on: every step computes one
+token for it, and every ``block_size`` steps it needs one more KV block. Once parked
+here (taken out of the scheduler's running list) it costs nothing per step:
+
+- its progress is ``computed at parking + (steps run - steps run at parking)``;
+- the steps' end times are logged once per replica, so its token times are a slice;
+- it is in the bucket of the step phase (step number modulo ``block_size``) at which it
+  crosses into a new block, so a step allocates blocks for that bucket only, in
+  running order, as the scheduler's decodes would;
+- it finishes at a known step (a heap), when its tokens, block hashes and token times
+  are written into the real ``Request`` and the real scheduler frees it.
+
+The scheduler keeps deciding everything else (admissions, prefill chunks, preemption):
+the simulator hands it the replica's unparked requests with the parked decodes' share
+of the budget and of the sequence cap taken out, after allocating their blocks, which
+is the order the scheduler itself would go in (decodes first, in running order). A
+step that might preempt is run with everyone unparked. ``order`` keys keep the running
+order (admission order), which parking would otherwise change when a request admitted
+later finishes its prefill first. Block ids may come out in another order than in the
+detailed mode (they are labels); which blocks are freed, cached and evicted when, and
+so every time, is the same, as the equality test checks.
 """
 
 from __future__ import annotations
 
+import bisect
+import heapq
+import itertools
+from array import array
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
 from sendpath.engine.scheduler import Scheduler
 from sendpath.engine.steps import StepShape
+from sendpath.kvcache.manager import KVCacheManager
+from sendpath.request import Request
 from sendpath.sim.cost_model import CostModel
 
-__all__ = ["decode_run"]
+__all__ = ["DecodeLane", "decode_seconds"]
 
 
-def decode_run(sched: Scheduler, cost: CostModel) -> list[float] | None:
-    """The seconds of each decode step up to the next finish (at least two), or None when
-    the scheduler has a decision to make first."""
-    kv, running = sched.kv, sched.running
-    batch = len(running)
-    if not batch or batch > sched.config.max_num_batched_tokens:
-        return None
-    if len(sched.waiting) and batch < sched.config.max_num_seqs:
-        return None  # someone could start: the scheduler decides
-    steps = 1 << 62
-    context = longest = 0
-    for r in running:
-        computed = r.num_computed_tokens
-        if len(r.prompt_token_ids) + len(r.output_token_ids) - computed != 1:
-            return None  # still prefilling
-        left = r.sampling_params.max_tokens - len(r.output_token_ids)
-        if left < steps:
-            steps = left
-        context += computed
-        if computed > longest:
-            longest = computed
-    if steps < 2:
-        return None
-    bs, free = kv.block_size, kv.pool.num_free_blocks
-    if batch * (steps // bs + 1) > free:  # else there is room whatever the block fill
-        needed = sum(
-            max(0, -(-(r.num_computed_tokens + steps) // bs) - len(kv.block_ids(r.request_id)))
-            for r in running
-        )
-        if needed > free:
-            return None  # the cache fills up first: steps, and preemptions, one by one
+@dataclass(slots=True)
+class _Parked:
+    request: Request
+    key: int  # running order
+    step: int  # the lane's step count when parked
+    computed: int  # its computed tokens then
+    phase: int  # the step number modulo block_size at which it needs a new block
+
+
+def decode_seconds(
+    cost: CostModel, batch: int, context: int, longest: int, steps: int, block_size: int
+) -> list[float]:
+    """The seconds of ``steps`` decode steps of ``batch`` sequences whose computed tokens
+    add up to ``context`` (the longest ``longest``) before the first; a cost model with
+    ``decode_steps`` prices them in one call, bit for bit as ``step_seconds`` would."""
     fast = getattr(cost, "decode_steps", None)
     if fast is not None:
         seconds: list[float] = fast(batch, context, steps)
         return seconds
     seconds = []
+    bs = block_size
     for _ in range(steps):
         context += batch
         longest += 1  # the batch the CPU runner gathers, padded to the longest
@@ -61,3 +70,165 @@ def decode_run(sched: Scheduler, cost: CostModel) -> list[float] | None:
         seconds.append(cost.step_seconds(StepShape(batch, batch, context, context,
                                                    kv_gathered=gathered)))  # fmt: skip
     return seconds
+
+
+class DecodeLane:
+    """One replica's parked decodes and its step counter."""
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv = kv
+        self.bs = kv.block_size
+        self.step = 0  # steps the replica has run
+        self._ends = array("d")  # end times of steps _offset + 1, _offset + 2, ...
+        self._offset = 0
+        self._parked: dict[str, _Parked] = {}
+        self._finishes: list[tuple[int, int, str]] = []  # (last step, key, request id)
+        self._longest: list[tuple[int, int, str]] = []  # (-(computed - step), key, id)
+        self._buckets: list[list[tuple[int, str]]] = [[] for _ in range(self.bs)]  # key, id
+        self._context = 0  # sum over parked of computed - step at parking
+        self._keys: dict[str, int] = {}  # request id -> running order (unparked too)
+        self._next_key = itertools.count()
+
+    @property
+    def batch(self) -> int:
+        return len(self._parked)
+
+    def context(self) -> int:
+        """Computed tokens of the parked requests, summed, now."""
+        return self._context + len(self._parked) * self.step
+
+    def longest(self) -> int:
+        """The most computed tokens of a parked request, now (0 if none)."""
+        heap, parked = self._longest, self._parked
+        while heap and heap[0][2] not in parked:
+            heapq.heappop(heap)
+        return self.step - heap[0][0] if heap else 0
+
+    def next_finish(self) -> int:
+        """The step at whose end the next parked request finishes."""
+        return self._finishes[0][0]
+
+    def crossers(self, steps: int) -> int:
+        """Blocks the parked requests need over the next ``steps`` steps."""
+        rounds, rest = divmod(steps, self.bs)
+        buckets, first = self._buckets, self.step + 1
+        return rounds * len(self._parked) + sum(
+            len(buckets[(first + i) % self.bs]) for i in range(rest)
+        )
+
+    # ------------------------------------------------------------ running order
+
+    def order(self, running: Iterable[Request]) -> None:
+        """Give newly admitted requests (at the end of the running list) their keys."""
+        keys = self._keys
+        for r in running:
+            if r.request_id not in keys:
+                keys[r.request_id] = next(self._next_key)
+
+    def forget(self, request_id: str) -> None:
+        """A request left the running list (preempted: it re-enters at the end)."""
+        self._keys.pop(request_id, None)
+
+    # ------------------------------------------------------------ in and out
+
+    def park(self, sched: Scheduler) -> None:
+        """Take every decoding request out of the scheduler's running list."""
+        keep = []
+        for r in sched.running:
+            computed = r.num_computed_tokens
+            if len(r.prompt_token_ids) + len(r.output_token_ids) - computed != 1:
+                keep.append(r)
+                continue
+            rid, step, key = r.request_id, self.step, self._keys[r.request_id]
+            slack = len(self.kv.block_ids(rid)) * self.bs - computed
+            assert 0 <= slack < self.bs, "a decode holds the blocks for its tokens, no more"
+            phase = (step + slack + 1) % self.bs
+            self._parked[rid] = _Parked(r, key, step, computed, phase)
+            left = r.sampling_params.max_tokens - len(r.output_token_ids)
+            heapq.heappush(self._finishes, (step + left, key, rid))
+            heapq.heappush(self._longest, (step - computed, key, rid))
+            bisect.insort(self._buckets[phase], (key, rid))
+            self._context += computed - step
+        sched.running[:] = keep
+
+    def _write(self, p: _Parked, base: int, sched: Scheduler, cache: bool = True) -> list[float]:
+        """Bring a parked request's ``Request`` up to now (``cache``: offer its filled
+        blocks to the prefix cache); its token times since parking."""
+        r, k = p.request, self.step - p.step
+        r.num_computed_tokens = p.computed + k
+        first = base + len(r.prompt_token_ids) + len(r.output_token_ids)
+        r.output_token_ids += range(first, first + k)
+        sched.num_computed_tokens += k
+        if cache:
+            self.kv.cache_computed_blocks(r)
+        lo = p.step - self._offset
+        return self._ends[lo : lo + k].tolist()
+
+    def _drop(self, p: _Parked) -> None:
+        del self._parked[p.request.request_id]
+        self._context -= p.computed - p.step
+        bucket = self._buckets[p.phase]
+        del bucket[bisect.bisect_left(bucket, p.key, key=lambda e: e[0])]
+
+    def finishing(
+        self, bases: dict[str, int], sched: Scheduler, continued: Callable[[str], bool]
+    ) -> list[tuple[Request, list[float]]]:
+        """The parked requests whose last token came with the step just run, written up
+        and back in the running list (in running order) for the scheduler to finish.
+        An answer no later request continues (``continued``) is not hashed into the
+        prefix cache: its token ids are its own, so nobody could ever hit it, and which
+        blocks are freed and evicted when is the same."""
+        out = []
+        heap = self._finishes
+        while heap and heap[0][0] == self.step:
+            _, _, rid = heapq.heappop(heap)
+            p = self._parked[rid]
+            out.append((p.request, self._write(p, bases[rid], sched, continued(rid))))
+            self._drop(p)
+            self._keys.pop(rid)
+            sched.running.append(p.request)
+        self._trim()
+        return out
+
+    def unpark(self, bases: dict[str, int], sched: Scheduler) -> dict[str, list[float]]:
+        """Everyone back in the running list, in running order; their token times."""
+        times = {}
+        for rid, p in self._parked.items():
+            times[rid] = self._write(p, bases[rid], sched)
+        keys = self._keys
+        sched.running[:] = sorted(
+            [p.request for p in self._parked.values()] + sched.running,
+            key=lambda r: keys[r.request_id],
+        )
+        self._parked.clear()
+        self._finishes.clear()
+        self._longest.clear()
+        for bucket in self._buckets:
+            bucket.clear()
+        self._context = 0
+        self._trim()
+        return times
+
+    # ------------------------------------------------------------ steps
+
+    def allocate(self, steps: int) -> None:
+        """Blocks for the parked requests that cross into a new one in the next ``steps``
+        steps, step by step, in running order (enough free blocks checked before)."""
+        buckets, bs, first = self._buckets, self.bs, self.step + 1
+        crossing = [rid for s in range(first, first + steps) for _, rid in buckets[s % bs]]
+        if crossing:
+            self.kv.append_blocks(crossing)
+
+    def ran(self, ends: list[float]) -> None:
+        """Steps ended at ``ends`` (blocks allocated for them before)."""
+        self.step += len(ends)
+        self._ends.extend(ends)
+
+    def _trim(self) -> None:
+        """Drop logged end times no parked request needs."""
+        if not self._parked:
+            self._offset, self._ends = self.step, array("d")
+        elif len(self._ends) > 8192:
+            low = min(p.step for p in self._parked.values())
+            del self._ends[: low - self._offset]
+            self._offset = low

@@ -14,20 +14,24 @@ Events, in time order from one heap:
   that reached their answer length finish (their KV blocks freed and kept in the prefix
   cache, the router told). A conversation's next turn arrives ``think`` seconds after.
 
-Two speeds (``SimConfig.mode``). ``detailed`` runs every step through the scheduler.
-``fleet`` does too whenever the scheduler has a decision to make, but when a replica
-only decodes (nothing waiting that could start, every running request past its
-prefill), it prices the steps up to the next finish at once and schedules one ``bulk``
-event at their end; a request reaching the replica meanwhile cuts the bulk after the
-step in flight, as the running step would end in the detailed mode. Committing a bulk
-hands each request its tokens and KV slots in one go (``allocate_slots(request, k)``),
-so the state is what the detailed mode's steps would have left, and so are the times.
-Finished requests become what a client would have measured (``results.py``).
+Two speeds (``SimConfig.mode``). ``detailed`` runs every step through the scheduler,
+every running request in it. ``fleet`` parks each request that only decodes in the
+replica's ``DecodeLane`` (``fleet.py``): a step counter advances them all, they get
+their KV blocks every ``block_size`` steps and their tokens when they finish. The
+scheduler plans the rest of each step (prefills, admissions) with the parked decodes'
+share of the budget taken out, and a step that might preempt runs with everyone back
+in the scheduler. When a replica has nothing but parked decodes (nothing waiting that
+could start), the steps up to the next finish are priced at once as one ``bulk``
+event; a request reaching the replica meanwhile cuts the bulk after the step in
+flight, as the running step would end in the detailed mode. The times, steps and
+cache contents are the detailed mode's. Finished requests become what a client would
+have measured (``results.py``).
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import gc
 import heapq
 import itertools
@@ -39,6 +43,7 @@ from typing import Any
 from sendpath.bench.client import RequestResult
 from sendpath.bench.report import summarize
 from sendpath.clock import SettableClock, VirtualClock
+from sendpath.config import SchedulerConfig
 from sendpath.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from sendpath.errors import QueueFullError
 from sendpath.gateway.ratelimit import Limits, MemoryLimiter
@@ -49,7 +54,7 @@ from sendpath.router.pool import ReplicaPool
 from sendpath.router.prefix_aware import PrefixAware
 from sendpath.sim.config import ITL_SAMPLE, MODES, SimConfig, SimResult
 from sendpath.sim.cost_model import CostModel, StepShape
-from sendpath.sim.fleet import decode_run
+from sendpath.sim.fleet import DecodeLane, decode_seconds
 from sendpath.sim.results import client_view, token_times
 from sendpath.sim.traffic import SimRequest, Traffic
 from sendpath.trace import EventType
@@ -78,6 +83,7 @@ class _Replica:
     kv_peak: float = 0.0
     bulk: _Bulk | None = None
     epoch: int = 0
+    lane: DecodeLane | None = None  # the fleet mode's parked decodes
 
 
 def _text(ids: list[int]) -> str:
@@ -93,7 +99,10 @@ class Simulator:
         for _ in range(config.replicas):
             clock = SettableClock()
             kv = KVCacheManager(config.num_blocks, config.block_size)
-            self.replicas.append(_Replica(clock, kv, Scheduler(config.scheduler, kv, clock)))
+            lane = DecodeLane(kv) if config.mode == "fleet" else None
+            self.replicas.append(
+                _Replica(clock, kv, Scheduler(config.scheduler, kv, clock), lane=lane)
+            )
         self.pool = ReplicaPool(
             [f"sim://replica-{i}" for i in range(config.replicas)], 1 << 30, VirtualClock()
         )
@@ -111,6 +120,7 @@ class Simulator:
         self._base: dict[str, int] = {}
         self._inflight: dict[str, tuple[SimRequest, int, float]] = {}  # id -> req, replica, sent
         self._bulk_tokens: dict[str, list[list[float]]] = {}  # id -> token times of its bulks
+        self._reduced: dict[int, SchedulerConfig] = {}  # budget left beside n parked decodes
         self._finished_count = 0
         self._itl_every = 1
         self.results: list[RequestResult] = []
@@ -195,7 +205,7 @@ class Simulator:
                                                   status=429))  # fmt: skip
                 return
         route = self._route(req)
-        endpoint = self.policy.choose(route, self.pool.candidates())
+        endpoint = self.policy.choose(route, self.pool.endpoints)  # all up, with room
         self.policy.routed(route, endpoint)
         endpoint.in_flight += 1
         reach = t + config.network_rtt_s / 2 + config.gateway_s + config.route_s
@@ -235,13 +245,25 @@ class Simulator:
         produces is applied when it ends (``done``), as the engine's ``update`` is."""
         rep = self.replicas[index]
         rep.clock.set(t)
-        if self.config.mode == "fleet" and self._start_bulk(rep, index, t):
-            return
+        lane = rep.lane
+        if lane is not None and lane.batch:
+            if self._lane_step(rep, lane, index, t):
+                return
+            self._unpark(rep, lane)
         plan = rep.scheduler.schedule()
+        if lane is not None:
+            for request_id in plan.preempted:
+                lane.forget(request_id)
+            lane.order(rep.scheduler.running)
         if plan.is_empty:
             rep.busy = False
             return
-        seconds = self.cost.step_seconds(StepShape.of(plan, self.config.block_size))
+        self._price(rep, index, t, plan, StepShape.of(plan, self.config.block_size))
+
+    def _price(
+        self, rep: _Replica, index: int, t: float, plan: SchedulerOutput, shape: StepShape
+    ) -> None:
+        seconds = self.cost.step_seconds(shape)
         rep.busy_s += seconds
         self.num_steps += 1
         self._push(t + seconds, "done", (index, plan))
@@ -253,10 +275,19 @@ class Simulator:
         base = self._base
         sampled = {item.request_id: base[item.request_id] + item.start_pos + len(item.token_ids)
                    for item in plan.requests if item.sample}  # fmt: skip
-        for request, _ in rep.scheduler.update(plan, RunnerOutput(sampled)):
+        sched, lane = rep.scheduler, rep.lane
+        new = sched.update(plan, RunnerOutput(sampled))
+        if lane is not None:  # the parked decodes come first in a step, as in the plan
+            lane.ran([t])
+            self._finish_parked(rep, lane, index)
+        for request, _ in new:
             if len(request.output_token_ids) >= request.sampling_params.max_tokens:
-                rep.scheduler.finish_request(request.request_id, RequestStatus.FINISHED)
+                sched.finish_request(request.request_id, RequestStatus.FINISHED)
+                if lane is not None:
+                    lane.forget(request.request_id)
                 self._finished(request, index)
+        if lane is not None:
+            lane.park(sched)
         self._after_step(rep, index)
 
     def _after_step(self, rep: _Replica, index: int) -> None:
@@ -270,20 +301,66 @@ class Simulator:
 
     # ---------------------------------------------------------------- fleet mode
 
-    def _start_bulk(self, rep: _Replica, index: int, t: float) -> bool:
-        """Price the decode steps up to the next finish as one event, when nothing else
-        can happen on this replica before then (else the scheduler takes the step)."""
-        seconds = decode_run(rep.scheduler, self.cost)
-        if seconds is None:
+    def _lane_step(self, rep: _Replica, lane: DecodeLane, index: int, t: float) -> bool:
+        """A step beside parked decodes, when it cannot preempt: only they (a bulk up to
+        the next finish), or they and the scheduler's plan for the rest."""
+        sched, bs = rep.scheduler, self.config.block_size
+        config, batch, free = sched.config, lane.batch, rep.kv.pool.num_free_blocks
+        running = sched.running
+        if not running and not (len(sched.waiting) and batch < config.max_num_seqs):
+            steps = lane.next_finish() - lane.step
+            if lane.crossers(steps) > free:
+                return False  # the cache fills up first: steps, and preemptions, one by one
+            seconds = decode_seconds(self.cost, batch, lane.context(), lane.longest(), steps, bs)
+            ends, now = [], t
+            for dt in seconds:
+                now += dt
+                ends.append(now)
+            rep.epoch += 1
+            rep.bulk = _Bulk(t, ends, rep.epoch)
+            self._push(now, "bulk", (index, rep.epoch))
+            return True
+        budget = config.max_num_batched_tokens - batch
+        if budget <= 0:
+            return False  # the budget runs out within the decodes: the scheduler picks
+        need = lane.crossers(1)
+        block_ids = rep.kv.block_ids
+        for r in running:  # at most their whole chunks: more than they can take
+            left = len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens
+            blocks = -(-(r.num_computed_tokens + min(left, budget)) // bs)
+            need += max(0, blocks - len(block_ids(r.request_id)))
+        if need > free:
             return False
-        ends, now = [], t
-        for dt in seconds:
-            now += dt
-            ends.append(now)
-        rep.epoch += 1
-        rep.bulk = _Bulk(t, ends, rep.epoch)
-        self._push(now, "bulk", (index, rep.epoch))
+        reduced = self._reduced.get(batch)
+        if reduced is None:
+            reduced = self._reduced[batch] = dataclasses.replace(
+                config, max_num_batched_tokens=budget, max_num_seqs=config.max_num_seqs - batch
+            )
+        decodes = (batch, lane.context(), lane.longest())
+        lane.allocate(1)
+        sched.config = reduced
+        try:
+            plan = sched.schedule()
+        finally:
+            sched.config = config
+        assert not plan.preempted
+        lane.order(sched.running)
+        self._price(rep, index, t, plan, StepShape.of(plan, bs, decodes))
         return True
+
+    def _unpark(self, rep: _Replica, lane: DecodeLane) -> None:
+        for request_id, times in lane.unpark(self._base, rep.scheduler).items():
+            self._bulk_tokens.setdefault(request_id, []).append(times)
+
+    def _finish_parked(self, rep: _Replica, lane: DecodeLane, index: int) -> None:
+        for request, times in lane.finishing(self._base, rep.scheduler, self._continued):
+            self._bulk_tokens.setdefault(request.request_id, []).append(times)
+            rep.scheduler.finish_request(request.request_id, RequestStatus.FINISHED)
+            self._finished(request, index)
+
+    def _continued(self, request_id: str) -> bool:
+        """Whether a later turn of the conversation will send this answer back."""
+        return bool(self._inflight[request_id][0].followups)
 
     def _cut(self, rep: _Replica, index: int, t: float) -> None:
         """A request reached the replica at ``t``: the bulk stops after the step in flight."""
@@ -298,46 +375,21 @@ class Simulator:
         self._push(bulk.ends[-1], "bulk", (index, rep.epoch))
 
     def _commit(self, t: float, payload: tuple[int, int]) -> None:
-        """Apply a bulk: every running request gets its k tokens and KV slots at once."""
+        """Apply a bulk: the parked decodes' blocks, step by step, and the finishers."""
         index, epoch = payload
         rep = self.replicas[index]
-        bulk = rep.bulk
+        bulk, lane = rep.bulk, rep.lane
         if bulk is None or bulk.epoch != epoch:
             return  # cut short: a later event commits it
+        assert lane is not None
         rep.bulk = None
-        ends, k = bulk.ends, len(bulk.ends)
+        ends = bulk.ends
         rep.clock.set(ends[-1])
         rep.busy_s += ends[-1] - bulk.start
-        self.num_steps += k
-        sched, kv = rep.scheduler, rep.kv
-        sched.num_computed_tokens += k * len(sched.running)
-        bs = kv.block_size
-        done = []
-        allocate, cache, bases, bulks = (
-            kv.allocate_slots,
-            kv.cache_computed_blocks,
-            self._base,
-            self._bulk_tokens,
-        )
-        for r in sched.running:
-            if allocate(r, k) is None:
-                raise AssertionError("a bulk was priced with blocks it cannot get")
-            rid, output = r.request_id, r.output_token_ids
-            first = bases[rid] + len(r.prompt_token_ids) + len(output)
-            r.num_computed_tokens += k
-            output += range(first, first + k)
-            if r.num_computed_tokens % bs < k:  # a block filled up
-                cache(r)
-            held = bulks.get(rid)
-            if held is None:
-                bulks[rid] = [ends]
-            else:
-                held.append(ends)
-            if len(output) >= r.sampling_params.max_tokens:
-                done.append(r)
-        for r in done:
-            sched.finish_request(r.request_id, RequestStatus.FINISHED)
-            self._finished(r, index)
+        self.num_steps += len(ends)
+        lane.allocate(len(ends))
+        lane.ran(ends)
+        self._finish_parked(rep, lane, index)
         self._after_step(rep, index)
 
     # ---------------------------------------------------------------- results

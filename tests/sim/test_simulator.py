@@ -114,11 +114,18 @@ def test_fleet_mode_gives_the_detailed_modes_answers_with_fewer_scheduler_calls(
         rate=12, num_requests=300, input_len=LengthSpec(32, 512), output_len=LengthSpec(8, 300),
         shared_prefix=64, turns=3, think_s=1.0, tenants=2, seed=5,
     )  # fmt: skip
-    # a cache small enough that requests are preempted now and then
-    for num_blocks in (20_000, 400):
+    # a cache small enough that requests are preempted now and then; a step budget and
+    # a chunk cap small enough that prompts are chunked beside decodes and admissions
+    # (a prompt admitted later can finish first), and a sequence cap that leaves some
+    # waiting while others decode
+    chunked = SchedulerConfig(max_num_seqs=12, max_num_batched_tokens=160,
+                              long_prefill_token_threshold=96)  # fmt: skip
+    for num_blocks, sched in ((20_000, SimConfig().scheduler), (400, SimConfig().scheduler),
+                              (20_000, chunked), (600, chunked)):  # fmt: skip
         runs = {}
         for mode in ("detailed", "fleet"):
-            config = SimConfig(replicas=3, num_blocks=num_blocks, mode=mode, policy="prefix_aware")
+            config = SimConfig(replicas=3, num_blocks=num_blocks, mode=mode,
+                               policy="prefix_aware", scheduler=sched)  # fmt: skip
             sim = Simulator(config, cost)
             calls = 0
             for rep in sim.replicas:
@@ -145,6 +152,27 @@ def test_fleet_mode_gives_the_detailed_modes_answers_with_fewer_scheduler_calls(
         assert fleet[3] == pytest.approx(detailed[3])
         # most steps without the scheduler; a full cache needs it step by step (preemptions)
         assert fleet[2] < detailed[2] / (3 if num_blocks == 20_000 else 1)
+        assert all(rep.lane is not None and not rep.lane.batch for rep in sim.replicas)
+
+
+def test_fleet_mode_keeps_the_running_order_when_a_later_prompt_finishes_first() -> None:
+    # tiny blocks, a tight cache, chunked prompts of mixed lengths and shared prefixes:
+    # requests finishing in one step free their blocks in running (admission) order, and
+    # that order decides what the cache evicts later. Parking a request when its prompt
+    # is done instead of keeping its admission order changes 26 of these answers.
+    traffic = Traffic(rate=20, num_requests=200, input_len=LengthSpec(8, 200),
+                      output_len=LengthSpec(4, 60), shared_prefix=16, turns=3, think_s=0.5,
+                      seed=13)  # fmt: skip
+    sched = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64,
+                            long_prefill_token_threshold=24)  # fmt: skip
+    runs = {}
+    for mode in ("detailed", "fleet"):
+        config = SimConfig(num_blocks=300, block_size=4, mode=mode, scheduler=sched)
+        result = Simulator(config, COST).run(traffic)
+        runs[mode] = {r.request_id: (r.ttft, r.latency) for r in result.results}
+    assert len(runs["detailed"]) == 200
+    for request_id, (ttft, latency) in runs["detailed"].items():
+        assert runs["fleet"][request_id] == pytest.approx((ttft, latency), abs=1e-9)
 
 
 def test_diurnal_traffic_peaks_at_midday_with_the_mean_rate() -> None:
