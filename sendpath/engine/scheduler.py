@@ -129,34 +129,25 @@ class Scheduler:
         """Plan the next step (mutates queues, block tables and request status)."""
         now = self.clock.now()
         budget = self.config.max_num_batched_tokens
-        planned: dict[str, int] = {}  # request id -> tokens this step, in planning order
+        planned: dict[str, tuple[Request, int]] = {}  # id -> tokens this step, in plan order
         preempted: list[str] = []
 
         # 1. running: decodes first, then prefill chunks (each group in running order)
-        decodes: list[tuple[Request, int]] = []  # (request, tokens left to compute)
-        prefills: list[tuple[Request, int]] = []
-        for request in self.running:
+        prefills: list[tuple[Request, int]] = []  # (request, tokens left to compute)
+        for request in list(self.running):  # a snapshot: preemption removes from it
             left = (
                 len(request.prompt_token_ids)
                 + len(request.output_token_ids)
                 - request.num_computed_tokens
             )
-            (prefills if left > 1 else decodes).append((request, left))
-        allocate = self.kv.allocate_slots
-        for request, left in decodes + prefills if prefills else decodes:
-            if budget == 0 or (preempted and request.request_id in preempted):
-                continue
-            n = 1 if left == 1 else self._chunk(left, budget)
-            while allocate(request, n) is None:
-                victim = self._pick_victim(exclude=preempted)
-                self._preempt(victim, now)
-                preempted.append(victim.request_id)
-                budget += planned.pop(victim.request_id, 0)
-                if victim is request:
-                    break
-            else:
-                planned[request.request_id] = n
-                budget -= n
+            if left > 1:
+                prefills.append((request, left))
+            elif budget and not (preempted and request.request_id in preempted):
+                budget = self._plan(request, 1, budget, planned, preempted, now)
+        for request, left in prefills:
+            if budget and not (preempted and request.request_id in preempted):
+                n = self._chunk(left, budget)
+                budget = self._plan(request, n, budget, planned, preempted, now)
 
         # 2. waiting, unless this step had to preempt
         while (
@@ -178,13 +169,12 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.record(EventType.SCHEDULED, now)
             self.running.append(request)
-            planned[request.request_id] = n
+            planned[request.request_id] = (request, n)
             budget -= n
 
         out = SchedulerOutput(preempted=preempted)
-        items, requests, block_ids = out.requests, self.requests, self.kv.block_ids
-        for request_id, n in planned.items():
-            request = requests[request_id]
+        items, block_ids = out.requests, self.kv.block_ids
+        for request_id, (request, n) in planned.items():
             start = request.num_computed_tokens
             end = start + n
             known = len(request.prompt_token_ids) + len(request.output_token_ids)
@@ -196,6 +186,28 @@ class Scheduler:
                 ScheduledRequest(request_id, ids, start, block_ids(request_id), end == known)
             )
         return out
+
+    def _plan(
+        self,
+        request: Request,
+        n: int,
+        budget: int,
+        planned: dict[str, tuple[Request, int]],
+        preempted: list[str],
+        now: float,
+    ) -> int:
+        """Room for ``n`` tokens of a running request, preempting the policy's last
+        requests until it fits (or it was the last); returns the budget left."""
+        allocate = self.kv.allocate_slots
+        while allocate(request, n) is None:
+            victim = self._pick_victim(exclude=preempted)
+            self._preempt(victim, now)
+            preempted.append(victim.request_id)
+            budget += planned.pop(victim.request_id, (victim, 0))[1]
+            if victim is request:
+                return budget
+        planned[request.request_id] = (request, n)
+        return budget - n
 
     def _chunk(self, remaining: int, budget: int) -> int:
         """Tokens to compute this step: what is left, within the budget and the cap on
