@@ -41,45 +41,53 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ``InvalidSamplingParamsError`` naming the first bad field."""
-        checks: list[tuple[bool, str, str]] = [
+        checks: list[tuple[bool, str, str, object]] = [  # messages formatted on failure only
             (
                 _is_int(self.max_tokens) and self.max_tokens >= 1,
                 "max_tokens",
-                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.",
+                "max_tokens must be an integer >= 1, got {!r}.",
+                self.max_tokens,
             ),
             (
                 _is_number(self.temperature) and self.temperature >= 0.0,
                 "temperature",
-                f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}.",
+                "temperature must be >= 0 (0 means greedy), got {!r}.",
+                self.temperature,
             ),
             (
                 _is_number(self.top_p) and 0.0 < self.top_p <= 1.0,
                 "top_p",
-                f"top_p must be in (0, 1], got {self.top_p!r}.",
+                "top_p must be in (0, 1], got {!r}.",
+                self.top_p,
             ),
             (
                 self.top_k is None or (_is_int(self.top_k) and self.top_k >= -1),
                 "top_k",
-                f"top_k must be an integer >= 1, or 0 / -1 to disable it, got {self.top_k!r}.",
+                "top_k must be an integer >= 1, or 0 / -1 to disable it, got {!r}.",
+                self.top_k,
             ),
             (
                 self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64),
                 "seed",
-                f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}.",
+                "seed must be an integer in [-2**63, 2**64), got {!r}.",
+                self.seed,
             ),
             (
                 all(isinstance(s, str) and s for s in self.stop),
                 "stop",
                 "stop must be a list of non-empty strings.",
+                None,
             ),
             (
                 all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                 "stop_token_ids",
                 "stop_token_ids must be a list of token ids (integers >= 0).",
+                None,
             ),
         ]
-        for ok, param, message in checks:
+        for ok, param, message, value in checks:
             if not ok:
+                message = message.format(value)
                 raise InvalidSamplingParamsError(message, param=param)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import itertools
+import operator
 
 from sendpath.bench.client import RequestResult
 from sendpath.request import Request
@@ -68,7 +69,7 @@ def client_view(
         prompt_tokens=request.num_prompt_tokens,
         output_tokens=len(request.output_token_ids),
         ttft=seen[0] + half - sent,
-        itl=[b - a for a, b in itertools.pairwise(seen)] if keep_itl else [],
+        itl=list(map(operator.sub, seen[1:], seen[:-1])) if keep_itl else [],
         latency=end - sent,
         start=sent,
         finish_reason="length",
