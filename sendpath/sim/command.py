@@ -95,8 +95,9 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
         "--mode",
         choices=MODES,
         default="detailed",
-        help="detailed: the scheduler every step; fleet: decode in bulk between "
-        "events (the same answers, faster at scale)",
+        help="detailed: the scheduler every step with every request; fleet: decoding "
+        "requests advanced by a step counter, the scheduler for the rest (the same "
+        "answers, faster at scale)",
     )
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", type=Path, default=None, metavar="FILE")

@@ -11,7 +11,10 @@ here (taken out of the scheduler's running list) it costs nothing per step:
   crosses into a new block, so a step allocates blocks for that bucket only, in
   running order, as the scheduler's decodes would;
 - it finishes at a known step (a heap), when its tokens, block hashes and token times
-  are written into the real ``Request`` and the real scheduler frees it.
+  are written into the real ``Request`` and the real scheduler frees it;
+- one parked with its prompt's last token still to compute (a chunk boundary left one)
+  gets its first token, the timeline events of it and its prompt's last block hashed
+  when that step ends, as the scheduler's ``update`` would.
 
 The scheduler keeps deciding everything else (admissions, prefill chunks, preemption):
 the simulator hands it the replica's unparked requests with the parked decodes' share
@@ -27,17 +30,20 @@ so every time, is the same, as the equality test checks.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import itertools
 from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from sendpath.config import SchedulerConfig
 from sendpath.engine.scheduler import Scheduler
 from sendpath.engine.steps import StepShape
 from sendpath.kvcache.manager import KVCacheManager
 from sendpath.request import Request
 from sendpath.sim.cost_model import CostModel
+from sendpath.trace import EventType
 
 __all__ = ["DecodeLane", "decode_seconds"]
 
@@ -87,6 +93,10 @@ class DecodeLane:
         self._buckets: list[list[tuple[int, str]]] = [[] for _ in range(self.bs)]  # key, id
         self._context = 0  # sum over parked of computed - step at parking
         self._keys: dict[str, int] = {}  # request id -> running order (unparked too)
+        self._first: list[_Parked] = []  # parked before their first token (its step next)
+        self._tidy_at = 64  # heap size / logged steps past which to drop what is stale
+        self._trim_at = 8192
+        self._reduced: dict[tuple[SchedulerConfig, int], SchedulerConfig] = {}
         self._next_key = itertools.count()
 
     @property
@@ -115,6 +125,37 @@ class DecodeLane:
         return rounds * len(self._parked) + sum(
             len(buckets[(first + i) % self.bs]) for i in range(rest)
         )
+
+    def bulk(self, cost: CostModel) -> list[float] | None:
+        """The seconds of each step up to the next finish, when only the parked decode;
+        None when the cache fills up first (then steps, and preemptions, one by one)."""
+        steps = self.next_finish() - self.step
+        if self.crossers(steps) > self.kv.pool.num_free_blocks:
+            return None
+        return decode_seconds(cost, self.batch, self.context(), self.longest(), steps, self.bs)
+
+    def beside(self, sched: Scheduler) -> SchedulerConfig | None:
+        """The scheduler's config for the rest of the next step: the budget and sequence
+        cap less the parked decodes'. None when that step might preempt (or the budget
+        runs out within the decodes): then everyone goes back to the scheduler."""
+        config, batch, bs = sched.config, len(self._parked), self.bs
+        budget = config.max_num_batched_tokens - batch
+        if budget <= 0:
+            return None
+        need = self.crossers(1)
+        block_ids = self.kv.block_ids
+        for r in sched.running:  # at most their whole chunks: more than they can take
+            left = len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens
+            blocks = -(-(r.num_computed_tokens + min(left, budget)) // bs)
+            need += max(0, blocks - len(block_ids(r.request_id)))
+        if need > self.kv.pool.num_free_blocks:
+            return None
+        reduced = self._reduced.get((config, batch))
+        if reduced is None:
+            reduced = self._reduced[config, batch] = dataclasses.replace(
+                config, max_num_batched_tokens=budget, max_num_seqs=config.max_num_seqs - batch
+            )
+        return reduced
 
     # ------------------------------------------------------------ running order
 
@@ -149,7 +190,13 @@ class DecodeLane:
             heapq.heappush(self._longest, (step - computed, key, rid))
             bisect.insort(self._buckets[phase], (key, rid))
             self._context += computed - step
+            if not r.output_token_ids:
+                self._first.append(self._parked[rid])
         sched.running[:] = keep
+        if len(self._longest) > self._tidy_at:  # finished requests' entries
+            self._longest = [e for e in self._longest if e[2] in self._parked]
+            heapq.heapify(self._longest)
+            self._tidy_at = 2 * len(self._longest) + 64
 
     def _write(self, p: _Parked, base: int, sched: Scheduler, cache: bool = True) -> list[float]:
         """Bring a parked request's ``Request`` up to now (``cache``: offer its filled
@@ -201,6 +248,7 @@ class DecodeLane:
             key=lambda r: keys[r.request_id],
         )
         self._parked.clear()
+        self._first.clear()  # their step did not run: the scheduler runs it
         self._finishes.clear()
         self._longest.clear()
         for bucket in self._buckets:
@@ -223,12 +271,20 @@ class DecodeLane:
         """Steps ended at ``ends`` (blocks allocated for them before)."""
         self.step += len(ends)
         self._ends.extend(ends)
+        for p in self._first:  # their prompt's last token was computed in the first step
+            r, at = p.request, ends[0]
+            r.record(EventType.PREFILL_CHUNK, at, 1)
+            r.record(EventType.FIRST_TOKEN, at)
+            r.num_computed_tokens = p.computed + 1
+            self.kv.cache_computed_blocks(r)  # a prompt block it filled: findable now
+        self._first.clear()
 
     def _trim(self) -> None:
         """Drop logged end times no parked request needs."""
         if not self._parked:
             self._offset, self._ends = self.step, array("d")
-        elif len(self._ends) > 8192:
+        elif len(self._ends) > self._trim_at:
             low = min(p.step for p in self._parked.values())
             del self._ends[: low - self._offset]
             self._offset = low
+            self._trim_at = max(8192, 2 * len(self._ends))

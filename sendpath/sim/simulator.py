@@ -20,18 +20,15 @@ replica's ``DecodeLane`` (``fleet.py``): a step counter advances them all, they 
 their KV blocks every ``block_size`` steps and their tokens when they finish. The
 scheduler plans the rest of each step (prefills, admissions) with the parked decodes'
 share of the budget taken out, and a step that might preempt runs with everyone back
-in the scheduler. When a replica has nothing but parked decodes (nothing waiting that
-could start), the steps up to the next finish are priced at once as one ``bulk``
-event; a request reaching the replica meanwhile cuts the bulk after the step in
-flight, as the running step would end in the detailed mode. The times, steps and
-cache contents are the detailed mode's. Finished requests become what a client would
-have measured (``results.py``).
+in the scheduler. While a replica has only parked decodes (and nobody who could start),
+the steps up to the next finish are one ``bulk`` event, cut after the step in flight by
+a request reaching the replica. Times, steps and cache contents are the detailed mode's.
+Finished requests become what a client would have measured (``results.py``).
 """
 
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import gc
 import heapq
 import itertools
@@ -43,7 +40,6 @@ from typing import Any
 from sendpath.bench.client import RequestResult
 from sendpath.bench.report import summarize
 from sendpath.clock import SettableClock, VirtualClock
-from sendpath.config import SchedulerConfig
 from sendpath.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from sendpath.errors import QueueFullError
 from sendpath.gateway.ratelimit import Limits, MemoryLimiter
@@ -54,7 +50,7 @@ from sendpath.router.pool import ReplicaPool
 from sendpath.router.prefix_aware import PrefixAware
 from sendpath.sim.config import ITL_SAMPLE, MODES, SimConfig, SimResult
 from sendpath.sim.cost_model import CostModel, StepShape
-from sendpath.sim.fleet import DecodeLane, decode_seconds
+from sendpath.sim.fleet import DecodeLane
 from sendpath.sim.results import client_view, token_times
 from sendpath.sim.traffic import SimRequest, Traffic
 from sendpath.trace import EventType
@@ -120,7 +116,6 @@ class Simulator:
         self._base: dict[str, int] = {}
         self._inflight: dict[str, tuple[SimRequest, int, float]] = {}  # id -> req, replica, sent
         self._bulk_tokens: dict[str, list[list[float]]] = {}  # id -> token times of its bulks
-        self._reduced: dict[int, SchedulerConfig] = {}  # budget left beside n parked decodes
         self._finished_count = 0
         self._itl_every = 1
         self.results: list[RequestResult] = []
@@ -260,9 +255,8 @@ class Simulator:
             return
         self._price(rep, index, t, plan, StepShape.of(plan, self.config.block_size))
 
-    def _price(
-        self, rep: _Replica, index: int, t: float, plan: SchedulerOutput, shape: StepShape
-    ) -> None:
+    def _price(self, rep: _Replica, index: int, t: float, plan: SchedulerOutput,
+               shape: StepShape) -> None:  # fmt: skip
         seconds = self.cost.step_seconds(shape)
         rep.busy_s += seconds
         self.num_steps += 1
@@ -304,14 +298,12 @@ class Simulator:
     def _lane_step(self, rep: _Replica, lane: DecodeLane, index: int, t: float) -> bool:
         """A step beside parked decodes, when it cannot preempt: only they (a bulk up to
         the next finish), or they and the scheduler's plan for the rest."""
-        sched, bs = rep.scheduler, self.config.block_size
-        config, batch, free = sched.config, lane.batch, rep.kv.pool.num_free_blocks
-        running = sched.running
-        if not running and not (len(sched.waiting) and batch < config.max_num_seqs):
-            steps = lane.next_finish() - lane.step
-            if lane.crossers(steps) > free:
-                return False  # the cache fills up first: steps, and preemptions, one by one
-            seconds = decode_seconds(self.cost, batch, lane.context(), lane.longest(), steps, bs)
+        sched = rep.scheduler
+        config = sched.config
+        if not sched.running and not (len(sched.waiting) and lane.batch < config.max_num_seqs):
+            seconds = lane.bulk(self.cost)
+            if seconds is None:
+                return False
             ends, now = [], t
             for dt in seconds:
                 now += dt
@@ -320,23 +312,10 @@ class Simulator:
             rep.bulk = _Bulk(t, ends, rep.epoch)
             self._push(now, "bulk", (index, rep.epoch))
             return True
-        budget = config.max_num_batched_tokens - batch
-        if budget <= 0:
-            return False  # the budget runs out within the decodes: the scheduler picks
-        need = lane.crossers(1)
-        block_ids = rep.kv.block_ids
-        for r in running:  # at most their whole chunks: more than they can take
-            left = len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens
-            blocks = -(-(r.num_computed_tokens + min(left, budget)) // bs)
-            need += max(0, blocks - len(block_ids(r.request_id)))
-        if need > free:
-            return False
-        reduced = self._reduced.get(batch)
+        reduced = lane.beside(sched)
         if reduced is None:
-            reduced = self._reduced[batch] = dataclasses.replace(
-                config, max_num_batched_tokens=budget, max_num_seqs=config.max_num_seqs - batch
-            )
-        decodes = (batch, lane.context(), lane.longest())
+            return False
+        decodes = (lane.batch, lane.context(), lane.longest())
         lane.allocate(1)
         sched.config = reduced
         try:
@@ -345,7 +324,7 @@ class Simulator:
             sched.config = config
         assert not plan.preempted
         lane.order(sched.running)
-        self._price(rep, index, t, plan, StepShape.of(plan, bs, decodes))
+        self._price(rep, index, t, plan, StepShape.of(plan, self.config.block_size, decodes))
         return True
 
     def _unpark(self, rep: _Replica, lane: DecodeLane) -> None:
@@ -353,14 +332,12 @@ class Simulator:
             self._bulk_tokens.setdefault(request_id, []).append(times)
 
     def _finish_parked(self, rep: _Replica, lane: DecodeLane, index: int) -> None:
-        for request, times in lane.finishing(self._base, rep.scheduler, self._continued):
+        inflight = self._inflight  # an answer is continued if its conversation goes on
+        goes_on = lambda rid: bool(inflight[rid][0].followups)  # noqa: E731
+        for request, times in lane.finishing(self._base, rep.scheduler, goes_on):
             self._bulk_tokens.setdefault(request.request_id, []).append(times)
             rep.scheduler.finish_request(request.request_id, RequestStatus.FINISHED)
             self._finished(request, index)
-
-    def _continued(self, request_id: str) -> bool:
-        """Whether a later turn of the conversation will send this answer back."""
-        return bool(self._inflight[request_id][0].followups)
 
     def _cut(self, rep: _Replica, index: int, t: float) -> None:
         """A request reached the replica at ``t``: the bulk stops after the step in flight."""
@@ -387,8 +364,12 @@ class Simulator:
         rep.clock.set(ends[-1])
         rep.busy_s += ends[-1] - bulk.start
         self.num_steps += len(ends)
-        lane.allocate(len(ends))
-        lane.ran(ends)
+        if len(ends) > 1:  # the cache is fullest before the last step's finishers leave
+            lane.allocate(len(ends) - 1)
+            lane.ran(ends[:-1])
+            rep.kv_peak = max(rep.kv_peak, rep.kv.usage)
+        lane.allocate(1)
+        lane.ran(ends[-1:])
         self._finish_parked(rep, lane, index)
         self._after_step(rep, index)
 
@@ -413,17 +394,7 @@ class Simulator:
             self._limiter.settle(f"tenant-{req.tenant}", self._limits, reserved,
                                  request.num_tokens)  # fmt: skip
         if req.followups:
-            question, out_len = req.followups[0]
-            nxt = SimRequest(
-                f"s{req.session}-{req.turn + 1}",
-                0.0,
-                req.prompt + answer + question,
-                out_len,
-                req.session,
-                req.turn + 1,
-                req.tenant,
-                req.followups[1:],
-            )
             back = self.replicas[index].clock.now() + self.config.network_rtt_s / 2
-            nxt.arrival = back + (self._rng.expovariate(1 / self._think) if self._think else 0)
+            think = self._rng.expovariate(1 / self._think) if self._think else 0.0
+            nxt = req.next_turn(answer, back + think)
             self._push(nxt.arrival, "arrive", nxt)

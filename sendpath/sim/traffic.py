@@ -40,6 +40,14 @@ class SimRequest:
     tenant: int = 0
     followups: list[tuple[list[int], int]] = field(default_factory=list)  # later turns
 
+    def next_turn(self, answer: list[int], arrival: float) -> SimRequest:
+        """The conversation's next request: everything so far, the answer, the next
+        question (``followups`` must not be empty)."""
+        question, out_len = self.followups[0]
+        prompt = self.prompt + answer + question
+        return SimRequest(f"s{self.session}-{self.turn + 1}", arrival, prompt, out_len,
+                          self.session, self.turn + 1, self.tenant, self.followups[1:])  # fmt: skip
+
 
 @dataclass(frozen=True)
 class Traffic:

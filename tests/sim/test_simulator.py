@@ -139,17 +139,19 @@ def test_fleet_mode_gives_the_detailed_modes_answers_with_fewer_scheduler_calls(
                 rep.scheduler.schedule = counted  # type: ignore[method-assign]
             result = sim.run(traffic)
             assert all(r.kv.pool.num_free_blocks == num_blocks for r in sim.replicas)
-            by_id = {r.request_id: (r.ttft, r.latency, r.itl) for r in result.results}
-            runs[mode] = (by_id, result.num_steps, calls, result.busy)
+            by_id = {r.request_id: (r.ttft, r.latency, r.itl, r.timings) for r in result.results}
+            runs[mode] = (by_id, result.num_steps, calls, result.busy, result.kv_peak)
         detailed, fleet = runs["detailed"], runs["fleet"]
         assert len(detailed[0]) == 300
-        for request_id, (ttft, latency, itl) in detailed[0].items():
-            f_ttft, f_latency, f_itl = fleet[0][request_id]
+        for request_id, (ttft, latency, itl, timings) in detailed[0].items():
+            f_ttft, f_latency, f_itl, f_timings = fleet[0][request_id]
             assert f_ttft == pytest.approx(ttft, abs=1e-9)
             assert f_latency == pytest.approx(latency, abs=1e-9)
             assert f_itl == pytest.approx(itl, abs=1e-9)
+            assert f_timings == pytest.approx(timings, abs=1e-6)  # the stages too
         assert fleet[1] == detailed[1]  # the same steps, priced the same
         assert fleet[3] == pytest.approx(detailed[3])
+        assert fleet[4] == detailed[4]  # the peak KV usage
         # most steps without the scheduler; a full cache needs it step by step (preemptions)
         assert fleet[2] < detailed[2] / (3 if num_blocks == 20_000 else 1)
         assert all(rep.lane is not None and not rep.lane.batch for rep in sim.replicas)
@@ -173,6 +175,21 @@ def test_fleet_mode_keeps_the_running_order_when_a_later_prompt_finishes_first()
     assert len(runs["detailed"]) == 200
     for request_id, (ttft, latency) in runs["detailed"].items():
         assert runs["fleet"][request_id] == pytest.approx((ttft, latency), abs=1e-9)
+
+
+def test_fleet_mode_records_the_first_token_of_a_prompt_whose_last_chunk_is_one_token() -> None:
+    # a 64-token budget leaves a 65-token prompt's last token for the next step, where it
+    # decodes like any running request: the stages still say when the prefill ended
+    traffic = Traffic(rate=2, num_requests=50, input_len=LengthSpec(65, 65),
+                      output_len=LengthSpec(20, 20), seed=1)  # fmt: skip
+    sched = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64)
+    runs = {}
+    for mode in ("detailed", "fleet"):
+        config = SimConfig(mode=mode, scheduler=sched)
+        runs[mode] = {r.request_id: r.timings for r in Simulator(config, COST).run(traffic).results}
+    assert runs["detailed"]["s0-0"]["decode"] > 0
+    for request_id, timings in runs["detailed"].items():
+        assert runs["fleet"][request_id] == pytest.approx(timings, abs=1e-6)
 
 
 def test_diurnal_traffic_peaks_at_midday_with_the_mean_rate() -> None:
