@@ -7,14 +7,16 @@ differently:
 
     step = c_step + c_prompt * prompt_tokens + c_prefill * prefill_chunks
            + c_resume * resumed_chunks + c_context * context + c_kv * kv_gathered
-           + (c_ride * decodes            if the step has a prefill chunk
+           + (c_prefilling + c_ride * decodes   if the step has a prefill chunk
               else seqs(decodes))
 
 - ``c_step``: paid once a step whatever its size: the weights are streamed from memory
   once, and every layer's kernels are dispatched from Python once.
 - ``c_prompt``: the matmuls' work per prompt token (about ``2 x params`` FLOPs), in big
   batched GEMMs; ``c_prefill``: per prefill chunk (its own attention call, its mask and
-  context gather, and for a first chunk the request's admission); ``c_resume``: per chunk
+  context gather, and for a first chunk the request's admission); ``c_prefilling``: once
+  a step that runs any prefill chunk (the runner's prompt path: packing the chunks,
+  their masks and positions, their logits rows; since file version 4); ``c_resume``: per chunk
   that does not start at position 0 (a long prompt's later chunk, or the rest of a prompt
   after a prefix-cache hit, as every chat request's system prompt is): the runner
   attends it through an explicit mask, where a chunk from 0 takes the fused causal
@@ -41,7 +43,11 @@ go negative (a negative cost would make some shapes free); each point is weighte
 steps it stands for (a served profile's group of 20 steady decode steps outweighs a
 one-off step). Why the split: with one per-token cost for prompt and decode tokens, 512-
 token prefill chunks were priced 7-10% high and mixed steps 8-19% high, and the simulated
-long-prompt runs came out 10-34% slow (benchmarks/README.md, sim_fidelity). Why bends: on
+long-prompt runs came out 10-34% slow (benchmarks/README.md, sim_fidelity). Why
+``c_prefilling``: without it, a step of 9 chunks was priced as 9 of one (12-18% high) and
+the fit drove ``c_ride`` to 0, so a chat server's mixed steps (one short chunk, 10-20
+decodes of short context riding) were priced 11-14% low; with it, 5 ms a chunk after
+40 ms for the first, and ~3 ms a rider. Why bends: on
 2 CPU cores (SmolLM2-135M, float32) a decode of 4 sequences costs nearly what 8 do (~105
 vs ~115 ms); one slope was 30% off there and the simulated server came out 15-40% fast.
 """
@@ -77,13 +83,15 @@ SPLIT_TERMS = (
     "step",
     "prompt",
     "prefill",
+    "prefilling",
     "resume",
     "context",
     "kv",
     "ride",
 )  # + the decodes' terms
 FORMAT = "sendpath-profile"
-VERSION = 3  # 2: a piecewise-linear per-sequence cost (``seq_knots``); 3: ``split``
+VERSION = 4  # 2: a piecewise-linear per-sequence cost (``seq_knots``); 3: ``split``;
+# 4: ``prefilling`` (0 in a split profile from before)
 
 
 def seq_knots_for(batch_sizes: set[int]) -> tuple[int, ...]:
@@ -127,7 +135,8 @@ def _features(shape: StepShape, knots: tuple[int, ...] = (), split: bool = False
             seqs = [float(alone)]
         else:
             seqs = _bends(alone, knots) if alone else [0.0] * (len(knots) - 1)
-        return [1.0, float(shape.prompt_tokens), float(shape.prefills), float(shape.resumed),
+        return [1.0, float(shape.prompt_tokens), float(shape.prefills),
+                1.0 if shape.prefills else 0.0, float(shape.resumed),
                 float(shape.context_tokens), float(shape.kv_gathered), ride, *seqs]  # fmt: skip
     base = [1.0, float(shape.num_tokens), float(shape.context_tokens), float(shape.kv_tokens)]
     if not knots:
@@ -205,6 +214,8 @@ class Calibrated:
             raise ValueError(f"seq_knots must rise from 1, got {list(knots)}")
         self.seq_knots, self.split = knots, split
         self.terms = _terms(knots, split)
+        if split and "prefilling" not in coefficients:  # fitted before version 4
+            coefficients = {**coefficients, "prefilling": 0.0}
         for term in self.terms:
             value = coefficients.get(term)
             if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
@@ -236,22 +247,27 @@ class Calibrated:
         if len(used) < 2 * len(_terms(knots, split)):
             knots = ()  # too few points to bend: a line
         terms = _terms(knots, split)
-        if len(used) < len(terms):
-            raise ValueError(f"fitting {len(terms)} terms needs as many points, got {len(used)}")
+        # with one chunk in every step that has one, a step's prefill cost and a chunk's
+        # are the same column: the chunk's alone is fitted
+        fitted = [t != "prefilling" or any(p.shape.prefills > 1 for p in used) for t in terms]
+        if len(used) < sum(fitted):
+            raise ValueError(f"fitting {sum(fitted)} terms needs as many points, got {len(used)}")
         if any(p.seconds <= 0 for p in used):
             raise ValueError("every measured step time must be > 0")
         # relative error (row i divided by measured time i, target 1), each point
         # weighted by the steps it stands for: least squares over the steps themselves
         weight = np.sqrt([[max(1, p.steps)] for p in used])
         rows = (
-            np.array([_features(p.shape, knots, split) for p in used])
+            np.array([_features(p.shape, knots, split) for p in used])[:, fitted]
             / np.array([[p.seconds] for p in used])
             * weight
         )
         scale = np.abs(rows).max(axis=0)
         scale[scale == 0] = 1.0  # a term no point exercises stays 0
-        x = nnls(rows / scale, weight[:, 0]) / scale
-        coefficients = dict(zip(terms, (float(v) for v in x), strict=True))
+        x = iter(nnls(rows / scale, weight[:, 0]) / scale)
+        coefficients = {
+            t: float(next(x)) if on else 0.0 for t, on in zip(terms, fitted, strict=True)
+        }
         return cls(coefficients, points, meta, knots, split)
 
     def step_seconds(self, shape: StepShape) -> float:
@@ -333,9 +349,8 @@ class Calibrated:
         if self.split:
             return (
                 "step + prompt*prompt_tokens + prefill*prefills + resume*resumed + "
-                "context*context_tokens + "
-                f"kv*kv_gathered + (ride*decodes with a prefill, else {seqs} over S decodes)"
-                " (seconds)"
+                "context*context_tokens + kv*kv_gathered + (prefilling + ride*decodes with a "
+                f"prefill, else {seqs} over S decodes) (seconds)"
             )
         return (
             "step + token*num_tokens + context*context_tokens + kv*kv_tokens + "

@@ -112,7 +112,8 @@ def print_fit(cal: Calibrated) -> None:
     if cal.split:
         print(
             f"fitted: {c['step'] * 1e3:.2f} ms a step + {c['prompt'] * 1e3:.3f} ms a prompt "
-            f"token + {c['prefill'] * 1e3:.2f} ms a prefill chunk + {c['resume'] * 1e3:.2f} ms "
+            f"token + {c['prefilling'] * 1e3:.2f} ms a step with prefill chunks + "
+            f"{c['prefill'] * 1e3:.2f} ms a chunk + {c['resume'] * 1e3:.2f} ms "
             f"more if it resumes past position 0 + {c['context'] * 1e9:.1f} "
             f"ns a context token attended + {c['kv'] * 1e6:.2f} us a KV token gathered + "
             f"{c['ride'] * 1e3:.3f} ms a decode beside a prefill; decode-only steps: {per_seq}"

@@ -12,9 +12,11 @@ which is what the simulator's back-to-back steps stand for); else its own durati
 
 Prompts are text (common words, about a token each), so the gateway's filters and the
 replica's tokenizer do the work they do for clients, on the same 2 cores as the engine.
-Grid: single prompts of about N tokens (prefill chunks), and B requests with prompts of
+Grid: single prompts of about N tokens (prefill chunks); B requests with prompts of
 about C tokens: one first, the other B-1 at once as soon as it decodes (their prefill
-chunks share steps with the decodes of those admitted first; then B decode). Steps are
+chunks share steps with the decodes of those admitted first; then B decode); and B
+short requests decoding while prompts of a few sizes come one at a time (one chunk with
+B decodes of short context riding, the mixed steps of a chat server). Steps are
 grouped per load and kind (prefill / decode / mixed) and shape size; each group's median
 becomes a point, standing for the group's steps in the fit; every second mixed point is
 held out to check it.
@@ -68,16 +70,24 @@ class ServedGrid:
     contexts: tuple[int, ...]  # of C prompt tokens each
     answer: int  # tokens each answer is long (the decode steps per load)
     chats: int = 16  # chat requests, one at a time, for the output filter's hold (not fitted)
+    # B requests with short prompts decoding while prompts of each ``late`` size come one
+    # at a time: mixed steps of one chunk and B decodes of short context, as a chat
+    # server's are (the B x C loads' decodes all have C tokens of context)
+    riders: tuple[int, ...] = ()
+    late: tuple[int, ...] = ()
 
 
 # about 3 minutes on 2 cores with the built-in model
 DEFAULT_SERVED = ServedGrid(
     prefill=(16, 64, 128, 256, 512, 1024), repeats=3,
     batches=(1, 2, 4, 8, 16, 32, 64), contexts=(64, 512), answer=24,
+    riders=(4, 16, 32), late=(32, 128, 384),
 )  # fmt: skip
 QUICK_SERVED = ServedGrid(
-    prefill=(8, 32), repeats=2, batches=(1, 4), contexts=(16,), answer=32, chats=4
-)
+    prefill=(8, 32), repeats=2, batches=(1, 4), contexts=(16,), answer=32, chats=4,
+    riders=(4,), late=(16,),
+)  # fmt: skip
+RIDER_PROMPT = 16  # tokens of a riding request's prompt
 
 
 PREAMBLE_WORDS = 32  # two KV blocks of a shared prompt start
@@ -184,6 +194,18 @@ class _Driver:
             )
         return await leader
 
+    async def riders(self, model: str, count: int, late: tuple[int, ...], answer: int) -> None:
+        """``count`` short requests, then, once they all decode, one prompt of each
+        ``late`` size at a time (two tokens of answer each), whose prefills ride with
+        their decodes."""
+        started = [asyncio.Event() for _ in range(count)]
+        riding = [asyncio.create_task(self.one(model, RIDER_PROMPT, answer, first))
+                  for first in started]  # fmt: skip
+        await asyncio.gather(*(first.wait() for first in started))
+        for tokens in late:
+            await self.one(model, tokens, 2)
+        await asyncio.gather(*riding)
+
 
 def hold_shares(holds: list[int]) -> list[float] | None:
     """``SimConfig.first_token_hold`` from measured holds: the share held h tokens."""
@@ -262,14 +284,24 @@ async def _profile(
         loads += [
             (f"{b} x {c}", b, c, grid.answer, False) for c in grid.contexts for b in grid.batches
         ]
+        # riders outlast the late prompts (each a few of their steps, sent one at a time)
+        ride = grid.answer + 8 * len(grid.late)
+        loads += [(f"{b} riding", b, RIDER_PROMPT, ride, False) for b in grid.riders]
         for label, count, tokens, answer, cached_prefix in loads:
-            if count > engine["max_num_seqs"] or count * (tokens + answer + 16) > capacity:
+            riding = label.endswith("riding")  # and one late prompt at a time
+            extra = max(grid.late, default=0) + 2 if riding else 0
+            if count + riding > engine["max_num_seqs"] or (
+                count * (tokens + answer + 16) + extra > capacity
+            ):
                 skipped.append(label)
                 continue
-            if tokens + answer > engine["max_model_len"]:
+            if max(tokens, extra) + answer > engine["max_model_len"]:
                 skipped.append(label)
                 continue
-            if count == 1:
+            if riding:
+                ttft = 0.0
+                await driver.riders(model, count, grid.late, answer)
+            elif count == 1:
                 ttft = await driver.one(model, tokens, answer, cached_prefix=cached_prefix)
             else:
                 ttft = await driver.load(model, count, tokens, answer)

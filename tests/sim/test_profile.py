@@ -104,7 +104,7 @@ def test_save_and_load_round_trip(tmp_path: Path) -> None:
         (None, "no such file"),
         ("{not json", "not JSON"),
         ('{"coefficients_s": {}}', "not a sendpath-profile file"),
-        ('{"format": "sendpath-profile", "version": 9}', "version 9, expected 1 to 3"),
+        ('{"format": "sendpath-profile", "version": 9}', "version 9, expected 1 to 4"),
         ('{"format": "sendpath-profile", "version": 1}', "malformed"),
         ('{"format": "sendpath-profile", "version": 1, "coefficients_s": {"step": -1}}',
          "malformed"),
@@ -242,11 +242,13 @@ def test_the_per_sequence_cost_may_bend_at_each_batch_size(
 
 
 def test_a_split_fit_prices_prompt_chunks_resumed_chunks_and_riding_decodes_apart() -> None:
-    # what the CPU runner does: a chunk resuming past 0 takes the masked path; decodes
-    # beside a prefill ride in its matmuls; decode-only steps bend by batch size
+    # what the CPU runner does: a step with prompt chunks takes their path once, then a
+    # little per chunk; a chunk resuming past 0 takes the masked path; decodes beside a
+    # prefill ride in its matmuls; decode-only steps bend by batch size
     truth = Calibrated(
-        {"step": 0.045, "prompt": 0.0014, "prefill": 0.025, "resume": 0.02, "context": 6e-7,
-         "kv": 9e-6, "ride": 0.004, "seqs@2": 0.022, "seqs@4": 0.06, "seqs@8": 0.068},
+        {"step": 0.045, "prompt": 0.0014, "prefill": 0.005, "prefilling": 0.03, "resume": 0.02,
+         "context": 6e-7, "kv": 9e-6, "ride": 0.004, "seqs@2": 0.022, "seqs@4": 0.06,
+         "seqs@8": 0.068},
         seq_knots=(1, 2, 4, 8), split=True,
     )  # fmt: skip
 
@@ -267,6 +269,12 @@ def test_a_split_fit_prices_prompt_chunks_resumed_chunks_and_riding_decodes_apar
     shapes += [(PointKind.DECODE, decode(b, c)) for b in (1, 2, 3, 4, 6, 8) for c in (64, 512)]
     shapes += [(PointKind.MIXED, mixed(b, 300, n, s)) for b in (2, 8) for n in (64, 256)
                for s in (0, 32)]  # fmt: skip
+    for chunks in (2, 4):  # several prompts' chunks in one step, 3 decodes riding (fitted)
+        one = mixed(3, 100, 48, 0)
+        shapes.append((PointKind.PREFILL, StepShape(
+            48 * chunks + 3, 3 + chunks, one.context_tokens + (chunks - 1) * 48 * 49 // 2,
+            one.kv_tokens + (chunks - 1) * 48, 48 * chunks, chunks, 0,
+            one.kv_gathered + (chunks - 1) * 48)))  # fmt: skip
     points = [ProfilePoint(k, f"p{i}", s, truth.step_seconds(s)) for i, (k, s) in
               enumerate(shapes)]  # fmt: skip
     fitted = Calibrated.fit(points)
@@ -274,6 +282,10 @@ def test_a_split_fit_prices_prompt_chunks_resumed_chunks_and_riding_decodes_apar
     for term, value in truth.coefficients.items():
         assert fitted.coefficients[term] == pytest.approx(value, rel=1e-6, abs=1e-12)
     assert fitted.held_out.count(True) == 4  # every second mixed step checks the fit
+    # with a single chunk in every step, a step's prefill cost is a chunk's: one term
+    singles = Calibrated.fit([p for p in points if p.shape.prefills < 2])
+    assert singles.coefficients["prefilling"] == 0
+    assert singles.coefficients["prefill"] == pytest.approx(0.035, rel=1e-6)
     held = fitted.error(held_out=True)
     assert held is not None and held.max < 1e-9
     # a resumed 100-token chunk costs ``resume`` more than one from position 0

@@ -44,6 +44,10 @@ def test_a_served_profile_fits_prefill_decode_and_holds_out_mixed_steps(
         assert all(p.seconds > 0 for p in cal.points)
         assert cal.meta["engine"]["num_blocks"] == BLOCKS and cal.device.startswith("served: cpu")
         assert all(cal.step_seconds(p.shape) > 0 for p in cal.points)
+        # the late prompt's chunk shared a step with the 4 short requests' decodes
+        riding = [p for p in cal.points if p.label.startswith("4 riding: mixed")]
+        assert any(p.shape.prefills == 1 and p.shape.num_seqs == 5
+                   and p.shape.prompt_tokens >= 8 for p in riding), riding  # fmt: skip
         assert server.idle()  # every request finished, every block back
         out = tmp_path / "served.json"
         assert main(["profile", "--url", server.url, "--quick", "--out", str(out)]) == 0
