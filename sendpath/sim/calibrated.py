@@ -46,8 +46,9 @@ token prefill chunks were priced 7-10% high and mixed steps 8-19% high, and the 
 long-prompt runs came out 10-34% slow (benchmarks/README.md, sim_fidelity). Why
 ``c_prefilling``: without it, a step of 9 chunks was priced as 9 of one (12-18% high) and
 the fit drove ``c_ride`` to 0, so a chat server's mixed steps (one short chunk, 10-20
-decodes of short context riding) were priced 11-14% low; with it, 5 ms a chunk after
-40 ms for the first, and ~3 ms a rider. Why bends: on
+decodes of short context riding) were priced 11-14% low; with it (and the served
+profile's riding loads), ~39 ms a step with chunks, ~14 ms a chunk, ~3 ms a rider.
+Why bends: on
 2 CPU cores (SmolLM2-135M, float32) a decode of 4 sequences costs nearly what 8 do (~105
 vs ~115 ms); one slope was 30% off there and the simulated server came out 15-40% fast.
 """
