@@ -100,6 +100,7 @@ def simulate(run: Run) -> tuple[SimResult, dict[str, Any]]:
             "replicas": config.replicas,
             "tp": run.tp,
             "policy": config.policy,
+            "mode": config.mode,
             "kv_blocks_per_replica": config.num_blocks,
             "utilization": [round(b / result.duration, 4) for b in result.busy],
             "kv_peak_usage": [round(k, 4) for k in result.kv_peak],
