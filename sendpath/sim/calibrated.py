@@ -40,17 +40,11 @@ straight ``c_seq * num_seqs``) and still load.
 Coefficients are fitted by non-negative least squares on relative error (each row divided
 by its measured time), so a 40 ms decode counts as much as a 2 s prefill and no term can
 go negative (a negative cost would make some shapes free); each point is weighted by the
-steps it stands for (a served profile's group of 20 steady decode steps outweighs a
-one-off step). Why the split: with one per-token cost for prompt and decode tokens, 512-
-token prefill chunks were priced 7-10% high and mixed steps 8-19% high, and the simulated
-long-prompt runs came out 10-34% slow (benchmarks/README.md, sim_fidelity). Why
-``c_prefilling``: without it, a step of 9 chunks was priced as 9 of one (12-18% high) and
-the fit drove ``c_ride`` to 0, so a chat server's mixed steps (one short chunk, 10-20
-decodes of short context riding) were priced 11-14% low; with it (and the served
-profile's riding loads), ~39 ms a step with chunks, ~14 ms a chunk, ~3 ms a rider.
-Why bends: on
-2 CPU cores (SmolLM2-135M, float32) a decode of 4 sequences costs nearly what 8 do (~105
-vs ~115 ms); one slope was 30% off there and the simulated server came out 15-40% fast.
+steps it stands for. Why each piece (benchmarks/README.md, sim_fidelity, has the runs):
+the split, because one per-token cost priced 512-token chunks 7-10% high and long-prompt
+runs came out 10-34% slow; ``c_prefilling``, because without it 9 chunks in a step were
+priced as 9 steps' worth and ``c_ride`` fitted to 0 (chat mixed steps 11-14% low); bends,
+because on 2 CPU cores 4 decodes cost nearly what 8 do (one slope was 30% off there).
 """
 
 from __future__ import annotations
