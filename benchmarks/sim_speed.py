@@ -1,6 +1,7 @@
 """How fast the simulator runs: simulated requests per wall-clock second on one core, in
-the detailed mode (the scheduler every step) and the fleet mode (decode in bulk between
-events), beside Vidur 0.0.26 on the same workload in the same run.
+the detailed mode (the scheduler every step with every request) and the fleet mode
+(decoding requests parked and advanced by a step counter), beside Vidur 0.0.26 on the
+same workload in the same run.
 
 Workload: Llama-3.1-8B (roofline, H100), Poisson arrivals at about 70% of the fleet's
 capacity, every prompt ``--prefill`` tokens and every answer ``--decode`` tokens (Vidur's

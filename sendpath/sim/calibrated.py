@@ -63,27 +63,12 @@ import numpy as np
 from sendpath.engine.steps import StepShape
 from sendpath.sim.nnls import nnls
 
-__all__ = [
-    "TERMS",
-    "Calibrated",
-    "CostModelFileError",
-    "FitError",
-    "PointKind",
-    "ProfilePoint",
-    "StepShape",
-]
+__all__ = ["TERMS", "Calibrated", "CostModelFileError", "FitError", "PointKind", "ProfilePoint",
+           "StepShape"]  # fmt: skip
 
 TERMS = ("step", "token", "seq", "context", "kv")  # the linear form
-SPLIT_TERMS = (
-    "step",
-    "prompt",
-    "prefill",
-    "prefilling",
-    "resume",
-    "context",
-    "kv",
-    "ride",
-)  # + the decodes' terms
+SPLIT_TERMS = ("step", "prompt", "prefill", "prefilling", "resume", "context", "kv",
+               "ride")  # + the decodes' terms  # fmt: skip
 FORMAT = "sendpath-profile"
 VERSION = 4  # 2: a piecewise-linear per-sequence cost (``seq_knots``); 3: ``split``;
 # 4: ``prefilling`` (0 in a split profile from before)
@@ -239,12 +224,13 @@ class Calibrated:
         if not split:
             alone = {p.shape.num_seqs for p in used}
         knots = seq_knots_for(alone) if piecewise else ()
-        if len(used) < 2 * len(_terms(knots, split)):
+        multi = any(p.shape.prefills > 1 for p in used)  # else ``prefilling`` is not fitted
+        if len(used) < 2 * (len(_terms(knots, split)) - (split and not multi)):
             knots = ()  # too few points to bend: a line
         terms = _terms(knots, split)
         # with one chunk in every step that has one, a step's prefill cost and a chunk's
         # are the same column: the chunk's alone is fitted
-        fitted = [t != "prefilling" or any(p.shape.prefills > 1 for p in used) for t in terms]
+        fitted = [t != "prefilling" or multi for t in terms]
         if len(used) < sum(fitted):
             raise ValueError(f"fitting {sum(fitted)} terms needs as many points, got {len(used)}")
         if any(p.seconds <= 0 for p in used):
@@ -395,6 +381,9 @@ class Calibrated:
             split = data.get("split", False)
             if not isinstance(split, bool):
                 raise TypeError(f"split must be true or false, got {split!r}")
-            return cls(data["coefficients_s"], points, meta, data.get("seq_knots", []), split)
+            coefficients = data["coefficients_s"]
+            if split and data["version"] >= 4 and "prefilling" not in coefficients:
+                raise KeyError("prefilling")  # only files from before version 4 lack it
+            return cls(coefficients, points, meta, data.get("seq_knots", []), split)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CostModelFileError(path, f"malformed ({type(exc).__name__}: {exc})") from None

@@ -166,19 +166,25 @@ class _Driver:
         else:
             body["prompt"] = prompt
         path = "/v1/chat/completions" if chat else "/v1/completions"
-        async with self.client.stream("POST", path, json=body) as r:
-            if r.status_code != 200:
-                text = (await r.aread()).decode(errors="replace")
-                raise ServedProfileError(f"a request was refused ({r.status_code}): {text[:300]}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                if not ttft:
-                    ttft = time.perf_counter() - sent
-                    if first is not None:
-                        first.set()
-                if chat and '"first_token_held"' in line:  # the last event, from a gateway
-                    self.holds.append(int(json.loads(line[5:])["first_token_held"]))
+        try:
+            async with self.client.stream("POST", path, json=body) as r:
+                if r.status_code != 200:
+                    text = (await r.aread()).decode(errors="replace")
+                    raise ServedProfileError(
+                        f"a request was refused ({r.status_code}): {text[:300]}"
+                    )
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    if not ttft:
+                        ttft = time.perf_counter() - sent
+                        if first is not None:
+                            first.set()
+                    if chat and '"first_token_held"' in line:  # the last event, a gateway's
+                        self.holds.append(int(json.loads(line[5:])["first_token_held"]))
+        finally:
+            if first is not None:
+                first.set()  # whoever waits for it goes on (and meets the error, if any)
         return ttft
 
     async def load(self, model: str, count: int, prompt_tokens: int, answer: int) -> float:
@@ -289,13 +295,13 @@ async def _profile(
         loads += [(f"{b} riding", b, RIDER_PROMPT, ride, False) for b in grid.riders]
         for label, count, tokens, answer, cached_prefix in loads:
             riding = label.endswith("riding")  # and one late prompt at a time
-            extra = max(grid.late, default=0) + 2 if riding else 0
+            late = max(grid.late, default=0) + 2 if riding else 0  # its tokens
             if count + riding > engine["max_num_seqs"] or (
-                count * (tokens + answer + 16) + extra > capacity
+                count * (tokens + answer + 16) + (late + 16 if late else 0) > capacity
             ):
                 skipped.append(label)
                 continue
-            if max(tokens, extra) + answer > engine["max_model_len"]:
+            if max(tokens + answer, late) > engine["max_model_len"]:
                 skipped.append(label)
                 continue
             if riding:

@@ -98,6 +98,24 @@ def test_save_and_load_round_trip(tmp_path: Path) -> None:
     assert [p["kind"] for p in data["points"]].count("mixed") == 1
 
 
+def test_a_split_profile_from_before_version_4_loads_with_its_old_prices(
+    tmp_path: Path,
+) -> None:
+    split = {"step": 0.04, "prompt": 0.0015, "prefill": 0.03, "resume": 0.02, "context": 1e-9,
+             "kv": 1e-5, "ride": 0.002, "seq": 0.01}  # fmt: skip
+    v4 = Calibrated(split, split=True)
+    assert v4.coefficients["prefilling"] == 0  # none given: none fitted
+    data = {**v4.to_json(), "version": 3, "coefficients_s": split}  # no prefilling key
+    (tmp_path / "v3.json").write_text(json.dumps(data))
+    old = Calibrated.load(tmp_path / "v3.json")
+    shape = StepShape(70, 3, 2000, 300, 64, 1, 0, 300)
+    assert old.step_seconds(shape) == pytest.approx(0.04 + 64 * 0.0015 + 0.03 + 2e-6 + 3e-3
+                                                    + 2 * 0.002)  # fmt: skip
+    (tmp_path / "v4.json").write_text(json.dumps({**data, "version": 4}))
+    with pytest.raises(CostModelFileError, match="prefilling"):
+        Calibrated.load(tmp_path / "v4.json")  # a version 4 file has it
+
+
 @pytest.mark.parametrize(
     ("content", "problem"),
     [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import httpx
@@ -14,6 +15,7 @@ from sendpath.sim.cost_model import Calibrated, PointKind
 from sendpath.sim.profile_served import (
     QUICK_SERVED,
     ServedProfileError,
+    _Driver,
     profile_served,
 )
 from tests.gateway.conftest import gateway
@@ -79,3 +81,19 @@ def test_an_unreachable_server_is_a_clear_error(capsys: pytest.CaptureFixture[st
         profile_served("http://127.0.0.1:9", grid=QUICK_SERVED)
     assert main(["profile", "--url", "http://127.0.0.1:9", "--quick"]) == 2
     assert "cannot reach" in capsys.readouterr().err
+
+
+def test_a_refused_request_ends_the_profile_with_its_error_not_a_hang() -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(503, json={"error": {"message": "queue full"}})
+
+    async def ride() -> None:
+        driver = _Driver("http://server.test", None)
+        driver.client = httpx.AsyncClient(transport=httpx.MockTransport(refuse),
+                                          base_url="http://server.test")  # fmt: skip
+        async with driver.client:
+            # the riders wait for each other's first token: a refusal must not leave them
+            await asyncio.wait_for(driver.riders("m", 4, (16,), 8), timeout=10)
+
+    with pytest.raises(ServedProfileError, match="refused \\(503\\)"):
+        asyncio.run(ride())
