@@ -100,11 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Load the engine `sendpath replica` would run with the same flags (the "
         "built-in SmolLM2-135M by default), time one engine step (schedule + forward + update) "
         "over a grid of prefill chunks, decode batches and context lengths, fit step = c_step "
-        "+ c_token*tokens + c_context*attended + c_kv*KV read + seqs(batch size, a line through "
-        "each measured batch size) (non-negative least squares on relative error; mixed steps "
-        "held out to check it), print measured vs fitted and write the model as JSON. About 2 "
-        "minutes on 2 idle CPU cores (steps that other processes slow are retaken). With --url, "
-        "fit the steps a running server logs while it serves a grid of loads instead.",
+        "+ c_prompt*prompt tokens + c_prefilling (a step with prompt chunks) + c_prefill*chunks "
+        "+ c_resume*chunks past position 0 + c_context*attended + c_kv*KV gathered + the "
+        "decodes' cost (c_ride each beside a prefill chunk, else seqs(batch size), a line "
+        "through each measured batch size) by non-negative least squares on relative error "
+        "(every second mixed step held out to check it), print measured vs fitted and write "
+        "the model as JSON (sim/calibrated.py explains the terms). About 2 minutes on 2 idle "
+        "CPU cores (steps that other processes slow are retaken). With --url, fit the steps a "
+        "running server logs while it serves a grid of loads instead (single prompts, B at "
+        "once, B short requests decoding while prompts arrive; about 3 minutes).",
     )
     add_profile_args(prof)
     srv = sub.add_parser(
