@@ -125,10 +125,15 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
 
-    def schedule(self) -> SchedulerOutput:
-        """Plan the next step (mutates queues, block tables and request status)."""
+    def schedule(self, beside: int = 0) -> SchedulerOutput:
+        """Plan the next step (mutates queues, block tables and request status).
+
+        ``beside``: decodes the step carries that are not in the running list (the fleet
+        simulator's parked ones, their blocks taken): a token of the budget and a
+        sequence slot each, planned before everyone here."""
         now = self.clock.now()
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens - beside
+        max_seqs = self.config.max_num_seqs - beside
         planned: dict[str, tuple[Request, int]] = {}  # id -> tokens this step, in plan order
         preempted: list[str] = []
 
@@ -150,12 +155,7 @@ class Scheduler:
                 budget = self._plan(request, n, budget, planned, preempted, now)
 
         # 2. waiting, unless this step had to preempt
-        while (
-            not preempted
-            and len(self.waiting)
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
+        while not preempted and len(self.waiting) and budget > 0 and len(self.running) < max_seqs:
             request = self.waiting.peek()
             hits, num_hit = self.kv.get_computed_blocks(request)
             n = self._chunk(request.num_tokens - num_hit, budget)

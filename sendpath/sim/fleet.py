@@ -30,14 +30,12 @@ so every time, is the same, as the equality test checks.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import heapq
 import itertools
 from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from sendpath.config import SchedulerConfig
 from sendpath.engine.scheduler import Scheduler
 from sendpath.engine.steps import StepShape
 from sendpath.kvcache.manager import KVCacheManager
@@ -96,7 +94,6 @@ class DecodeLane:
         self._first: list[_Parked] = []  # parked before their first token (its step next)
         self._tidy_at = 64  # heap size / logged steps past which to drop what is stale
         self._trim_at = 8192
-        self._reduced: dict[tuple[SchedulerConfig, int], SchedulerConfig] = {}
         self._next_key = itertools.count()
 
     @property
@@ -134,28 +131,21 @@ class DecodeLane:
             return None
         return decode_seconds(cost, self.batch, self.context(), self.longest(), steps, self.bs)
 
-    def beside(self, sched: Scheduler) -> SchedulerConfig | None:
-        """The scheduler's config for the rest of the next step: the budget and sequence
-        cap less the parked decodes'. None when that step might preempt (or the budget
-        runs out within the decodes): then everyone goes back to the scheduler."""
-        config, batch, bs = sched.config, len(self._parked), self.bs
-        budget = config.max_num_batched_tokens - batch
+    def beside(self, sched: Scheduler) -> bool:
+        """Whether the scheduler can plan the rest of the next step beside the parked
+        decodes (``schedule(beside=batch)``): not when that step might preempt, or when
+        the budget runs out within the decodes; then everyone goes back to it."""
+        batch, bs = len(self._parked), self.bs
+        budget = sched.config.max_num_batched_tokens - batch
         if budget <= 0:
-            return None
+            return False
         need = self.crossers(1)
         block_ids = self.kv.block_ids
         for r in sched.running:  # at most their whole chunks: more than they can take
             left = len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens
             blocks = -(-(r.num_computed_tokens + min(left, budget)) // bs)
             need += max(0, blocks - len(block_ids(r.request_id)))
-        if need > self.kv.pool.num_free_blocks:
-            return None
-        reduced = self._reduced.get((config, batch))
-        if reduced is None:
-            reduced = self._reduced[config, batch] = dataclasses.replace(
-                config, max_num_batched_tokens=budget, max_num_seqs=config.max_num_seqs - batch
-            )
-        return reduced
+        return need <= self.kv.pool.num_free_blocks
 
     # ------------------------------------------------------------ running order
 

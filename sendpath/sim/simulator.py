@@ -19,10 +19,11 @@ every running request in it. ``fleet`` parks each request that only decodes in t
 replica's ``DecodeLane`` (``fleet.py``): a step counter advances them all, they get
 their KV blocks every ``block_size`` steps and their tokens when they finish. The
 scheduler plans the rest of each step (prefills, admissions) with the parked decodes'
-share of the budget taken out, and a step that might preempt runs with everyone back
-in the scheduler. While a replica has only parked decodes (and nobody who could start),
-the steps up to the next finish are one ``bulk`` event, cut after the step in flight by
-a request reaching the replica. Times, steps and cache contents are the detailed mode's.
+share of the budget and slots taken out (``schedule(beside=n)``), and a step that might
+preempt runs with everyone back in the scheduler. While a replica has only parked
+decodes (and nobody who could start), the steps up to the next finish are one ``bulk``
+event, cut after the step in flight by a request reaching the replica. Times, steps and
+cache contents are the detailed mode's.
 Finished requests become what a client would have measured (``results.py``).
 """
 
@@ -299,8 +300,9 @@ class Simulator:
         """A step beside parked decodes, when it cannot preempt: only they (a bulk up to
         the next finish), or they and the scheduler's plan for the rest."""
         sched = rep.scheduler
-        config = sched.config
-        if not sched.running and not (len(sched.waiting) and lane.batch < config.max_num_seqs):
+        if not sched.running and not (
+            len(sched.waiting) and lane.batch < sched.config.max_num_seqs
+        ):
             seconds = lane.bulk(self.cost)
             if seconds is None:
                 return False
@@ -312,16 +314,11 @@ class Simulator:
             rep.bulk = _Bulk(t, ends, rep.epoch)
             self._push(now, "bulk", (index, rep.epoch))
             return True
-        reduced = lane.beside(sched)
-        if reduced is None:
+        if not lane.beside(sched):
             return False
         decodes = (lane.batch, lane.context(), lane.longest())
         lane.allocate(1)
-        sched.config = reduced
-        try:
-            plan = sched.schedule()
-        finally:
-            sched.config = config
+        plan = sched.schedule(beside=lane.batch)
         assert not plan.preempted
         lane.order(sched.running)
         self._price(rep, index, t, plan, StepShape.of(plan, self.config.block_size, decodes))

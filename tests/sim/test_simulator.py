@@ -131,10 +131,10 @@ def test_fleet_mode_gives_the_detailed_modes_answers_with_fewer_scheduler_calls(
             for rep in sim.replicas:
                 real = rep.scheduler.schedule
 
-                def counted(real: Any = real) -> Any:
+                def counted(beside: int = 0, real: Any = real) -> Any:
                     nonlocal calls
                     calls += 1
-                    return real()
+                    return real(beside)
 
                 rep.scheduler.schedule = counted  # type: ignore[method-assign]
             result = sim.run(traffic)
