@@ -8,6 +8,7 @@ differently:
     step = c_step + c_prompt * prompt_tokens + c_prefill * prefill_chunks
            + c_resume * resumed_chunks + c_context * context + c_kv * kv_gathered
            + (c_prefilling + c_ride * decodes   if the step has a prefill chunk
+              + c_riding                      and any decode beside it
               else seqs(decodes))
 
 - ``c_step``: paid once a step whatever its size: the weights are streamed from memory
@@ -29,6 +30,9 @@ differently:
 - ``c_ride``: a decode in a step that also runs a prefill chunk: its rows ride in the
   chunk's GEMMs, so it costs far less than in a decode-only step (0.1-4 ms in this CPU's
   fits, against 3-25 ms a sequence in a decode-only step).
+- ``c_riding``: once a step that runs decodes beside prompt chunks (since file version
+  5): the decodes' own attention call in every layer, which a prompt-only step skips and
+  a decode-only step pays in ``c_step`` (~33 ms in this CPU's fits).
 - ``c_context``: attention FLOPs, ``sum over tokens of the positions each attends to``
   (quadratic in a prefill chunk, linear in a decode's context).
 - ``c_kv``: KV the runner gathers for attention once a step: each chunk's context, and
@@ -43,7 +47,9 @@ go negative (a negative cost would make some shapes free); each point is weighte
 steps it stands for. Why each piece (benchmarks/README.md, sim_fidelity, has the runs):
 the split, because one per-token cost priced 512-token chunks 7-10% high and long-prompt
 runs came out 10-34% slow; ``c_prefilling``, because without it 9 chunks in a step were
-priced as 9 steps' worth and ``c_ride`` fitted to 0 (chat mixed steps 11-14% low); bends,
+priced as 9 steps' worth and ``c_ride`` fitted to 0 (chat mixed steps 11-14% low);
+``c_riding``, because without it a short prompt's step beside a few decodes (a chat
+server's usual step) was priced 15% low in the profile and 3-5% low in served runs; bends,
 because on 2 CPU cores 4 decodes cost nearly what 8 do (one slope was 30% off there).
 """
 
@@ -68,10 +74,10 @@ __all__ = ["TERMS", "Calibrated", "CostModelFileError", "FitError", "PointKind",
 
 TERMS = ("step", "token", "seq", "context", "kv")  # the linear form
 SPLIT_TERMS = ("step", "prompt", "prefill", "prefilling", "resume", "context", "kv",
-               "ride")  # + the decodes' terms  # fmt: skip
+               "ride", "riding")  # + the decodes' terms  # fmt: skip
 FORMAT = "sendpath-profile"
-VERSION = 4  # 2: a piecewise-linear per-sequence cost (``seq_knots``); 3: ``split``;
-# 4: ``prefilling`` (0 in a split profile from before)
+VERSION = 5  # 2: a piecewise-linear per-sequence cost (``seq_knots``); 3: ``split``
+ADDED = {"prefilling": 4, "riding": 5}  # split terms since version N (0 in older files)
 
 
 def seq_knots_for(batch_sizes: set[int]) -> tuple[int, ...]:
@@ -110,6 +116,7 @@ def _features(shape: StepShape, knots: tuple[int, ...] = (), split: bool = False
     if split:
         decodes = shape.num_seqs - shape.prefills
         ride = float(decodes) if shape.prefills else 0.0
+        riding = 1.0 if ride else 0.0
         alone = 0 if shape.prefills else decodes  # a decode-only step's sequences
         if not knots:
             seqs = [float(alone)]
@@ -117,7 +124,8 @@ def _features(shape: StepShape, knots: tuple[int, ...] = (), split: bool = False
             seqs = _bends(alone, knots) if alone else [0.0] * (len(knots) - 1)
         return [1.0, float(shape.prompt_tokens), float(shape.prefills),
                 1.0 if shape.prefills else 0.0, float(shape.resumed),
-                float(shape.context_tokens), float(shape.kv_gathered), ride, *seqs]  # fmt: skip
+                float(shape.context_tokens), float(shape.kv_gathered), ride, riding,
+                *seqs]  # fmt: skip
     base = [1.0, float(shape.num_tokens), float(shape.context_tokens), float(shape.kv_tokens)]
     if not knots:
         return [base[0], base[1], float(shape.num_seqs), base[2], base[3]]
@@ -194,8 +202,8 @@ class Calibrated:
             raise ValueError(f"seq_knots must rise from 1, got {list(knots)}")
         self.seq_knots, self.split = knots, split
         self.terms = _terms(knots, split)
-        if split and "prefilling" not in coefficients:  # fitted before version 4
-            coefficients = {**coefficients, "prefilling": 0.0}
+        if split:  # a term added since the file was fitted: not paid
+            coefficients = {**{t: 0.0 for t in ADDED}, **coefficients}
         for term in self.terms:
             value = coefficients.get(term)
             if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
@@ -220,17 +228,18 @@ class Calibrated:
         split = _logged_split(points)
         held = _held_out(points, split)
         used = [p for p, out in zip(points, held, strict=True) if not out]
-        alone = {p.shape.num_seqs - p.shape.prefills for p in used if not p.shape.prefills}
-        if not split:
-            alone = {p.shape.num_seqs for p in used}
+        alone = {p.shape.num_seqs for p in used if not (split and p.shape.prefills)}
         knots = seq_knots_for(alone) if piecewise else ()
-        multi = any(p.shape.prefills > 1 for p in used)  # else ``prefilling`` is not fitted
-        if len(used) < 2 * (len(_terms(knots, split)) - (split and not multi)):
+        # with one chunk in every step that has one, a step's prefill cost and a chunk's
+        # are the same column: the chunk's alone is fitted; likewise ``riding`` needs
+        # prompt steps without decodes and with two numbers of them (else it is ``ride``)
+        beside = {p.shape.num_seqs - p.shape.prefills for p in used if p.shape.prefills}
+        off = {"prefilling": all(p.shape.prefills < 2 for p in used),
+               "riding": 0 not in beside or len(beside) < 3}  # fmt: skip
+        if len(used) < 2 * (len(_terms(knots, split)) - (sum(off.values()) if split else 0)):
             knots = ()  # too few points to bend: a line
         terms = _terms(knots, split)
-        # with one chunk in every step that has one, a step's prefill cost and a chunk's
-        # are the same column: the chunk's alone is fitted
-        fitted = [t != "prefilling" or multi for t in terms]
+        fitted = [not off.get(t, False) for t in terms]
         if len(used) < sum(fitted):
             raise ValueError(f"fitting {sum(fitted)} terms needs as many points, got {len(used)}")
         if any(p.seconds <= 0 for p in used):
@@ -330,8 +339,8 @@ class Calibrated:
         if self.split:
             return (
                 "step + prompt*prompt_tokens + prefill*prefills + resume*resumed + "
-                "context*context_tokens + kv*kv_gathered + (prefilling + ride*decodes with a "
-                f"prefill, else {seqs} over S decodes) (seconds)"
+                "context*context_tokens + kv*kv_gathered + (prefilling + ride*decodes + "
+                f"riding if any with a prefill, else {seqs} over S decodes) (seconds)"
             )
         return (
             "step + token*num_tokens + context*context_tokens + kv*kv_tokens + "
@@ -382,8 +391,9 @@ class Calibrated:
             if not isinstance(split, bool):
                 raise TypeError(f"split must be true or false, got {split!r}")
             coefficients = data["coefficients_s"]
-            if split and data["version"] >= 4 and "prefilling" not in coefficients:
-                raise KeyError("prefilling")  # only files from before version 4 lack it
+            for term, since in ADDED.items():  # only files from before lack it
+                if split and data["version"] >= since and term not in coefficients:
+                    raise KeyError(term)
             return cls(coefficients, points, meta, data.get("seq_knots", []), split)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CostModelFileError(path, f"malformed ({type(exc).__name__}: {exc})") from None

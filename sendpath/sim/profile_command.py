@@ -116,7 +116,8 @@ def print_fit(cal: Calibrated) -> None:
             f"{c['prefill'] * 1e3:.2f} ms a chunk + {c['resume'] * 1e3:.2f} ms "
             f"more if it resumes past position 0 + {c['context'] * 1e9:.1f} "
             f"ns a context token attended + {c['kv'] * 1e6:.2f} us a KV token gathered + "
-            f"{c['ride'] * 1e3:.3f} ms a decode beside a prefill; decode-only steps: {per_seq}"
+            f"{c['ride'] * 1e3:.3f} ms a decode beside a prefill + {c['riding'] * 1e3:.2f} ms "
+            f"a step with any; decode-only steps: {per_seq}"
         )
     else:
         print(

@@ -98,22 +98,32 @@ def test_save_and_load_round_trip(tmp_path: Path) -> None:
     assert [p["kind"] for p in data["points"]].count("mixed") == 1
 
 
-def test_a_split_profile_from_before_version_4_loads_with_its_old_prices(
+def test_a_split_profile_from_before_versions_4_and_5_loads_with_its_old_prices(
     tmp_path: Path,
 ) -> None:
     split = {"step": 0.04, "prompt": 0.0015, "prefill": 0.03, "resume": 0.02, "context": 1e-9,
              "kv": 1e-5, "ride": 0.002, "seq": 0.01}  # fmt: skip
-    v4 = Calibrated(split, split=True)
-    assert v4.coefficients["prefilling"] == 0  # none given: none fitted
-    data = {**v4.to_json(), "version": 3, "coefficients_s": split}  # no prefilling key
+    v5 = Calibrated(split, split=True)
+    assert v5.coefficients["prefilling"] == v5.coefficients["riding"] == 0  # none given
+    data = {**v5.to_json(), "version": 3, "coefficients_s": split}  # neither key
     (tmp_path / "v3.json").write_text(json.dumps(data))
     old = Calibrated.load(tmp_path / "v3.json")
     shape = StepShape(70, 3, 2000, 300, 64, 1, 0, 300)
     assert old.step_seconds(shape) == pytest.approx(0.04 + 64 * 0.0015 + 0.03 + 2e-6 + 3e-3
                                                     + 2 * 0.002)  # fmt: skip
-    (tmp_path / "v4.json").write_text(json.dumps({**data, "version": 4}))
-    with pytest.raises(CostModelFileError, match="prefilling"):
-        Calibrated.load(tmp_path / "v4.json")  # a version 4 file has it
+    v4 = {**data, "version": 4, "coefficients_s": {**split, "prefilling": 0.01}}
+    (tmp_path / "v4.json").write_text(json.dumps(v4))
+    assert Calibrated.load(tmp_path / "v4.json").step_seconds(shape) == pytest.approx(
+        old.step_seconds(shape) + 0.01
+    )  # no ``riding`` before version 5
+    for version, lacking in ((4, "prefilling"), (5, "riding")):
+        coefficients = {**split, "prefilling": 0.01, "riding": 0.02}
+        del coefficients[lacking]
+        (tmp_path / "new.json").write_text(
+            json.dumps({**data, "version": version, "coefficients_s": coefficients})
+        )
+        with pytest.raises(CostModelFileError, match=lacking):
+            Calibrated.load(tmp_path / "new.json")  # a file of that version has it
 
 
 @pytest.mark.parametrize(
@@ -122,7 +132,7 @@ def test_a_split_profile_from_before_version_4_loads_with_its_old_prices(
         (None, "no such file"),
         ("{not json", "not JSON"),
         ('{"coefficients_s": {}}', "not a sendpath-profile file"),
-        ('{"format": "sendpath-profile", "version": 9}', "version 9, expected 1 to 4"),
+        ('{"format": "sendpath-profile", "version": 9}', "version 9, expected 1 to 5"),
         ('{"format": "sendpath-profile", "version": 1}', "malformed"),
         ('{"format": "sendpath-profile", "version": 1, "coefficients_s": {"step": -1}}',
          "malformed"),
@@ -262,11 +272,12 @@ def test_the_per_sequence_cost_may_bend_at_each_batch_size(
 def test_a_split_fit_prices_prompt_chunks_resumed_chunks_and_riding_decodes_apart() -> None:
     # what the CPU runner does: a step with prompt chunks takes their path once, then a
     # little per chunk; a chunk resuming past 0 takes the masked path; decodes beside a
-    # prefill ride in its matmuls; decode-only steps bend by batch size
+    # prefill ride in its matmuls, after one attention call for all of them; decode-only
+    # steps bend by batch size
     truth = Calibrated(
         {"step": 0.045, "prompt": 0.0014, "prefill": 0.005, "prefilling": 0.03, "resume": 0.02,
-         "context": 6e-7, "kv": 9e-6, "ride": 0.004, "seqs@2": 0.022, "seqs@4": 0.06,
-         "seqs@8": 0.068},
+         "context": 6e-7, "kv": 9e-6, "ride": 0.004, "riding": 0.025, "seqs@2": 0.022,
+         "seqs@4": 0.06, "seqs@8": 0.068},
         seq_knots=(1, 2, 4, 8), split=True,
     )  # fmt: skip
 
@@ -304,6 +315,12 @@ def test_a_split_fit_prices_prompt_chunks_resumed_chunks_and_riding_decodes_apar
     singles = Calibrated.fit([p for p in points if p.shape.prefills < 2])
     assert singles.coefficients["prefilling"] == 0
     assert singles.coefficients["prefill"] == pytest.approx(0.035, rel=1e-6)
+    # with decodes beside every prompt chunk (or none, or always as many), ``riding`` is a
+    # prompt step's or a decode's cost too: not fitted
+    for keep in (lambda d: d > 0, lambda d: d == 0, lambda d: d in (0, 3)):
+        some = [p for p in points if keep(p.shape.num_seqs - p.shape.prefills) or
+                not p.shape.prefills]  # fmt: skip
+        assert Calibrated.fit(some).coefficients["riding"] == 0
     held = fitted.error(held_out=True)
     assert held is not None and held.max < 1e-9
     # a resumed 100-token chunk costs ``resume`` more than one from position 0
