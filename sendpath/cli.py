@@ -109,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
         "the model as JSON (sim/calibrated.py explains the terms). About 2 minutes on 2 idle "
         "CPU cores (steps that other processes slow are retaken). With --url, fit the steps a "
         "running server logs while it serves a grid of loads instead (single prompts, B at "
-        "once, B short requests decoding while prompts arrive; about 3 minutes).",
+        "once, B short requests decoding while prompts arrive; a short reference request "
+        "after each, and a load during which the machine's speed drifted more than 8% is "
+        "taken again; about 3-4 minutes).",
     )
     add_profile_args(prof)
     srv = sub.add_parser(

@@ -73,6 +73,13 @@ def _served(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    reference, drifted = cal.meta["reference"], cal.meta["drifted"]
+    print(f"speed reference: {reference['median_s'] * 1e3:.0f} ms median over "
+          f"{reference['times']} runs; taken again as the machine drifted: "
+          f"{', '.join(cal.meta['retaken']) or 'none'}")  # fmt: skip
+    if drifted:
+        off = ", ".join(f"{label} ({speed:.2f}x)" for label, speed in drifted.items())
+        print(f"warning: still more than {grid.drift:.0%} off after {grid.retakes} retakes: {off}")
     return _write(cal, args.out)
 
 

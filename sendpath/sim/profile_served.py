@@ -21,6 +21,14 @@ grouped per load and kind (prefill / decode / mixed) and shape size; each group'
 becomes a point, standing for the group's steps in the fit; every second mixed point is
 held out to check it.
 
+The machine's speed may drift while it does (on a shared host the same steps took up to
+45% longer in some minutes than in others), and a load measured in a slow minute would
+bend the fit. So a reference request (``reference``: a short prompt and a few tokens of
+answer) runs before the first load and after each; a load's speed is the mean of the
+reference steps' time before and after it. After the grid, a load that ran more than
+``drift`` off the references' median is taken again (``retakes`` rounds at most), and
+the take nearest the median is kept; ``meta`` lists the retaken loads and any still off.
+
 Two things outside the steps go into the file's ``meta`` for the simulator: a lone
 request's time to first token past its steps (``request_overhead_s``: HTTP, gateway,
 tokenizer), and how often the gateway's output filter held an answer's first token back
@@ -34,10 +42,8 @@ replica alone has no filter, and the file says ``None``).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import platform
-import random
 import statistics
 import time
 from collections import defaultdict
@@ -48,9 +54,9 @@ from typing import Any
 
 import httpx
 
-from sendpath.bench.workload import random_text
 from sendpath.engine.steps import StepShape
 from sendpath.sim.cost_model import Calibrated, PointKind, ProfilePoint
+from sendpath.sim.served_loads import RIDER_PROMPT, LoadDriver, ServedProfileError
 
 __all__ = [
     "DEFAULT_SERVED",
@@ -75,6 +81,9 @@ class ServedGrid:
     # server's are (the B x C loads' decodes all have C tokens of context)
     riders: tuple[int, ...] = ()
     late: tuple[int, ...] = ()
+    reference: tuple[int, int] = (64, 9)  # prompt and answer tokens of the speed reference
+    drift: float = 0.08  # a load whose references ran further off their median is retaken
+    retakes: int = 2  # rounds of retakes at most
 
 
 # about 3 minutes on 2 cores with the built-in model
@@ -85,16 +94,8 @@ DEFAULT_SERVED = ServedGrid(
 )  # fmt: skip
 QUICK_SERVED = ServedGrid(
     prefill=(8, 32), repeats=2, batches=(1, 4), contexts=(16,), answer=32, chats=4,
-    riders=(4,), late=(16,),
+    riders=(4,), late=(16,), reference=(16, 5),
 )  # fmt: skip
-RIDER_PROMPT = 16  # tokens of a riding request's prompt
-
-
-PREAMBLE_WORDS = 32  # two KV blocks of a shared prompt start
-
-
-class ServedProfileError(ValueError):
-    """The server cannot be profiled (unreachable, several replicas, refuses requests)."""
 
 
 def step_kind(shape: StepShape) -> PointKind:
@@ -106,111 +107,19 @@ def step_kind(shape: StepShape) -> PointKind:
     return PointKind.MIXED
 
 
-class _Driver:
-    def __init__(self, url: str, api_key: str | None) -> None:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=600)
-        self.rng = random.Random(0)
-        self.preamble = random_text(random.Random(1), PREAMBLE_WORDS)
-        self.holds: list[int] = []  # per answer: tokens the output filter held its first for
+@dataclass(frozen=True)
+class _Take:
+    """One run of a load: its points, a lone request's overhead, and its speed (the mean
+    time of the reference requests just before and just after it)."""
 
-    async def replica(self) -> str:
-        """The replica whose steps to read: the URL itself, or the gateway's only one."""
-        try:
-            r = await self.client.get("/fleet")
-        except httpx.HTTPError as exc:
-            raise ServedProfileError(f"cannot reach {self.client.base_url}: {exc}") from None
-        if r.status_code != 200:
-            return str(self.client.base_url)
-        replicas = r.json()["replicas"]
-        if len(replicas) != 1:
-            raise ServedProfileError(
-                f"the gateway has {len(replicas)} replicas; profile one (sendpath serve "
-                "--replicas 1), so that every request's steps are on the replica read"
-            )
-        return str(replicas[0]["url"])
+    points: list[ProfilePoint]
+    overhead: float | None
+    reference_s: float
 
-    async def model(self) -> str:
-        r = await self.client.get("/v1/models")
-        if r.status_code != 200:
-            raise ServedProfileError(f"GET /v1/models said {r.status_code}: {r.text[:200]}")
-        return str(r.json()["data"][0]["id"])
 
-    async def one(
-        self,
-        model: str,
-        prompt_tokens: int,
-        answer: int,
-        first: asyncio.Event | None = None,
-        cached_prefix: bool = False,
-        chat: bool = False,
-    ) -> float:
-        """One streamed request; ``first`` is set when its first token arrives. Returns the
-        seconds from sending it to its first token, as a client sees them. Text, as
-        clients send it (the gateway and the tokenizer run as they do in use): common
-        words, about one token each; the step log has the exact counts. With
-        ``cached_prefix`` it starts with the preamble every such prompt shares (as chat
-        requests share a system prompt), whose blocks the prefix cache holds. With
-        ``chat``, the prompt is a user message, and the answer's first-token hold (the
-        output filter's) is kept in ``holds``."""
-        sent, ttft = time.perf_counter(), 0.0
-        if cached_prefix:
-            rest = random_text(self.rng, max(1, prompt_tokens - 1 - PREAMBLE_WORDS))
-            prompt = f"{self.preamble} {rest}"
-        else:
-            prompt = random_text(self.rng, max(1, prompt_tokens - 1))
-        body: dict[str, Any] = {"model": model, "max_tokens": answer, "ignore_eos": True,
-                                "temperature": 0, "stream": True}  # fmt: skip
-        if chat:
-            body["messages"] = [{"role": "user", "content": prompt}]
-        else:
-            body["prompt"] = prompt
-        path = "/v1/chat/completions" if chat else "/v1/completions"
-        try:
-            async with self.client.stream("POST", path, json=body) as r:
-                if r.status_code != 200:
-                    text = (await r.aread()).decode(errors="replace")
-                    raise ServedProfileError(
-                        f"a request was refused ({r.status_code}): {text[:300]}"
-                    )
-                async for line in r.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    if not ttft:
-                        ttft = time.perf_counter() - sent
-                        if first is not None:
-                            first.set()
-                    if chat and '"first_token_held"' in line:  # the last event, a gateway's
-                        self.holds.append(int(json.loads(line[5:])["first_token_held"]))
-        finally:
-            if first is not None:
-                first.set()  # whoever waits for it goes on (and meets the error, if any)
-        return ttft
-
-    async def load(self, model: str, count: int, prompt_tokens: int, answer: int) -> float:
-        """``count`` requests: one first, the others once it decodes (so their prefills
-        share steps with its decodes: mixed steps, whatever the token budget). Returns
-        the first one's time to first token."""
-        first = asyncio.Event()
-        leader = asyncio.create_task(self.one(model, prompt_tokens, answer, first))
-        if count > 1:
-            await first.wait()
-            await asyncio.gather(
-                *(self.one(model, prompt_tokens, answer) for _ in range(count - 1))
-            )
-        return await leader
-
-    async def riders(self, model: str, count: int, late: tuple[int, ...], answer: int) -> None:
-        """``count`` short requests, then, once they all decode, one prompt of each
-        ``late`` size at a time (two tokens of answer each), whose prefills ride with
-        their decodes."""
-        started = [asyncio.Event() for _ in range(count)]
-        riding = [asyncio.create_task(self.one(model, RIDER_PROMPT, answer, first))
-                  for first in started]  # fmt: skip
-        await asyncio.gather(*(first.wait() for first in started))
-        for tokens in late:
-            await self.one(model, tokens, 2)
-        await asyncio.gather(*riding)
+def off(take: _Take, usual_s: float) -> float:
+    """How far the take's references ran from ``usual_s`` (the median of them all)."""
+    return abs(take.reference_s / usual_s - 1)
 
 
 def hold_shares(holds: list[int]) -> list[float] | None:
@@ -270,7 +179,7 @@ async def _profile(
     url: str, api_key: str | None, grid: ServedGrid, progress: Callable[[ProfilePoint], None]
 ) -> Calibrated:
     started = time.perf_counter()
-    driver = _Driver(url, api_key)
+    driver = LoadDriver(url, api_key)
     async with driver.client:
         replica = await driver.replica()
         model = await driver.model()
@@ -279,8 +188,7 @@ async def _profile(
         engine: dict[str, Any] = seen["engine"]
         last = seen["steps"][-1]["seq"] if seen["steps"] else 0
         capacity = engine["num_blocks"] * engine["block_size"]
-        points, skipped = [], []
-        overheads: list[float] = []  # a lone request's time to first token outside steps
+        skipped: list[str] = []
         # single prompts, every second one after a cached prefix (its chunk resumes there)
         loads = [
             (f"prompt {n}" + (" after a cached prefix" if r % 2 else ""), 1, n, 1, r % 2 == 1)
@@ -293,32 +201,63 @@ async def _profile(
         # riders outlast the late prompts (each a few of their steps, sent one at a time)
         ride = grid.answer + 8 * len(grid.late)
         loads += [(f"{b} riding", b, RIDER_PROMPT, ride, False) for b in grid.riders]
+        runnable = []
         for label, count, tokens, answer, cached_prefix in loads:
             riding = label.endswith("riding")  # and one late prompt at a time
             late = max(grid.late, default=0) + 2 if riding else 0  # its tokens
-            if count + riding > engine["max_num_seqs"] or (
-                count * (tokens + answer + 16) + (late + 16 if late else 0) > capacity
+            size = count * (tokens + answer + 16) + (late + 16 if late else 0)
+            if (
+                count + riding > engine["max_num_seqs"]
+                or size > capacity
+                or (max(tokens + answer, late) > engine["max_model_len"])
             ):
                 skipped.append(label)
-                continue
-            if max(tokens + answer, late) > engine["max_model_len"]:
-                skipped.append(label)
-                continue
-            if riding:
-                ttft = 0.0
-                await driver.riders(model, count, grid.late, answer)
-            elif count == 1:
-                ttft = await driver.one(model, tokens, answer, cached_prefix=cached_prefix)
             else:
-                ttft = await driver.load(model, count, tokens, answer)
+                runnable.append((label, count, tokens, answer, cached_prefix))
+        references: list[float] = []  # seconds the reference request's steps took, each time
+        takes: dict[str, list[_Take]] = defaultdict(list)
+
+        async def logged() -> list[tuple[StepShape, float]]:
+            nonlocal last
             found = await _steps(driver.client, replica, last)
             if found["steps"]:
                 last = found["steps"][-1]["seq"]
-            if count == 1 and answer == 1:  # the request alone: its steps are its prefill
-                overheads.append(ttft - sum(step["seconds"] for step in found["steps"]))
-            for p in _points(label, step_times(found["steps"])):
-                points.append(p)
+            return step_times(found["steps"])
+
+        async def reference() -> float:
+            await driver.one(model, *grid.reference)
+            references.append(sum(seconds for _, seconds in await logged()))
+            return references[-1]
+
+        async def take(label: str, count: int, tokens: int, answer: int, cached: bool) -> None:
+            before = references[-1]
+            if label.endswith("riding"):
+                ttft = 0.0
+                await driver.riders(model, count, grid.late, answer)
+            elif count == 1:
+                ttft = await driver.one(model, tokens, answer, cached_prefix=cached)
+            else:
+                ttft = await driver.load(model, count, tokens, answer)
+            timed = await logged()
+            # the request alone: its steps are its prefill, the rest of its time overhead
+            overhead = ttft - sum(s for _, s in timed) if count == 1 and answer == 1 else None
+            points = _points(label, timed)
+            takes[label].append(_Take(points, overhead, (before + await reference()) / 2))
+            for p in points:
                 progress(p)
+
+        await reference()
+        for load in runnable:
+            await take(*load)
+        for _ in range(grid.retakes):  # loads taken while the machine ran off its usual speed
+            usual = statistics.median(references)
+            for load in runnable:
+                if min(off(t, usual) for t in takes[load[0]]) > grid.drift:
+                    await take(*load)
+        usual = statistics.median(references) if references else 1.0
+        kept = {label: min(found, key=lambda t: off(t, usual)) for label, found in takes.items()}
+        points = [p for k in kept.values() for p in k.points]
+        overheads = [k.overhead for k in kept.values() if k.overhead is not None]
         # chat answers, one at a time (steady gaps between tokens): how often the output
         # filter holds a first token back, a property of the model's answers and the rules
         for _ in range(grid.chats):
@@ -341,6 +280,19 @@ async def _profile(
         # the output filter's hold on chat answers' first tokens (SimConfig.first_token_hold)
         "first_token_hold": hold_shares(driver.holds),
         "first_token_hold_answers": len(driver.holds),
+        # the speed reference: its median time, and the loads taken again as it drifted
+        "reference": {
+            "prompt": grid.reference[0],
+            "answer": grid.reference[1],
+            "median_s": usual,
+            "times": len(references),
+        },
+        "retaken": sorted(label for label, found in takes.items() if len(found) > 1),
+        "drifted": {
+            label: round(k.reference_s / usual, 3)
+            for label, k in kept.items()
+            if off(k, usual) > grid.drift
+        },
         "wall_s": round(time.perf_counter() - started, 1),
     }
     return Calibrated.fit(points, meta)

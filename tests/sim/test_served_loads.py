@@ -1,0 +1,26 @@
+"""The loads `sendpath profile --url` sends, and how a refusal ends them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from sendpath.sim.served_loads import LoadDriver, ServedProfileError
+
+
+def test_a_refused_request_ends_the_profile_with_its_error_not_a_hang() -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(503, json={"error": {"message": "queue full"}})
+
+    async def ride() -> None:
+        driver = LoadDriver("http://server.test", None)
+        driver.client = httpx.AsyncClient(transport=httpx.MockTransport(refuse),
+                                          base_url="http://server.test")  # fmt: skip
+        async with driver.client:
+            # the riders wait for each other's first token: a refusal must not leave them
+            await asyncio.wait_for(driver.riders("m", 4, (16,), 8), timeout=10)
+
+    with pytest.raises(ServedProfileError, match="refused \\(503\\)"):
+        asyncio.run(ride())
