@@ -215,7 +215,7 @@ async def _profile(
             else:
                 runnable.append((label, count, tokens, answer, cached_prefix))
         references: list[float] = []  # seconds the reference request's steps took, each time
-        takes: dict[str, list[_Take]] = defaultdict(list)
+        takes: list[list[_Take]] = [[] for _ in runnable]  # each load's (repeats apart)
 
         async def logged() -> list[tuple[StepShape, float]]:
             nonlocal last
@@ -229,7 +229,8 @@ async def _profile(
             references.append(sum(seconds for _, seconds in await logged()))
             return references[-1]
 
-        async def take(label: str, count: int, tokens: int, answer: int, cached: bool) -> None:
+        async def take(i: int) -> None:
+            label, count, tokens, answer, cached = runnable[i]
             before = references[-1]
             if label.endswith("riding"):
                 ttft = 0.0
@@ -242,22 +243,22 @@ async def _profile(
             # the request alone: its steps are its prefill, the rest of its time overhead
             overhead = ttft - sum(s for _, s in timed) if count == 1 and answer == 1 else None
             points = _points(label, timed)
-            takes[label].append(_Take(points, overhead, (before + await reference()) / 2))
+            takes[i].append(_Take(points, overhead, (before + await reference()) / 2))
             for p in points:
                 progress(p)
 
         await reference()
-        for load in runnable:
-            await take(*load)
+        for i in range(len(runnable)):
+            await take(i)
         for _ in range(grid.retakes):  # loads taken while the machine ran off its usual speed
             usual = statistics.median(references)
-            for load in runnable:
-                if min(off(t, usual) for t in takes[load[0]]) > grid.drift:
-                    await take(*load)
-        usual = statistics.median(references) if references else 1.0
-        kept = {label: min(found, key=lambda t: off(t, usual)) for label, found in takes.items()}
-        points = [p for k in kept.values() for p in k.points]
-        overheads = [k.overhead for k in kept.values() if k.overhead is not None]
+            for i, found in enumerate(takes):
+                if min(off(t, usual) for t in found) > grid.drift:
+                    await take(i)
+        usual = statistics.median(references)
+        kept = [min(found, key=lambda t: off(t, usual)) for found in takes]
+        points = [p for k in kept for p in k.points]
+        overheads = [k.overhead for k in kept if k.overhead is not None]
         # chat answers, one at a time (steady gaps between tokens): how often the output
         # filter holds a first token back, a property of the model's answers and the rules
         for _ in range(grid.chats):
@@ -287,10 +288,10 @@ async def _profile(
             "median_s": usual,
             "times": len(references),
         },
-        "retaken": sorted(label for label, found in takes.items() if len(found) > 1),
+        "retaken": [load[0] for load, found in zip(runnable, takes, strict=True) if len(found) > 1],
         "drifted": {
-            label: round(k.reference_s / usual, 3)
-            for label, k in kept.items()
+            load[0]: round(k.reference_s / usual, 3)
+            for load, k in zip(runnable, kept, strict=True)
             if off(k, usual) > grid.drift
         },
         "wall_s": round(time.perf_counter() - started, 1),
