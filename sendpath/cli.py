@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
         "running server logs while it serves a grid of loads instead (single prompts, B at "
         "once, B short requests decoding while prompts arrive; a short reference request "
         "after each, and a load during which the machine's speed drifted more than 8% is "
-        "taken again; about 3-4 minutes).",
+        "taken again; about 4 minutes).",
     )
     add_profile_args(prof)
     srv = sub.add_parser(

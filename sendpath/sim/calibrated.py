@@ -32,7 +32,7 @@ differently:
   fits, against 3-25 ms a sequence in a decode-only step).
 - ``c_riding``: once a step that runs decodes beside prompt chunks (since file version
   5): the decodes' own attention call in every layer, which a prompt-only step skips and
-  a decode-only step pays in ``c_step`` (~33 ms in this CPU's fits).
+  a decode-only step pays in ``c_step`` (7.5-33 ms in this CPU's served fits).
 - ``c_context``: attention FLOPs, ``sum over tokens of the positions each attends to``
   (quadratic in a prefill chunk, linear in a decode's context).
 - ``c_kv``: KV the runner gathers for attention once a step: each chunk's context, and
@@ -140,6 +140,16 @@ def _held_out(points: Sequence[ProfilePoint], split: bool) -> list[bool]:
     return [p.kind is PointKind.MIXED and (not split or next(mixed) % 2 == 1) for p in points]
 
 
+def _unfitted(used: Sequence[ProfilePoint]) -> set[str]:
+    """Split terms these points cannot tell from others (left at 0): ``prefilling``
+    unless some step runs several chunks (else it is ``prefill``'s column); ``riding``
+    unless prompt steps come with no decodes and with two numbers of them (else it is
+    ``prefilling``'s column, or ``ride``'s)."""
+    beside = {p.shape.num_seqs - p.shape.prefills for p in used if p.shape.prefills}
+    prefilling = {"prefilling"} if all(p.shape.prefills < 2 for p in used) else set()
+    return prefilling | ({"riding"} if 0 not in beside or len(beside) < 3 else set())
+
+
 def _logged_split(points: Sequence[ProfilePoint]) -> bool:
     """Whether the points carry the prompt/decode split (steps logged before it did not)."""
     return bool(points) and all(p.shape.kv_gathered > 0 or p.shape.kv_tokens == 0 for p in points)
@@ -230,16 +240,11 @@ class Calibrated:
         used = [p for p, out in zip(points, held, strict=True) if not out]
         alone = {p.shape.num_seqs for p in used if not (split and p.shape.prefills)}
         knots = seq_knots_for(alone) if piecewise else ()
-        # with one chunk in every step that has one, a step's prefill cost and a chunk's
-        # are the same column: the chunk's alone is fitted; likewise ``riding`` needs
-        # prompt steps without decodes and with two numbers of them (else it is ``ride``)
-        beside = {p.shape.num_seqs - p.shape.prefills for p in used if p.shape.prefills}
-        off = {"prefilling": all(p.shape.prefills < 2 for p in used),
-               "riding": 0 not in beside or len(beside) < 3}  # fmt: skip
-        if len(used) < 2 * (len(_terms(knots, split)) - (sum(off.values()) if split else 0)):
+        off = _unfitted(used) if split else set()
+        if len(used) < 2 * (len(_terms(knots, split)) - len(off)):
             knots = ()  # too few points to bend: a line
         terms = _terms(knots, split)
-        fitted = [not off.get(t, False) for t in terms]
+        fitted = [t not in off for t in terms]
         if len(used) < sum(fitted):
             raise ValueError(f"fitting {sum(fitted)} terms needs as many points, got {len(used)}")
         if any(p.seconds <= 0 for p in used):
@@ -308,30 +313,18 @@ class Calibrated:
 
     def to_json(self) -> dict[str, Any]:
         fit, held = self.error(), self.error(held_out=True)
+        points = [{"kind": p.kind.value, "label": p.label, **asdict(p.shape),
+                   "measured_s": p.seconds, "fitted_s": self.step_seconds(p.shape),
+                   "steps": p.steps} for p in self.points]  # fmt: skip
         return {
-            "format": FORMAT,
-            "version": VERSION,
-            "meta": self.meta,
-            "coefficients_s": self.coefficients,
-            "seq_knots": list(self.seq_knots),
+            "format": FORMAT, "version": VERSION, "meta": self.meta,
+            "coefficients_s": self.coefficients, "seq_knots": list(self.seq_knots),
             "split": self.split,
-            "fit": {
-                "terms": self.describe_terms(),
-                "fit_points": asdict(fit) if fit else None,
-                "held_out": asdict(held) if held else None,
-            },
-            "points": [
-                {
-                    "kind": p.kind.value,
-                    "label": p.label,
-                    **asdict(p.shape),
-                    "measured_s": p.seconds,
-                    "fitted_s": self.step_seconds(p.shape),
-                    "steps": p.steps,
-                }
-                for p in self.points
-            ],
-        }
+            "fit": {"terms": self.describe_terms(),
+                    "fit_points": asdict(fit) if fit else None,
+                    "held_out": asdict(held) if held else None},
+            "points": points,
+        }  # fmt: skip
 
     def describe_terms(self) -> str:
         """The fitted form in words (the file's ``fit.terms``)."""

@@ -12,6 +12,7 @@ import pytest
 
 from sendpath.cli import main
 from sendpath.config import CacheConfig, EngineConfig
+from sendpath.sim.calibrated import _unfitted
 from sendpath.sim.cost_model import (
     TERMS,
     Calibrated,
@@ -315,12 +316,16 @@ def test_a_split_fit_prices_prompt_chunks_resumed_chunks_and_riding_decodes_apar
     singles = Calibrated.fit([p for p in points if p.shape.prefills < 2])
     assert singles.coefficients["prefilling"] == 0
     assert singles.coefficients["prefill"] == pytest.approx(0.035, rel=1e-6)
-    # with decodes beside every prompt chunk (or none, or always as many), ``riding`` is a
-    # prompt step's or a decode's cost too: not fitted
+    # ``riding`` is told apart only by prompt steps with no decodes and with two numbers
+    # of them; else it is ``prefilling``'s column (or ``ride``'s), and left at 0
+    assert _unfitted([p for p in points if not p.shape.prefills or p.shape.prefills > 1]) == {
+        "riding"}  # fmt: skip
     for keep in (lambda d: d > 0, lambda d: d == 0, lambda d: d in (0, 3)):
         some = [p for p in points if keep(p.shape.num_seqs - p.shape.prefills) or
                 not p.shape.prefills]  # fmt: skip
+        assert "riding" in _unfitted(some)
         assert Calibrated.fit(some).coefficients["riding"] == 0
+    assert _unfitted(points) == set()
     held = fitted.error(held_out=True)
     assert held is not None and held.max < 1e-9
     # a resumed 100-token chunk costs ``resume`` more than one from position 0

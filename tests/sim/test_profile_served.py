@@ -105,20 +105,19 @@ def test_a_load_taken_while_the_machine_slowed_is_taken_again(
                 first = load == "prompt 32" and taken.count(load) == 1
                 slow.set() if first else slow.clear()
 
-        grid = replace(QUICK_SERVED, repeats=3)  # "prompt 32" twice: two loads, one label
+        # 50% drift to retake: only the slow loads, not the tiny model's timing noise
+        grid = replace(QUICK_SERVED, repeats=3, drift=0.5)  # "prompt 32" twice, one label
         cal = profile_served(server.url, grid=grid, progress=progress)
         i = taken.index("prompt 32")
         assert taken[i : i + 3] == ["prompt 32", "prompt 32 after a cached prefix", "prompt 32"]
         # the load that ran slow, and the next (its reference before it was slow) again
-        retaken = cal.meta["retaken"]
-        assert retaken.count("prompt 32 after a cached prefix") == 1, retaken
-        assert "prompt 32" in retaken, retaken
-        # the slow take is dropped (its step took the neighbour's 50 ms more), and the two
-        # loads of one label are both kept
+        assert "prompt 32 after a cached prefix" in cal.meta["retaken"]
+        assert "prompt 32" in cal.meta["retaken"] and cal.meta["drifted"] == []
+        # the slow take is dropped (its step took the neighbour's 50 ms more); its retake
+        # still finds the 32-token preamble cached; both loads of one label are kept
         kept = [p for p in cal.points if p.label.startswith("prompt 32 after a cached prefix")]
-        assert kept and all(p.seconds < 0.05 for p in kept), kept
+        assert kept and all(p.seconds < 0.05 and p.shape.num_tokens < 16 for p in kept), kept
         assert sum(p.label.startswith("prompt 32:") for p in cal.points) == 2
-        assert "prompt 32 after a cached prefix" not in cal.meta["drifted"]
         reference = cal.meta["reference"]  # one before the first load, one after each take
         assert reference["times"] >= 1 + len(taken) and reference["median_s"] > 0
         assert server.idle()
