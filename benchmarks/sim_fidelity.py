@@ -204,6 +204,19 @@ def at_run_speed(runs: list[dict[str, Any]], cost: Calibrated) -> None:
         r["at_run_speed_over_real"] = compare(r["measured"], sim)
 
 
+def within_target(runs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """How many ratios meet the targets (p50 within 10%, p99 within 20%), per model."""
+    out = {}
+    for model, key in (("served profile", "sim_over_real"),
+                       ("served, at the run's speed", "at_run_speed_over_real")):  # fmt: skip
+        rows = [r[key] for r in runs if r.get(key)]
+        p50 = [abs(x[f"p50_{m}"] - 1) <= 0.10 for x in rows for m in METRICS]
+        p99 = [abs(x[f"p99_{m}"] - 1) <= 0.20 for x in rows for m in METRICS]
+        out[model] = {"p50 within 10%": f"{sum(p50)} of {len(p50)}",
+                      "p99 within 20%": f"{sum(p99)} of {len(p99)}"}  # fmt: skip
+    return out
+
+
 def print_table(runs: list[dict[str, Any]]) -> None:
     print("\n| workload | load | rate req/s | model | TTFT p50 / p99 | TPOT p50 / p99 | "
           "E2E p50 / p99 |")  # fmt: skip
@@ -218,12 +231,15 @@ def print_table(runs: list[dict[str, Any]]) -> None:
                 continue
             cells = " | ".join(f"{x[f'p50_{m}']:.2f} / {x[f'p99_{m}']:.2f}" for m in METRICS)
             print(f"| {r['workload']} | {r['load']:.0%} | {r['rate']:.2f} | {model} | {cells} |")
+    for model, counts in within_target(runs).items():
+        print(f"{model}: " + ", ".join(f"{k}: {v}" for k, v in counts.items()))
 
 
 def rescore() -> None:
     """Recompute the run-speed replays from the saved results (no server)."""
     record = json.loads(RESULTS.read_text())
     at_run_speed(record["runs"], Calibrated.load(PROFILE))
+    record["within_target"] = within_target(record["runs"])
     RESULTS.write_text(json.dumps(record, indent=2) + "\n")
     print_table(record["runs"])
 
@@ -323,6 +339,7 @@ def main() -> None:
               "also": str(args.also) if args.also else None,
               "also_meta": also.meta if also else None, "runs": runs}  # fmt: skip
     at_run_speed(runs, cost)
+    record["within_target"] = within_target(runs)
     RESULTS.write_text(json.dumps(record, indent=2) + "\n")
     STEPS.write_text(json.dumps(step_log, separators=(",", ":")) + "\n")
     print_table(runs)
