@@ -49,7 +49,7 @@ the split, because one per-token cost priced 512-token chunks 7-10% high and lon
 runs came out 10-34% slow; ``c_prefilling``, because without it 9 chunks in a step were
 priced as 9 steps' worth and ``c_ride`` fitted to 0 (chat mixed steps 11-14% low);
 ``c_riding``, because without it a short prompt's step beside a few decodes (a chat
-server's usual step) was priced 15% low in the profile and 3-5% low in served runs; bends,
+server's usual step) was priced 15% low in the profile and 1-5% low in served runs; bends,
 because on 2 CPU cores 4 decodes cost nearly what 8 do (one slope was 30% off there).
 """
 

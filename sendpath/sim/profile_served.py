@@ -183,7 +183,7 @@ async def _profile(
     async with driver.client:
         replica = await driver.replica()
         model = await driver.model()
-        await driver.one(model, 8, 2, cached_prefix=True)  # warm-up; caches the preamble
+        await driver.cache_preamble(model)  # and warms the server up
         seen = await _steps(driver.client, replica, 0)
         engine: dict[str, Any] = seen["engine"]
         last = seen["steps"][-1]["seq"] if seen["steps"] else 0
@@ -232,8 +232,8 @@ async def _profile(
         async def take(i: int) -> None:
             label, count, tokens, answer, cached = runnable[i]
             before, again = references[-1], bool(takes[i])
-            if cached and again:  # the loads since may have evicted the preamble: cache it
-                await driver.one(model, 8, 2, cached_prefix=True)
+            if cached and again:  # the loads since may have evicted the preamble
+                await driver.cache_preamble(model)
                 await logged()
             if label.endswith("riding"):
                 ttft = 0.0

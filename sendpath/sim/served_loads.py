@@ -113,6 +113,11 @@ class LoadDriver:
                 first.set()  # whoever waits for it goes on (and meets the error, if any)
         return ttft
 
+    async def cache_preamble(self, model: str) -> None:
+        """A short request that starts with the preamble, so that its blocks are cached
+        for the ``cached_prefix`` requests after it."""
+        await self.one(model, 8, 2, cached_prefix=True)
+
     async def load(self, model: str, count: int, prompt_tokens: int, answer: int) -> float:
         """``count`` requests: one first, the others once it decodes (so their prefills
         share steps with its decodes: mixed steps, whatever the token budget). Returns
