@@ -329,12 +329,14 @@ class Simulator:
             self._bulk_tokens.setdefault(request_id, []).append(times)
 
     def _finish_parked(self, rep: _Replica, lane: DecodeLane, index: int) -> None:
-        inflight = self._inflight  # an answer is continued if its conversation goes on
-        goes_on = lambda rid: bool(inflight[rid][0].followups)  # noqa: E731
-        for request, times in lane.finishing(self._base, rep.scheduler, goes_on):
+        for request, times in lane.finishing(self._base, rep.scheduler, self._continued):
             self._bulk_tokens.setdefault(request.request_id, []).append(times)
             rep.scheduler.finish_request(request.request_id, RequestStatus.FINISHED)
             self._finished(request, index)
+
+    def _continued(self, request_id: str) -> bool:
+        """Whether a later turn of the conversation will send this answer back."""
+        return bool(self._inflight[request_id][0].followups)
 
     def _cut(self, rep: _Replica, index: int, t: float) -> None:
         """A request reached the replica at ``t``: the bulk stops after the step in flight."""
