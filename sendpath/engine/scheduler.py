@@ -138,8 +138,9 @@ class Scheduler:
         preempted: list[str] = []
 
         # 1. running: decodes first, then prefill chunks (each group in running order)
+        decodes: list[Request] = []  # these lists are snapshots: preemption removes
         prefills: list[tuple[Request, int]] = []  # (request, tokens left to compute)
-        for request in list(self.running):  # a snapshot: preemption removes from it
+        for request in self.running:
             left = (
                 len(request.prompt_token_ids)
                 + len(request.output_token_ids)
@@ -147,8 +148,16 @@ class Scheduler:
             )
             if left > 1:
                 prefills.append((request, left))
-            elif budget and not (preempted and request.request_id in preempted):
-                budget = self._plan(request, 1, budget, planned, preempted, now)
+            else:
+                decodes.append(request)
+        if len(decodes) <= budget and self.kv.grow_decodes(decodes):  # all fit: at once
+            for request in decodes:
+                planned[request.request_id] = (request, 1)
+            budget -= len(decodes)
+        else:  # one by one, preempting until each fits
+            for request in decodes:
+                if budget and not (preempted and request.request_id in preempted):
+                    budget = self._plan(request, 1, budget, planned, preempted, now)
         for request, left in prefills:
             if budget and not (preempted and request.request_id in preempted):
                 n = self._chunk(left, budget)
@@ -173,7 +182,7 @@ class Scheduler:
             budget -= n
 
         out = SchedulerOutput(preempted=preempted)
-        items, block_ids = out.requests, self.kv.block_ids
+        items, tables = out.requests, self.kv.block_tables
         for request_id, (request, n) in planned.items():
             start = request.num_computed_tokens
             end = start + n
@@ -182,9 +191,7 @@ class Scheduler:
                 ids = request.output_token_ids[-1:] or request.prompt_token_ids[-1:]
             else:
                 ids = request.token_ids(start, end)
-            items.append(
-                ScheduledRequest(request_id, ids, start, block_ids(request_id), end == known)
-            )
+            items.append(ScheduledRequest(request_id, ids, start, tables[request_id], end == known))
         return out
 
     def _plan(

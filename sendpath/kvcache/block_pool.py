@@ -8,6 +8,7 @@ request that finished a moment ago still lends its prefix to the next one.
 
 from __future__ import annotations
 
+import itertools
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -83,14 +84,14 @@ class BlockPool:
         """Take ``n`` free blocks (evicting their cached hashes), or ``None`` if too few."""
         if n > self.num_free_blocks:
             return None
-        out = []
         blocks, free, cached = self._blocks, self._free, self._cached
-        for _ in range(n):
-            if self._fresh < len(blocks):
-                fresh = blocks[self._fresh] = KVBlock(self._fresh, ref_cnt=1)
-                self._fresh += 1
-                out.append(fresh)
-                continue
+        start = self._fresh
+        end = min(start + n, len(blocks))
+        out = list(map(KVBlock, range(start, end), itertools.repeat(1, end - start)))
+        if out:  # never used before: made now, in id order
+            blocks[start:end] = out
+            self._fresh = end
+        for _ in range(n - len(out)):
             block_id, _ = free.popitem(last=False)
             block = blocks[block_id]
             assert block is not None  # it was handed out before it was freed
@@ -126,10 +127,17 @@ class BlockPool:
     ) -> None:
         """Index a full block under its hash (first writer wins: duplicates stay private);
         ``token_ids`` may come packed already (int64 bytes)."""
-        if not self.enable_caching or block.block_hash is not None:
-            return
-        if block_hash in self._cached:
-            return
         packed = token_ids if isinstance(token_ids, bytes) else _pack(token_ids)
-        block.block_hash, block.tokens = block_hash, packed
-        self._cached[block_hash] = block
+        self.cache_all([block], [block_hash], [packed])
+
+    def cache_all(
+        self, blocks: Sequence[KVBlock], hashes: Sequence[BlockHash], packed: Sequence[bytes]
+    ) -> None:
+        """``cache`` for each block, in order, with its hash and its token ids packed."""
+        if not self.enable_caching:
+            return
+        cached = self._cached
+        for block, block_hash, tokens in zip(blocks, hashes, packed, strict=True):
+            if block.block_hash is None and block_hash not in cached:
+                block.block_hash, block.tokens = block_hash, tokens
+                cached[block_hash] = block

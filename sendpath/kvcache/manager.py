@@ -46,6 +46,11 @@ class KVCacheManager:
     def capacity_tokens(self) -> int:
         return self.pool.num_blocks * self.block_size
 
+    @property
+    def block_tables(self) -> dict[str, list[int]]:
+        """Every request's block table by request id (the live lists ``block_ids`` gives)."""
+        return self._block_ids
+
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table (block ids in token order).
 
@@ -127,6 +132,27 @@ class KVCacheManager:
         ids += [b.block_id for b in new]
         return new
 
+    def grow_decodes(self, requests: Sequence[Request]) -> bool:
+        """Room for one more token for each of these decoding requests, all or none.
+
+        The ones whose last block is full get a new block each, in this order, as
+        ``allocate_slots(request, 1)`` would hand them out one at a time; ``False`` (and
+        nothing taken) when fewer blocks are free than that, or one holds no blocks.
+        """
+        bs, tables = self.block_size, self._block_ids
+        crossing = []
+        for request in requests:
+            table = tables.get(request.request_id)
+            if table is None:
+                return False
+            if request.num_computed_tokens >= len(table) * bs:
+                crossing.append(request.request_id)
+        if crossing:
+            if len(crossing) > self.pool.num_free_blocks:
+                return False
+            self.append_blocks(crossing)
+        return True
+
     def append_blocks(self, request_ids: Sequence[str]) -> None:
         """One more block for each of these requests, in this order (decodes crossing into
         a new block, as ``allocate_slots(request, 1)`` would give them one at a time); the
@@ -148,10 +174,8 @@ class KVCacheManager:
         blocks = self._blocks.get(request.request_id, [])
         num_full = min(num_full, len(blocks))
         hashes = self._request_hashes(request)
-        packed, cache = self._packed[request.request_id], self.pool.cache
-        for i in range(start, num_full):
-            if blocks[i].block_hash is None:
-                cache(blocks[i], hashes[i], packed[i])
+        packed = self._packed[request.request_id]
+        self.pool.cache_all(blocks[start:num_full], hashes[start:num_full], packed[start:num_full])
         self._num_cached[request.request_id] = num_full
 
     def free(self, request: Request) -> None:

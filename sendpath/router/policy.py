@@ -74,8 +74,9 @@ class RoundRobin:
         self._last = -1
 
     def choose(self, request: RouteRequest, candidates: Sequence[Endpoint]) -> Endpoint:
-        after = [e for e in candidates if e.index > self._last]
-        chosen = after[0] if after else candidates[0]
+        # the first after the last one chosen (candidates come in index order): stops
+        # there, not a pass over every replica per request
+        chosen = next((e for e in candidates if e.index > self._last), candidates[0])
         self._last = chosen.index
         return chosen
 

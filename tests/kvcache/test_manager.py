@@ -53,6 +53,23 @@ def test_append_blocks_gives_one_block_each_in_the_order_asked() -> None:
     assert kv.pool.num_free_blocks == 1
 
 
+def test_grow_decodes_takes_a_block_for_each_full_one_or_nothing() -> None:
+    kv = KVCacheManager(num_blocks=5, block_size=4)
+    a, b, c = make_request("a", 4), make_request("b", 6), make_request("c", 8)
+    for r in (a, b, c):
+        assert kv.allocate_slots(r, r.num_tokens) is not None
+        r.num_computed_tokens = r.num_tokens
+    assert kv.pool.num_free_blocks == 0
+    assert not kv.grow_decodes([a, b, c])  # a and c need one each, none free
+    assert kv.block_ids("a") == [0] and kv.block_ids("c") == [3, 4]
+    assert kv.grow_decodes([b])  # room left in its second block
+    assert kv.block_ids("b") == [1, 2] and kv.pool.num_free_blocks == 0
+    kv.free(b)  # its 2 blocks back (2 first): a and c need 2
+    assert kv.grow_decodes([c, a])  # in this order, as allocate_slots(_, 1) one by one
+    assert kv.block_ids("c") == [3, 4, 2] and kv.block_ids("a") == [0, 1]
+    assert not kv.grow_decodes([make_request("d", 4)])  # holds no blocks: one at a time
+
+
 def test_prefix_hit_lengths_and_last_token_rule() -> None:
     kv = KVCacheManager(num_blocks=16, block_size=4)
     prompt = list(range(12))
