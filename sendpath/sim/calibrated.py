@@ -269,6 +269,13 @@ class Calibrated:
         features = _features(shape, self.seq_knots, self.split)
         return sum(c * f for c, f in zip(self._c, features, strict=True))
 
+    @property
+    def unfitted(self) -> set[str]:
+        """Split terms the fitted points could not tell apart from others (left at 0)."""
+        if not self.split:
+            return set()
+        return _unfitted([p for p, out in zip(self.points, self.held_out, strict=True) if not out])
+
     def error(self, held_out: bool = False) -> FitError | None:
         """Relative error on the fit points, or on the held-out ones; None without any."""
         errors = [

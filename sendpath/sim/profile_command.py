@@ -118,6 +118,10 @@ def print_fit(cal: Calibrated) -> None:
     else:
         per_seq = f"{c['seq'] * 1e3:.3f} ms a sequence"
     if cal.split:
+        off = cal.unfitted
+        if off:  # its price is in another term's: say so, not "0.00 ms"
+            print(f"not fitted (the grid cannot tell them apart from other terms): "
+                  f"{', '.join(sorted(off))}")  # fmt: skip
         print(
             f"fitted: {c['step'] * 1e3:.2f} ms a step + {c['prompt'] * 1e3:.3f} ms a prompt "
             f"token + {c['prefilling'] * 1e3:.2f} ms a step with prefill chunks + "

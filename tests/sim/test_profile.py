@@ -270,7 +270,9 @@ def test_the_per_sequence_cost_may_bend_at_each_batch_size(
     assert fitted.error().max < 1e-6 < linear.error().max  # type: ignore[union-attr]
 
 
-def test_a_split_fit_prices_prompt_chunks_resumed_chunks_and_riding_decodes_apart() -> None:
+def test_a_split_fit_prices_prompt_chunks_resumed_chunks_and_riding_decodes_apart(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     # what the CPU runner does: a step with prompt chunks takes their path once, then a
     # little per chunk; a chunk resuming past 0 takes the masked path; decodes beside a
     # prefill ride in its matmuls, after one attention call for all of them; decode-only
@@ -316,6 +318,11 @@ def test_a_split_fit_prices_prompt_chunks_resumed_chunks_and_riding_decodes_apar
     singles = Calibrated.fit([p for p in points if p.shape.prefills < 2])
     assert singles.coefficients["prefilling"] == 0
     assert singles.coefficients["prefill"] == pytest.approx(0.035, rel=1e-6)
+    assert singles.unfitted == {"prefilling"} and fitted.unfitted == set()
+    print_fit(singles)  # says so, where it would print "0.00 ms a step with prefill chunks"
+    assert "not fitted (the grid cannot tell them apart from other terms): prefilling" in (
+        capsys.readouterr().out
+    )
     # ``riding`` is told apart only by prompt steps with no decodes and with two numbers
     # of them; else it is ``prefilling``'s column (or ``ride``'s), and left at 0
     assert _unfitted([p for p in points if not p.shape.prefills or p.shape.prefills > 1]) == {
