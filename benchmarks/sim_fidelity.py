@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -53,7 +54,8 @@ from sendpath.bench.workload import LengthSpec, build
 from sendpath.config import SchedulerConfig
 from sendpath.fleet import free_port, wait_healthy
 from sendpath.sim.cost_model import Calibrated, CostModel, StepShape
-from sendpath.sim.profile_served import profile_served, step_kind, step_times
+from sendpath.sim.profile_served import DEFAULT_SERVED, profile_served, step_kind, step_times
+from sendpath.sim.served_loads import LoadDriver
 from sendpath.sim.simulator import SimConfig, Simulator
 from sendpath.sim.traffic import SimRequest
 
@@ -169,6 +171,21 @@ def machine_speed(found: list[dict[str, Any]], cost: Calibrated) -> list[float]:
     return [round(p / t, 3) for p, t in zip(priced, took, strict=True) if t > 0]
 
 
+def reference_s(url: str, seed: int) -> float:
+    """The served profile's speed reference, taken now: the seconds the replica's steps
+    for one such request took (a new prompt each time: ``seed``)."""
+
+    async def send() -> None:
+        driver = LoadDriver(url, None)
+        driver.rng = random.Random(seed)
+        async with driver.client:
+            await driver.one(await driver.model(), *DEFAULT_SERVED.reference)
+
+    before = last_step(url)
+    asyncio.run(send())
+    return sum(seconds for _, seconds in step_times(logged_steps(url, before)))
+
+
 def last_step(url: str) -> int:
     found = logged_steps(url, 0)
     return int(found[-1]["seq"]) if found else 0
@@ -188,7 +205,10 @@ def at_run_speed(runs: list[dict[str, Any]], cost: Calibrated) -> None:
     """Each run replayed once more with the model scaled to the speed the machine ran at
     through it (one number per run: the model's price of the replica's logged steps over
     their measured time, from ``steps_vs_model``), beside the plain replay; kept in
-    ``run_speed`` and ``at_run_speed_over_real``."""
+    ``run_speed`` and ``at_run_speed_over_real``. And, where the run has one, at the
+    speed the profile's reference request found just before and after it
+    (``reference_speed``, ``at_reference_speed_over_real``): a measure of the machine
+    that does not go through the model's prices."""
     for r in runs:
         kinds = r["steps_vs_model"].values()
         speed = sum(k["served_s"] for k in kinds) / sum(k["measured_s"] for k in kinds)
@@ -202,14 +222,21 @@ def at_run_speed(runs: list[dict[str, Any]], cost: Calibrated) -> None:
         r["run_speed"] = round(speed, 3)
         sim = replay(results, AtSpeed(cost, speed), cost)
         r["at_run_speed_over_real"] = compare(r["measured"], sim)
+        if r.get("reference_speed"):
+            sim = replay(results, AtSpeed(cost, r["reference_speed"]), cost)
+            r["at_reference_speed_over_real"] = compare(r["measured"], sim)
 
 
 def within_target(runs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
     """How many ratios meet the targets (p50 within 10%, p99 within 20%), per model."""
     out = {}
     for model, key in (("served profile", "sim_over_real"),
-                       ("served, at the run's speed", "at_run_speed_over_real")):  # fmt: skip
+                       ("served, at the run's speed", "at_run_speed_over_real"),
+                       ("served, at the reference's speed", "at_reference_speed_over_real")
+                       ):  # fmt: skip
         rows = [r[key] for r in runs if r.get(key)]
+        if not rows:
+            continue
         p50 = [abs(x[f"p50_{m}"] - 1) <= 0.10 for x in rows for m in METRICS]
         p99 = [abs(x[f"p99_{m}"] - 1) <= 0.20 for x in rows for m in METRICS]
         out[model] = {"p50 within 10%": f"{sum(p50)} of {len(p50)}",
@@ -225,7 +252,9 @@ def print_table(runs: list[dict[str, Any]]) -> None:
         rows = (("served profile", r["sim_over_real"]),
                 ("in-process profile", r["also_over_real"]),
                 (f"served, at the run's speed ({r.get('run_speed', 0):.2f})",
-                 r.get("at_run_speed_over_real")))  # fmt: skip
+                 r.get("at_run_speed_over_real")),
+                (f"served, at the reference's speed ({r.get('reference_speed', 0):.2f})",
+                 r.get("at_reference_speed_over_real")))  # fmt: skip
         for model, x in rows:
             if x is None:
                 continue
@@ -293,11 +322,13 @@ def main() -> None:
                 retaken: list[list[float]] = []
                 while True:
                     start = time.perf_counter()
+                    refs = [reference_s(url, 7000 + 2 * len(runs) + 100 * len(retaken))]
                     before = last_step(url)
                     # a retake sends new prompts: the old ones would hit the prefix cache
                     seed = 10 * w + i + 1000 * len(retaken)
                     results, wall = bench(url, words, out, args.requests, load, seed=seed)
                     logged = logged_steps(url, before)
+                    refs.append(reference_s(url, 7001 + 2 * len(runs) + 100 * len(retaken)))
                     speed = machine_speed(logged, cost)
                     if all(abs(x - 1) <= DRIFT for x in speed) or len(retaken) >= args.retakes:
                         break
@@ -318,6 +349,10 @@ def main() -> None:
                     "measured": real, "simulated": sim, "sim_over_real": ratios,
                     "also_over_real": other, "steps_vs_model": by_kind,
                     "machine_speed_by_fifth": speed, "retaken": retaken,
+                    # the profile's reference request's time then over its time just
+                    # before and after this run: the machine's speed, not the model's
+                    "reference_s": refs, "reference_speed": round(
+                        cost.meta["reference"]["median_s"] / statistics.fmean(refs), 3),
                     "requests_measured": [
                         {"start": r.start, "prompt_tokens": r.prompt_tokens,
                          "cached_tokens": r.cached_tokens,
@@ -328,6 +363,8 @@ def main() -> None:
                 })  # fmt: skip
                 print(f"  {share:.0%}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()),
                       flush=True)  # fmt: skip
+                print(f"    machine speed by the reference request: "
+                      f"{runs[-1]['reference_speed']:.2f}", flush=True)  # fmt: skip
                 print("    steps priced / measured: " + ", ".join(
                     f"{kind} {row['served_s'] / row['measured_s']:.2f} ({row['steps']})"
                     for kind, row in by_kind.items()), flush=True)  # fmt: skip

@@ -14,7 +14,8 @@ Prompts are text (common words, about a token each), so the gateway's filters an
 replica's tokenizer do the work they do for clients, on the same 2 cores as the engine.
 Grid: single prompts of about N tokens (prefill chunks); B requests with prompts of
 about C tokens: one first, the other B-1 at once as soon as it decodes (their prefill
-chunks share steps with the decodes of those admitted first; then B decode); and B
+chunks share steps with the decodes of those admitted first; then B decode, each answer
+long enough that the whole batch decodes together for ``answer`` steps); and B
 short requests decoding while prompts of a few sizes come one at a time (one chunk with
 B decodes of short context riding, the mixed steps of a chat server). Steps are
 grouped per load and kind (prefill / decode / mixed) and shape size; each group's median
@@ -74,7 +75,7 @@ class ServedGrid:
     repeats: int  # of each single prompt
     batches: tuple[int, ...]  # B requests at once
     contexts: tuple[int, ...]  # of C prompt tokens each
-    answer: int  # tokens each answer is long (the decode steps per load)
+    answer: int  # tokens each answer is long (B x C: the steps all B decode together)
     chats: int = 16  # chat requests, one at a time, for the output filter's hold (not fitted)
     # B requests with short prompts decoding while prompts of each ``late`` size come one
     # at a time: mixed steps of one chunk and B decodes of short context, as a chat
@@ -195,8 +196,13 @@ async def _profile(
             for n in grid.prefill
             for r in range(grid.repeats)
         ]
+        # each answer outlasts the others' prefills (one budget of prompt tokens a step),
+        # so all B decode together for ``answer`` steps, not only while the batch ramps
+        budget = engine["max_num_batched_tokens"]
         loads += [
-            (f"{b} x {c}", b, c, grid.answer, False) for c in grid.contexts for b in grid.batches
+            (f"{b} x {c}", b, c, grid.answer + -(-(b - 1) * c // budget), False)
+            for c in grid.contexts
+            for b in grid.batches
         ]
         # riders outlast the late prompts (each a few of their steps, sent one at a time)
         ride = grid.answer + 8 * len(grid.late)
