@@ -137,15 +137,16 @@ class KVCacheManager:
 
         The ones whose last block is full get a new block each, in this order, as
         ``allocate_slots(request, 1)`` would hand them out one at a time; ``False`` (and
-        nothing taken) when fewer blocks are free than that, or one holds no blocks.
+        nothing taken) when fewer blocks are free than that, or one has no block table
+        or needs more than one block (then ``allocate_slots`` one at a time).
         """
         bs, tables = self.block_size, self._block_ids
         crossing = []
         for request in requests:
             table = tables.get(request.request_id)
-            if table is None:
+            if table is None or request.num_computed_tokens > len(table) * bs:
                 return False
-            if request.num_computed_tokens >= len(table) * bs:
+            if request.num_computed_tokens == len(table) * bs:
                 crossing.append(request.request_id)
         if crossing:
             if len(crossing) > self.pool.num_free_blocks:

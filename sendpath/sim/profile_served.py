@@ -15,7 +15,8 @@ replica's tokenizer do the work they do for clients, on the same 2 cores as the 
 Grid: single prompts of about N tokens (prefill chunks); B requests with prompts of
 about C tokens: one first, the other B-1 at once as soon as it decodes (their prefill
 chunks share steps with the decodes of those admitted first; then B decode, each answer
-long enough that the whole batch decodes together for ``answer`` steps); and B
+``answer`` tokens plus the steps the others' prompts take, so that the whole batch
+decodes together for about ``answer`` steps); and B
 short requests decoding while prompts of a few sizes come one at a time (one chunk with
 B decodes of short context riding, the mixed steps of a chat server). Steps are
 grouped per load and kind (prefill / decode / mixed) and shape size; each group's median
@@ -75,7 +76,7 @@ class ServedGrid:
     repeats: int  # of each single prompt
     batches: tuple[int, ...]  # B requests at once
     contexts: tuple[int, ...]  # of C prompt tokens each
-    answer: int  # tokens each answer is long (B x C: the steps all B decode together)
+    answer: int  # tokens of answer (B x C: plus the steps the other prompts take)
     chats: int = 16  # chat requests, one at a time, for the output filter's hold (not fitted)
     # B requests with short prompts decoding while prompts of each ``late`` size come one
     # at a time: mixed steps of one chunk and B decodes of short context, as a chat
@@ -197,7 +198,7 @@ async def _profile(
             for r in range(grid.repeats)
         ]
         # each answer outlasts the others' prefills (one budget of prompt tokens a step),
-        # so all B decode together for ``answer`` steps, not only while the batch ramps
+        # so all B decode together for about ``answer`` steps, not only as the batch ramps
         budget = engine["max_num_batched_tokens"]
         loads += [
             (f"{b} x {c}", b, c, grid.answer + -(-(b - 1) * c // budget), False)
@@ -282,7 +283,13 @@ async def _profile(
         "python": platform.python_version(),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "engine": engine,
-        "grid": {"name": "served", "answer": grid.answer, "repeats": grid.repeats},
+        "grid": {
+            "name": "served",
+            "answer": grid.answer,
+            "repeats": grid.repeats,
+            # B x C loads: answer plus the steps the other prompts take to prefill
+            "batch_answers": {load[0]: load[3] for load in runnable if " x " in load[0]},
+        },
         "skipped": skipped,
         # what a request spends outside the engine's steps on its way in and its first
         # token's way out (HTTP, gateway, tokenizer, stream): the median over lone prompts

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import random
+from collections.abc import Sequence
+
 import pytest
 
 from sendpath.engine.scheduler import Scheduler, SchedulerOutput
 from sendpath.errors import QueueFullError
-from sendpath.request import RequestStatus
+from sendpath.request import Request, RequestStatus
 from sendpath.runner.fake_runner import FakeRunner
 from sendpath.trace import EventType
 from tests.factories import make_request, make_scheduler
@@ -178,3 +181,47 @@ def test_prefix_cache_hit_is_counted_and_skips_computation() -> None:
     assert s.requests["b"].num_cached_tokens == 16
     st = s.stats()
     assert (st.prefix_cache_queries, st.prefix_cache_hits) == (18 + 19, 16)
+
+
+Plan = tuple[list[tuple[str, int, int, list[int]]], list[str]]
+
+
+def _plans(seed: int, one_by_one: bool) -> tuple[list[Plan], int]:
+    """Every step's plan (ids, positions, tokens, block tables, preempted) for a random
+    workload on a cache small enough to preempt; ``one_by_one``: decodes never at once."""
+    rng = random.Random(seed)
+    s = make_scheduler(num_blocks=12, block_size=4, max_num_batched_tokens=12, max_num_seqs=6)
+    took = 0
+    grow = s.kv.grow_decodes
+
+    def counted(requests: Sequence[Request]) -> bool:
+        nonlocal took
+        fits = False if one_by_one else grow(requests)
+        took += fits and bool(requests)
+        return fits
+
+    s.kv.grow_decodes = counted  # type: ignore[method-assign]
+    runner, plans = FakeRunner(), list[Plan]()
+    for i in range(60):
+        if rng.random() < 0.5:
+            s.add_request(make_request(f"r{i}", rng.randint(1, 14), max_tokens=rng.randint(1, 16)))
+        plan = step(s, runner)
+        plans.append(
+            (
+                [
+                    (r.request_id, r.start_pos, r.num_tokens, list(r.block_ids))
+                    for r in plan.requests
+                ],
+                list(plan.preempted),
+            )
+        )
+        finish_if_done(s)
+    return plans, took
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_decodes_planned_at_once_plan_what_one_by_one_would(seed: int) -> None:
+    at_once, took = _plans(seed, one_by_one=False)
+    assert at_once == _plans(seed, one_by_one=True)[0]
+    assert took > 0  # the workload ran the all-at-once path, and preempted too
+    assert any(preempted for _, preempted in at_once)

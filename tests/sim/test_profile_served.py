@@ -50,6 +50,13 @@ def test_a_served_profile_fits_prefill_decode_and_holds_out_mixed_steps(
         assert any(p.shape.prefills == 1 and p.shape.num_seqs == 5
                    and p.shape.prompt_tokens >= 8 for p in riding), riding  # fmt: skip
         assert server.idle()  # every request finished, every block back
+        # 4 x 16: the answer outlasts the other 3 prompts' prefill steps
+        budget = cal.meta["engine"]["max_num_batched_tokens"]
+        longer = QUICK_SERVED.answer + -(-3 * 16 // budget)
+        assert cal.meta["grid"]["batch_answers"] == {
+            "1 x 16": QUICK_SERVED.answer,
+            "4 x 16": longer,
+        }
         out = tmp_path / "served.json"
         assert main(["profile", "--url", server.url, "--quick", "--out", str(out)]) == 0
         served = Calibrated.load(out)
