@@ -18,7 +18,9 @@ the real server, request for request.
 5. The machine's speed drifts on a shared host (this one's steps took 15-45% longer some
    minutes than others). So each run's own step log is priced by the calibrated model in
    fifths of the run; where a fifth ran more than ``DRIFT`` off the calibrated speed, the
-   run is taken again (``--retakes``, once by default) and the drift is recorded.
+   run is taken again (``--retakes``, once by default) and the drift is recorded. The
+   profile's reference request is also timed just before and after each run
+   (``reference_speed``), and every run replayed at that speed and at its steps' own.
 6. Reported: p50 and p99 of TTFT, TPOT and E2E, simulated / measured; and, step by
    step, the replica's own log of the run (``GET /v1/steps``) against what the cost model
    prices those very steps at, per kind of step (so a gap in the percentiles can be told
@@ -207,8 +209,9 @@ def at_run_speed(runs: list[dict[str, Any]], cost: Calibrated) -> None:
     their measured time, from ``steps_vs_model``), beside the plain replay; kept in
     ``run_speed`` and ``at_run_speed_over_real``. And, where the run has one, at the
     speed the profile's reference request found just before and after it
-    (``reference_speed``, ``at_reference_speed_over_real``): a measure of the machine
-    that does not go through the model's prices."""
+    (``reference_speed``, ``at_reference_speed_over_real``): meant to measure the
+    machine without the model's prices, though one short request timed twice a run has
+    proved too noisy for that so far (benchmarks/README.md)."""
     for r in runs:
         kinds = r["steps_vs_model"].values()
         speed = sum(k["served_s"] for k in kinds) / sum(k["measured_s"] for k in kinds)
@@ -350,7 +353,7 @@ def main() -> None:
                     "also_over_real": other, "steps_vs_model": by_kind,
                     "machine_speed_by_fifth": speed, "retaken": retaken,
                     # the profile's reference request's time then over its time just
-                    # before and after this run: the machine's speed, not the model's
+                    # before and after this run (a noisy gauge of the machine's speed)
                     "reference_s": refs, "reference_speed": round(
                         cost.meta["reference"]["median_s"] / statistics.fmean(refs), 3),
                     "requests_measured": [
