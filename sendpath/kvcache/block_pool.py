@@ -127,8 +127,9 @@ class BlockPool:
     ) -> None:
         """Index a full block under its hash (first writer wins: duplicates stay private);
         ``token_ids`` may come packed already (int64 bytes)."""
-        packed = token_ids if isinstance(token_ids, bytes) else _pack(token_ids)
-        self.cache_all([block], [block_hash], [packed])
+        if self.enable_caching:
+            packed = token_ids if isinstance(token_ids, bytes) else _pack(token_ids)
+            self.cache_all([block], [block_hash], [packed])
 
     def cache_all(
         self, blocks: Sequence[KVBlock], hashes: Sequence[BlockHash], packed: Sequence[bytes]

@@ -99,6 +99,20 @@ def _write(cal: Calibrated, out: Path) -> int:
     return 0
 
 
+# the split model's terms as `sendpath profile` prints them: name, scale, format, unit
+SPLIT_TERMS = (
+    ("step", 1e3, ".2f", "ms a step"),
+    ("prompt", 1e3, ".3f", "ms a prompt token"),
+    ("prefilling", 1e3, ".2f", "ms a step with prefill chunks"),
+    ("prefill", 1e3, ".2f", "ms a chunk"),
+    ("resume", 1e3, ".2f", "ms more if it resumes past position 0"),
+    ("context", 1e9, ".1f", "ns a context token attended"),
+    ("kv", 1e6, ".2f", "us a KV token gathered"),
+    ("ride", 1e3, ".3f", "ms a decode beside a prefill"),
+    ("riding", 1e3, ".2f", "ms a step with decodes beside a prefill"),
+)
+
+
 def print_fit(cal: Calibrated) -> None:
     """The measured vs fitted table, the coefficients and the fit's errors."""
     print(f"\nstep time, measured vs fitted: {cal.model_name} ({cal.meta.get('dtype')}, "
@@ -122,15 +136,11 @@ def print_fit(cal: Calibrated) -> None:
         if off:  # its price is in another term's: say so, not "0.00 ms"
             print(f"not fitted (the grid cannot tell them apart from other terms): "
                   f"{', '.join(sorted(off))}")  # fmt: skip
-        print(
-            f"fitted: {c['step'] * 1e3:.2f} ms a step + {c['prompt'] * 1e3:.3f} ms a prompt "
-            f"token + {c['prefilling'] * 1e3:.2f} ms a step with prefill chunks + "
-            f"{c['prefill'] * 1e3:.2f} ms a chunk + {c['resume'] * 1e3:.2f} ms "
-            f"more if it resumes past position 0 + {c['context'] * 1e9:.1f} "
-            f"ns a context token attended + {c['kv'] * 1e6:.2f} us a KV token gathered + "
-            f"{c['ride'] * 1e3:.3f} ms a decode beside a prefill + {c['riding'] * 1e3:.2f} ms "
-            f"a step with any; decode-only steps: {per_seq}"
+        terms = " + ".join(
+            f"{'n/a' if name in off else format(c[name] * scale, spec)} {what}"
+            for name, scale, spec, what in SPLIT_TERMS
         )
+        print(f"fitted: {terms}; decode-only steps: {per_seq}")
     else:
         print(
             f"fitted: {c['step'] * 1e3:.2f} ms a step + {c['token'] * 1e3:.3f} ms a token + "

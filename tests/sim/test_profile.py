@@ -320,9 +320,9 @@ def test_a_split_fit_prices_prompt_chunks_resumed_chunks_and_riding_decodes_apar
     assert singles.coefficients["prefill"] == pytest.approx(0.035, rel=1e-6)
     assert singles.unfitted == {"prefilling"} and fitted.unfitted == set()
     print_fit(singles)  # says so, where it would print "0.00 ms a step with prefill chunks"
-    assert "not fitted (the grid cannot tell them apart from other terms): prefilling" in (
-        capsys.readouterr().out
-    )
+    shown = capsys.readouterr().out
+    assert "not fitted (the grid cannot tell them apart from other terms): prefilling" in shown
+    assert "n/a ms a step with prefill chunks + 35.00 ms a chunk" in shown
     # ``riding`` is told apart only by prompt steps with no decodes and with two numbers
     # of them; else it is ``prefilling``'s column (or ``ride``'s), and left at 0
     assert _unfitted([p for p in points if not p.shape.prefills or p.shape.prefills > 1]) == {
