@@ -18,9 +18,11 @@ the real server, request for request.
 5. The machine's speed drifts on a shared host (this one's steps took 15-45% longer some
    minutes than others). So each run's own step log is priced by the calibrated model in
    fifths of the run; where a fifth ran more than ``DRIFT`` off the calibrated speed, the
-   run is taken again (``--retakes``, once by default) and the drift is recorded. The
-   profile's reference request is also timed just before and after each run
-   (``reference_speed``), and every run replayed at that speed and at its steps' own.
+   run is taken again (``--retakes``, once by default) and the drift is recorded. A
+   probe (``PROBE``: a few of the profile grid's B x C loads, new prompts each time)
+   also runs just before and after each run; the profile's price of its steps over
+   their measured time is the machine's speed then (``probe_speed``), measured apart
+   from the workload. Every run is replayed at that speed and at its steps' own too.
 6. Reported: p50 and p99 of TTFT, TPOT and E2E, simulated / measured; and, step by
    step, the replica's own log of the run (``GET /v1/steps``) against what the cost model
    prices those very steps at, per kind of step (so a gap in the percentiles can be told
@@ -85,8 +87,10 @@ WORKLOADS = (
 )
 LOADS = (0.25, 0.55, 0.85)
 METRICS = ("ttft", "tpot", "e2el")
+GAUGES = ("probe", "reference")  # measures of the machine's speed around a run, apart from it
 ENGINE = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512)  # the serve defaults
 DRIFT = 0.10  # a run whose machine ran more than 10% off its calibrated speed is retaken
+PROBE = ((16, 64), (8, 512))  # B x C: the loads that gauge the machine's speed around a run
 
 
 def bench(url: str, words: LengthSpec, out: LengthSpec, n: int, load: Load,
@@ -173,19 +177,23 @@ def machine_speed(found: list[dict[str, Any]], cost: Calibrated) -> list[float]:
     return [round(p / t, 3) for p, t in zip(priced, took, strict=True) if t > 0]
 
 
-def reference_s(url: str, seed: int) -> float:
-    """The served profile's speed reference, taken now: the seconds the replica's steps
-    for one such request took (a new prompt each time: ``seed``)."""
+def probe_speed(url: str, cost: Calibrated, seed: int) -> float:
+    """The machine's speed now against its calibration: the profile's price of the steps
+    of ``PROBE``'s loads, sent now (new prompts: ``seed``), over their measured time."""
 
     async def send() -> None:
         driver = LoadDriver(url, None)
         driver.rng = random.Random(seed)
         async with driver.client:
-            await driver.one(await driver.model(), *DEFAULT_SERVED.reference)
+            model = await driver.model()
+            for count, tokens in PROBE:  # answers outlast the others' prompts, as the grid's
+                rest = -(-(count - 1) * tokens // ENGINE.max_num_batched_tokens)
+                await driver.load(model, count, tokens, DEFAULT_SERVED.answer + rest)
 
     before = last_step(url)
     asyncio.run(send())
-    return sum(seconds for _, seconds in step_times(logged_steps(url, before)))
+    timed = step_times(logged_steps(url, before))
+    return sum(cost.step_seconds(shape) for shape, _ in timed) / sum(s for _, s in timed)
 
 
 def last_step(url: str) -> int:
@@ -207,11 +215,11 @@ def at_run_speed(runs: list[dict[str, Any]], cost: Calibrated) -> None:
     """Each run replayed once more with the model scaled to the speed the machine ran at
     through it (one number per run: the model's price of the replica's logged steps over
     their measured time, from ``steps_vs_model``), beside the plain replay; kept in
-    ``run_speed`` and ``at_run_speed_over_real``. And, where the run has one, at the
-    speed the profile's reference request found just before and after it
-    (``reference_speed``, ``at_reference_speed_over_real``): meant to measure the
-    machine without the model's prices, though one short request timed twice a run has
-    proved too noisy for that so far (benchmarks/README.md)."""
+    ``run_speed`` and ``at_run_speed_over_real``. And at the speed the probe found
+    just before and after it (``probe_speed``, ``at_probe_speed_over_real``), which
+    measures the machine apart from the workload; runs saved before the probe have the
+    profile's reference request's (``reference_speed``), which proved too noisy a gauge
+    (benchmarks/README.md)."""
     for r in runs:
         kinds = r["steps_vs_model"].values()
         speed = sum(k["served_s"] for k in kinds) / sum(k["measured_s"] for k in kinds)
@@ -225,9 +233,10 @@ def at_run_speed(runs: list[dict[str, Any]], cost: Calibrated) -> None:
         r["run_speed"] = round(speed, 3)
         sim = replay(results, AtSpeed(cost, speed), cost)
         r["at_run_speed_over_real"] = compare(r["measured"], sim)
-        if r.get("reference_speed"):
-            sim = replay(results, AtSpeed(cost, r["reference_speed"]), cost)
-            r["at_reference_speed_over_real"] = compare(r["measured"], sim)
+        for gauge in GAUGES:
+            if r.get(f"{gauge}_speed"):
+                sim = replay(results, AtSpeed(cost, r[f"{gauge}_speed"]), cost)
+                r[f"at_{gauge}_speed_over_real"] = compare(r["measured"], sim)
 
 
 def within_target(runs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
@@ -235,8 +244,8 @@ def within_target(runs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
     out = {}
     for model, key in (("served profile", "sim_over_real"),
                        ("served, at the run's speed", "at_run_speed_over_real"),
-                       ("served, at the reference's speed", "at_reference_speed_over_real")
-                       ):  # fmt: skip
+                       *((f"served, at the {g}'s speed", f"at_{g}_speed_over_real")
+                         for g in GAUGES)):  # fmt: skip
         rows = [r[key] for r in runs if r.get(key)]
         if not rows:
             continue
@@ -256,8 +265,8 @@ def print_table(runs: list[dict[str, Any]]) -> None:
                 ("in-process profile", r["also_over_real"]),
                 (f"served, at the run's speed ({r.get('run_speed', 0):.2f})",
                  r.get("at_run_speed_over_real")),
-                (f"served, at the reference's speed ({r.get('reference_speed', 0):.2f})",
-                 r.get("at_reference_speed_over_real")))  # fmt: skip
+                *((f"served, at the {g}'s speed ({r.get(f'{g}_speed', 0):.2f})",
+                   r.get(f"at_{g}_speed_over_real")) for g in GAUGES))  # fmt: skip
         for model, x in rows:
             if x is None:
                 continue
@@ -325,13 +334,13 @@ def main() -> None:
                 retaken: list[list[float]] = []
                 while True:
                     start = time.perf_counter()
-                    refs = [reference_s(url, 7000 + 2 * len(runs) + 100 * len(retaken))]
+                    probes = [probe_speed(url, cost, 7000 + 2 * len(runs) + 100 * len(retaken))]
                     before = last_step(url)
                     # a retake sends new prompts: the old ones would hit the prefix cache
                     seed = 10 * w + i + 1000 * len(retaken)
                     results, wall = bench(url, words, out, args.requests, load, seed=seed)
                     logged = logged_steps(url, before)
-                    refs.append(reference_s(url, 7001 + 2 * len(runs) + 100 * len(retaken)))
+                    probes.append(probe_speed(url, cost, 7001 + 2 * len(runs) + 100 * len(retaken)))
                     speed = machine_speed(logged, cost)
                     if all(abs(x - 1) <= DRIFT for x in speed) or len(retaken) >= args.retakes:
                         break
@@ -352,10 +361,9 @@ def main() -> None:
                     "measured": real, "simulated": sim, "sim_over_real": ratios,
                     "also_over_real": other, "steps_vs_model": by_kind,
                     "machine_speed_by_fifth": speed, "retaken": retaken,
-                    # the profile's reference request's time then over its time just
-                    # before and after this run (a noisy gauge of the machine's speed)
-                    "reference_s": refs, "reference_speed": round(
-                        cost.meta["reference"]["median_s"] / statistics.fmean(refs), 3),
+                    # the machine's speed by the probe just before and after this run
+                    "probe_speeds": [round(x, 3) for x in probes],
+                    "probe_speed": round(statistics.fmean(probes), 3),
                     "requests_measured": [
                         {"start": r.start, "prompt_tokens": r.prompt_tokens,
                          "cached_tokens": r.cached_tokens,
@@ -366,8 +374,7 @@ def main() -> None:
                 })  # fmt: skip
                 print(f"  {share:.0%}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()),
                       flush=True)  # fmt: skip
-                print(f"    machine speed by the reference request: "
-                      f"{runs[-1]['reference_speed']:.2f}", flush=True)  # fmt: skip
+                print(f"    machine speed by the probe before and after: {probes}", flush=True)
                 print("    steps priced / measured: " + ", ".join(
                     f"{kind} {row['served_s'] / row['measured_s']:.2f} ({row['steps']})"
                     for kind, row in by_kind.items()), flush=True)  # fmt: skip
