@@ -19,10 +19,11 @@ the real server, request for request.
    minutes than others). So each run's own step log is priced by the calibrated model in
    fifths of the run; where a fifth ran more than ``DRIFT`` off the calibrated speed, the
    run is taken again (``--retakes``, once by default) and the drift is recorded. A
-   probe (``PROBE``: a few of the profile grid's B x C loads, new prompts each time)
-   also runs just before and after each run; the profile's price of its steps over
-   their measured time is the machine's speed then (``probe_speed``), measured apart
-   from the workload. Every run is replayed at that speed and at its steps' own too.
+   probe (``PROBE``: two of the profile grid's B x C loads, new prompts each time) runs
+   just before and after each run; the profile's price of its steps over their time
+   (``probe_speed``) is meant to measure the machine apart from the workload (the host
+   has changed speed within a minute, too fast for that so far: benchmarks/README.md).
+   Every run is replayed at that speed and at its steps' own too.
 6. Reported: p50 and p99 of TTFT, TPOT and E2E, simulated / measured; and, step by
    step, the replica's own log of the run (``GET /v1/steps``) against what the cost model
    prices those very steps at, per kind of step (so a gap in the percentiles can be told
@@ -87,7 +88,7 @@ WORKLOADS = (
 )
 LOADS = (0.25, 0.55, 0.85)
 METRICS = ("ttft", "tpot", "e2el")
-GAUGES = ("probe", "reference")  # measures of the machine's speed around a run, apart from it
+GAUGES = ("probe", "reference")  # the machine's speed around a run (meant as; see README)
 ENGINE = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512)  # the serve defaults
 DRIFT = 0.10  # a run whose machine ran more than 10% off its calibrated speed is retaken
 PROBE = ((16, 64), (8, 512))  # B x C: the loads that gauge the machine's speed around a run
@@ -187,12 +188,14 @@ def probe_speed(url: str, cost: Calibrated, seed: int) -> float:
         async with driver.client:
             model = await driver.model()
             for count, tokens in PROBE:  # answers outlast the others' prompts, as the grid's
-                rest = -(-(count - 1) * tokens // ENGINE.max_num_batched_tokens)
+                rest = -(-(count - 1) * tokens // cost.engine["max_num_batched_tokens"])
                 await driver.load(model, count, tokens, DEFAULT_SERVED.answer + rest)
 
     before = last_step(url)
     asyncio.run(send())
     timed = step_times(logged_steps(url, before))
+    if not timed:
+        raise RuntimeError(f"the probe's steps are not in {url}'s step log (GET /v1/steps)")
     return sum(cost.step_seconds(shape) for shape, _ in timed) / sum(s for _, s in timed)
 
 
@@ -216,10 +219,10 @@ def at_run_speed(runs: list[dict[str, Any]], cost: Calibrated) -> None:
     through it (one number per run: the model's price of the replica's logged steps over
     their measured time, from ``steps_vs_model``), beside the plain replay; kept in
     ``run_speed`` and ``at_run_speed_over_real``. And at the speed the probe found
-    just before and after it (``probe_speed``, ``at_probe_speed_over_real``), which
-    measures the machine apart from the workload; runs saved before the probe have the
-    profile's reference request's (``reference_speed``), which proved too noisy a gauge
-    (benchmarks/README.md)."""
+    just before and after it (``probe_speed``, ``at_probe_speed_over_real``), meant to
+    measure the machine apart from the workload; runs saved before the probe have the
+    profile's reference request's (``reference_speed``). Neither has followed the host
+    closely so far (benchmarks/README.md)."""
     for r in runs:
         kinds = r["steps_vs_model"].values()
         speed = sum(k["served_s"] for k in kinds) / sum(k["measured_s"] for k in kinds)
@@ -374,7 +377,8 @@ def main() -> None:
                 })  # fmt: skip
                 print(f"  {share:.0%}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()),
                       flush=True)  # fmt: skip
-                print(f"    machine speed by the probe before and after: {probes}", flush=True)
+                print(f"    machine speed by the probe before and after: "
+                      f"{runs[-1]['probe_speeds']}", flush=True)  # fmt: skip
                 print("    steps priced / measured: " + ", ".join(
                     f"{kind} {row['served_s'] / row['measured_s']:.2f} ({row['steps']})"
                     for kind, row in by_kind.items()), flush=True)  # fmt: skip
