@@ -67,20 +67,9 @@ from sendpath.sim.traffic import SimRequest
 RESULTS = Path(__file__).parent / "results" / "sim_fidelity.json"
 PROFILE = Path(__file__).parent / "results" / "sim_fidelity_profile.json"  # the served fit
 STEPS = Path(__file__).parent / "results" / "sim_fidelity_steps.json"  # each run's step log
-STEP_KEYS = (
-    "seq",
-    "start",
-    "seconds",
-    "busy_after",
-    "num_tokens",
-    "num_seqs",
-    "context_tokens",
-    "kv_tokens",
-    "prompt_tokens",
-    "prefills",
-    "resumed",
-    "kv_gathered",
-)
+STEP_KEYS = ("seq", "start", "seconds", "busy_after", "num_tokens", "num_seqs",
+             "context_tokens", "kv_tokens", "prompt_tokens", "prefills", "resumed",
+             "kv_gathered")  # fmt: skip
 # (name, prompt words, answer tokens): random text, lengths drawn per request
 WORKLOADS = (
     ("chat", LengthSpec(40, 200), LengthSpec(32, 128)),
@@ -103,11 +92,12 @@ def bench(url: str, words: LengthSpec, out: LengthSpec, n: int, load: Load,
 
 
 def replay(results: list[RequestResult], cost: CostModel, profile: Calibrated) -> dict[str, Any]:
-    """The same requests through the simulator: same send times and lengths, and the same
-    shared start (the chat template's system prompt: the prompt tokens most requests had
-    from the prefix cache), so the simulated cache hits where the real one did. From the
-    served ``profile``: the KV blocks, a request's time outside the engine's steps (on its
-    round trip) and the output filter's hold on first tokens."""
+    """The same requests through the simulator: same send times, lengths and holds on the
+    first token (the gateway's ``first_token_held``, where the run recorded it) and the
+    same shared start (the chat template's system prompt: the prompt tokens most requests
+    had from the prefix cache), so the simulated cache hits where the real one did. From
+    the served ``profile``: the KV blocks, a request's time outside the engine's steps (on
+    its round trip) and, for a request with no recorded hold, the output filter's shares."""
     ok = sorted((r for r in results if r.success), key=lambda r: r.start)
     t0 = ok[0].start
     rng = random.Random(0)
@@ -119,7 +109,8 @@ def replay(results: list[RequestResult], cost: CostModel, profile: Calibrated) -
         n = r.prompt_tokens or 1
         start = common[: min(shared, n - 1)]
         rest = [rng.randrange(100, 30000) for _ in range(n - len(start))]
-        requests.append(SimRequest(f"r{i}", r.start - t0, start + rest, r.output_tokens, i))
+        requests.append(SimRequest(f"r{i}", r.start - t0, start + rest, r.output_tokens, i,
+                                   held=r.first_token_held))  # fmt: skip
     num_blocks = profile.engine["num_blocks"]
     config = SimConfig(scheduler=ENGINE, num_blocks=num_blocks, **profile.outside_steps())
     sim = Simulator(config, cost).run_requests(requests)
@@ -229,8 +220,8 @@ def at_run_speed(runs: list[dict[str, Any]], cost: Calibrated) -> None:
         results = [
             RequestResult(success=q["error"] is None, start=q["start"],
                           prompt_tokens=q["prompt_tokens"], cached_tokens=q.get("cached_tokens"),
-                          output_tokens=q["output_tokens"], ttft=q["ttft"],
-                          latency=q["latency"], error=q["error"])
+                          output_tokens=q["output_tokens"], ttft=q["ttft"], latency=q["latency"],
+                          error=q["error"], first_token_held=q.get("first_token_held"))
             for q in r["requests_measured"]
         ]  # fmt: skip
         r["run_speed"] = round(speed, 3)
@@ -371,7 +362,8 @@ def main() -> None:
                         {"start": r.start, "prompt_tokens": r.prompt_tokens,
                          "cached_tokens": r.cached_tokens,
                          "output_tokens": r.output_tokens, "ttft": r.ttft, "latency": r.latency,
-                         "error": r.error, "server_ms": r.timings}
+                         "error": r.error, "server_ms": r.timings,
+                         "first_token_held": r.first_token_held}
                         for r in results
                     ],
                 })  # fmt: skip

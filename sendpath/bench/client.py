@@ -4,6 +4,8 @@ TTFT is the time from sending to the first text chunk; ITL the gaps between text
 latency (E2E) the time to the last byte. When the server sends sendpath's ``timings``
 (last chunk), they are kept, and ``network`` is what the client saw beyond the server's
 own total: ``latency - timings.total`` (both directions of the wire, plus the client).
+A sendpath gateway's ``first_token_held`` (how many more text chunks its output filter
+held the first one for) is kept too.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class RequestResult:
     start: float = 0.0  # perf_counter when sent (for throughput windows)
     finish_reason: str | None = None
     timings: dict[str, float] = field(default_factory=dict)  # the server's, ms
+    first_token_held: int | None = None  # a sendpath gateway's output filter's hold
     error: str | None = None
     status: int | None = None
 
@@ -82,6 +85,8 @@ async def stream_request(
                 out.request_id = out.request_id or event.get("id")
                 if isinstance(event.get("timings"), dict):
                     out.timings = event["timings"]
+                if isinstance(event.get("first_token_held"), int):
+                    out.first_token_held = event["first_token_held"]
                 if event.get("usage"):
                     out.prompt_tokens = event["usage"].get("prompt_tokens")
                     details = event["usage"].get("prompt_tokens_details") or {}

@@ -3,8 +3,9 @@ latencies added), with the stages the server would have reported: the same
 ``RequestResult`` that `sendpath bench` makes, so `sendpath sim` reports with the same keys
 and definitions. Past ``ITL_SAMPLE`` requests, inter-token gaps are kept for an even sample
 of them (every n-th), which is what the ITL percentiles read. Where the output filter
-holds a stream's first token (``SimConfig.first_token_hold``), the client sees it with the
-next ones, as one event: its time to first token is theirs."""
+holds a stream's first token (``SimConfig.first_token_hold``, or a replayed request's own
+``held``), the client sees it with the next ones, as one event: its time to first token
+is theirs."""
 
 from __future__ import annotations
 
@@ -43,9 +44,15 @@ def held_tokens(request_id: str, shares: tuple[float, ...]) -> int:
 
 
 def client_view(
-    request: Request, sent: float, config: SimConfig, tokens: list[float], keep_itl: bool
+    request: Request,
+    sent: float,
+    config: SimConfig,
+    tokens: list[float],
+    keep_itl: bool,
+    held: int | None = None,
 ) -> RequestResult:
-    """``tokens``: the request's token times; ``keep_itl``: keep its inter-token gaps."""
+    """``tokens``: the request's token times; ``keep_itl``: keep its inter-token gaps;
+    ``held``: the output filter's hold on its first token, if known (else drawn)."""
     tl = request.timeline
     half = config.network_rtt_s / 2
     stages = tl.stages()
@@ -60,7 +67,9 @@ def client_view(
         timings[stage.value] = stages.get(stage, 0.0) * 1000
     timings[Stage.STREAM.value] = 0.0
     end = (tl.end or tokens[-1]) + half
-    held = min(held_tokens(request.request_id, config.first_token_hold), len(tokens) - 1)
+    if held is None:
+        held = held_tokens(request.request_id, config.first_token_hold)
+    held = min(held, len(tokens) - 1)
     seen = tokens[held:] if held else tokens  # what reached the client as its own event
     timings["total"] = sum(timings.values())  # the server's part; network is the rest
     return RequestResult(

@@ -386,7 +386,7 @@ class Simulator:
         self._finished_count += 1
         keep_itl = self._finished_count % self._itl_every == 0
         times = token_times(request, self._bulk_tokens.pop(request.request_id, None))
-        self.results.append(client_view(request, sent, self.config, times, keep_itl))
+        self.results.append(client_view(request, sent, self.config, times, keep_itl, req.held))
         if self.config.tpm is not None:
             self._gateway_clock.set(self.replicas[index].clock.now())
             reserved = len(req.prompt) + req.output_len

@@ -39,6 +39,9 @@ class SimRequest:
     turn: int = 0
     tenant: int = 0
     followups: list[tuple[list[int], int]] = field(default_factory=list)  # later turns
+    # text chunks the output filter holds the first one for, where known (a replay of
+    # measured requests); None: drawn from ``SimConfig.first_token_hold``
+    held: int | None = None
 
     def next_turn(self, answer: list[int], arrival: float) -> SimRequest:
         """The conversation's next request: everything so far, the answer, the next

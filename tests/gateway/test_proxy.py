@@ -3,11 +3,14 @@ across chunks), usage only when asked, the merged timings, prefix-cache isolatio
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
+import httpx
 import regex
 
+from sendpath.bench.client import RequestResult, stream_request
 from sendpath.gateway.safety import RulesFilter
 from tests.gateway.conftest import CHAT, content, gateway
 from tests.server.conftest import Server
@@ -125,5 +128,13 @@ def test_the_last_event_says_how_long_the_filter_held_the_first_token(
     body = {**GREEDY, "max_tokens": 6}
     with gateway(replica, tmp_path / "held", safety=hold_all) as gw:
         events = gw.stream(gw.key("a"), body)
+        measured = asyncio.run(bench_client(gw.url, gw.key("b"), body))
     last = [e for e in events if isinstance(e, dict)][-1]
     assert last["first_token_held"] == 5 and len(content(events)) == 1
+    # `sendpath bench`'s client keeps it, beside the timings (the fidelity replay's input)
+    assert measured.success and measured.first_token_held == 5 and measured.timings
+
+
+async def bench_client(url: str, secret: str, body: dict[str, Any]) -> RequestResult:
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        return await stream_request(client, "/v1/chat/completions", body, secret)

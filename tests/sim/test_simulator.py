@@ -237,6 +237,14 @@ def test_a_held_first_token_reaches_the_client_with_the_next() -> None:
         assert r.ttft is not None and p.ttft is not None
         assert r.ttft == pytest.approx(p.ttft + p.itl[0] + p.itl[1])
         assert r.itl == pytest.approx(p.itl[2:]) and r.latency == pytest.approx(p.latency)
+    # a replayed request's own hold, where known, instead of the drawn one
+    own = [replace(r, held=i % 2) for i, r in enumerate(traffic.first_turns())]
+    holds = {r.request_id: r.held for r in own}
+    config = SimConfig(first_token_hold=(0.0, 0.0, 1.0))
+    for r in Simulator(config, COST).run_requests(own).results:
+        p = plain[r.request_id]
+        assert r.ttft is not None and p.ttft is not None
+        assert r.ttft == pytest.approx(p.ttft + (p.itl[0] if holds[str(r.request_id)] else 0.0))
     # the share held h tokens is drawn per request id, in the shares given
     shares = (0.7, 0.2, 0.1)
     drawn = [held_tokens(f"r{i}", shares) for i in range(20_000)]
