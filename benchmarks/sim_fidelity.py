@@ -12,9 +12,10 @@ the real server, request for request.
 4. Per load (25%, 55% and 85% of that capacity): `sendpath bench`'s client sends Poisson
    arrivals; the simulator replays the *same* requests (send times, prompt tokens as the
    server counted them, answer lengths; greedy, as `sendpath bench` sends them), so both
-   sides see the same traffic and only the model of the server differs. The replay takes
-   from the profile a request's time outside the steps and the share of answers whose
-   first token the output filter held back for the next ones.
+   sides see the same traffic and only the model of the server differs; each request's
+   hold on its first token too (the gateway's ``first_token_held``). The replay takes
+   from the profile a request's time outside the steps, and for requests without a
+   recorded hold (runs saved before it was), the output filter's shares of holds.
 5. The machine's speed drifts on a shared host (this one's steps took 15-45% longer some
    minutes than others). So each run's own step log is priced by the calibrated model in
    fifths of the run; where a fifth ran more than ``DRIFT`` off the calibrated speed, the

@@ -121,8 +121,10 @@ def test_the_last_event_says_how_long_the_filter_held_the_first_token(
 ) -> None:
     with gateway(replica, tmp_path / "open", safety=RulesFilter({})) as gw:
         events = gw.stream(gw.key("a"), GREEDY)
+        unheld = asyncio.run(bench_client(gw.url, gw.key("b"), GREEDY))
     last = [e for e in events if isinstance(e, dict)][-1]
     assert last["first_token_held"] == 0 and "timings" in last  # nothing could match
+    assert unheld.first_token_held == 0  # known to be 0, not unknown (None)
     # a rule any text could still grow into: the first token waits for the whole answer
     hold_all = RulesFilter({"never": [r".*QQZX-never-said"]})
     body = {**GREEDY, "max_tokens": 6}

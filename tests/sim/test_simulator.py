@@ -242,9 +242,21 @@ def test_a_held_first_token_reaches_the_client_with_the_next() -> None:
     holds = {r.request_id: r.held for r in own}
     config = SimConfig(first_token_hold=(0.0, 0.0, 1.0))
     for r in Simulator(config, COST).run_requests(own).results:
-        p = plain[r.request_id]
+        p, k = plain[r.request_id], holds[str(r.request_id)] or 0
         assert r.ttft is not None and p.ttft is not None
-        assert r.ttft == pytest.approx(p.ttft + (p.itl[0] if holds[str(r.request_id)] else 0.0))
+        assert r.ttft == pytest.approx(p.ttft + sum(p.itl[:k]))
+        assert r.itl == pytest.approx(p.itl[k:]) and r.latency == pytest.approx(p.latency)
+    # more than the answer has: its first token comes with its last; a conversation's next
+    # turn is a new request, whose hold is drawn (two tokens here)
+    talk = replace(traffic, num_requests=20, turns=2)
+    first = [replace(r, held=99) for r in talk.first_turns()]
+    config = SimConfig(first_token_hold=(0.0, 0.0, 1.0))
+    for r in Simulator(config, COST).run_requests(first, total=20).results:
+        assert r.ttft is not None and r.request_id is not None
+        if r.request_id.endswith("-0"):
+            assert r.itl == [] and r.ttft == pytest.approx(r.latency)
+        else:
+            assert len(r.itl) == r.output_tokens - 3  # the first token came with the third
     # the share held h tokens is drawn per request id, in the shares given
     shares = (0.7, 0.2, 0.1)
     drawn = [held_tokens(f"r{i}", shares) for i in range(20_000)]
