@@ -179,9 +179,10 @@ def probe_speed(url: str, cost: Calibrated, seed: int) -> float:
         driver.rng = random.Random(seed)
         async with driver.client:
             model = await driver.model()
-            for count, tokens in PROBE:  # answers outlast the others' prompts, as the grid's
-                rest = -(-(count - 1) * tokens // cost.engine["max_num_batched_tokens"])
-                await driver.load(model, count, tokens, DEFAULT_SERVED.answer + rest)
+            for count, tokens in PROBE:  # sent as the grid's B x C loads are
+                budget = cost.engine["max_num_batched_tokens"]
+                await driver.load(model, count, tokens,
+                                  DEFAULT_SERVED.batch_answer(count, tokens, budget))  # fmt: skip
 
     before = last_step(url)
     asyncio.run(send())

@@ -87,6 +87,12 @@ class ServedGrid:
     drift: float = 0.08  # a load whose references ran further off their median is retaken
     retakes: int = 2  # rounds of retakes at most
 
+    def batch_answer(self, count: int, tokens: int, budget: int) -> int:
+        """A B x C load's answer: ``answer`` plus the steps the other B - 1 prompts take
+        to prefill (``budget`` prompt tokens a step), so all B decode together for about
+        ``answer`` steps, not only as the batch ramps."""
+        return self.answer + -(-(count - 1) * tokens // budget)
+
 
 # about 4 minutes on 2 cores with the built-in model (more when loads are retaken)
 DEFAULT_SERVED = ServedGrid(
@@ -197,11 +203,9 @@ async def _profile(
             for n in grid.prefill
             for r in range(grid.repeats)
         ]
-        # each answer outlasts the others' prefills (one budget of prompt tokens a step),
-        # so all B decode together for about ``answer`` steps, not only as the batch ramps
         budget = engine["max_num_batched_tokens"]
         loads += [
-            (f"{b} x {c}", b, c, grid.answer + -(-(b - 1) * c // budget), False)
+            (f"{b} x {c}", b, c, grid.batch_answer(b, c, budget), False)
             for c in grid.contexts
             for b in grid.batches
         ]
