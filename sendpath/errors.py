@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "AuthenticationError",
     "ContentFilterError",
+    "InternalServerError",
     "InvalidRequestError",
     "InvalidSamplingParamsError",
     "ModelLoadError",
@@ -17,6 +18,8 @@ __all__ = [
     "QueueFullError",
     "QuotaExceededError",
     "RateLimitError",
+    "RequestFailedError",
+    "RequestTimeoutError",
     "RequestTooLargeError",
     "SendpathError",
     "ServiceUnavailableError",
@@ -187,3 +190,44 @@ class TraceNotFoundError(SendpathError):
             "the most recent requests are kept.",
             param="request_id",
         )
+
+
+class InternalServerError(SendpathError):
+    """Something failed on our side (HTTP 500). The client sees the request id, never the
+    exception's text: that goes to the server's log."""
+
+    type = "server_error"
+    code = "internal_error"
+    status_code = 500
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(
+            f"The server had an error while processing request {request_id}. Retry it; if "
+            "the error persists, give the operator this id."
+        )
+
+
+class RequestFailedError(SendpathError):
+    """The engine could not compute this request (HTTP 500) and stopped it; everyone else's
+    requests went on. Sending the same request again fails the same way, so the gateway
+    does not retry it elsewhere."""
+
+    type = "server_error"
+    code = "request_failed"
+    status_code = 500
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(
+            f"The engine could not compute request {request_id} (its numbers could not be "
+            "sampled, or a step failed on it) and stopped it; other requests were not "
+            "affected. The same request will fail again: check its parameters, or give the "
+            "operator this id."
+        )
+
+
+class RequestTimeoutError(SendpathError):
+    """The client took too long to send its request (HTTP 408)."""
+
+    type = "invalid_request_error"
+    code = "request_timeout"
+    status_code = 408

@@ -8,16 +8,20 @@ from enum import StrEnum
 from sendpath.errors import InvalidSamplingParamsError
 from sendpath.trace import EventType, Timeline
 
-__all__ = ["Request", "RequestStatus", "SamplingParams"]
+__all__ = ["GREEDY_BELOW", "Request", "RequestStatus", "SamplingParams"]
+
+GREEDY_BELOW = 1e-5  # temperatures under this sample as temperature 0
 
 
 @dataclass
 class SamplingParams:
     """How to pick the next token and when to stop, as in vLLM and the OpenAI API.
 
-    ``temperature == 0`` is greedy. ``top_k <= 0`` (or ``None``) disables top-k. ``seed``
-    makes a sampled request reproducible on its own, whatever runs beside it. Stop strings
-    are not included in the returned text; stop token ids are not either, unless they are EOS.
+    ``temperature == 0`` is greedy, and so is any temperature below ``GREEDY_BELOW`` (as
+    vLLM does: dividing logits by 1e-300 would overflow them to NaN). ``top_k <= 0`` (or
+    ``None``) disables top-k. ``seed`` makes a sampled request reproducible on its own,
+    whatever runs beside it. Stop strings are not included in the returned text; stop token
+    ids are not either, unless they are EOS.
     """
 
     max_tokens: int = 16
@@ -37,7 +41,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         """True when sampling reduces to argmax."""
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     def validate(self) -> None:
         """Raise ``InvalidSamplingParamsError`` naming the first bad field."""
@@ -49,9 +53,9 @@ class SamplingParams:
                 self.max_tokens,
             ),
             (
-                _is_number(self.temperature) and self.temperature >= 0.0,
+                _is_number(self.temperature) and 0.0 <= self.temperature < float("inf"),
                 "temperature",
-                "temperature must be >= 0 (0 means greedy), got {!r}.",
+                "temperature must be a finite number >= 0 (0 means greedy), got {!r}.",
                 self.temperature,
             ),
             (
@@ -107,6 +111,7 @@ class RequestStatus(StrEnum):
     PREEMPTED = "preempted"  # waiting again, its KV blocks gone: recomputed when rescheduled
     FINISHED = "finished"
     ABORTED = "aborted"
+    FAILED = "failed"  # the engine could not compute it (a step failed on it); stopped
 
 
 @dataclass(slots=True)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+
 from sendpath.clock import VirtualClock
 from sendpath.config import SchedulerConfig
-from sendpath.engine.scheduler import Scheduler
+from sendpath.engine.core import Runner
+from sendpath.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from sendpath.kvcache.manager import KVCacheManager
 from sendpath.request import Request, SamplingParams
 
@@ -47,3 +50,41 @@ def make_scheduler(
         long_prefill_token_threshold=long_prefill_token_threshold,
     )
     return Scheduler(config, KVCacheManager(num_blocks, block_size, caching), VirtualClock())
+
+
+POISON = 4242  # a token id that makes ``FaultyRunner`` raise, as a bug for one input would
+
+
+class FaultyRunner:
+    """A runner around another (the real model runner, usually) that fails on purpose: a
+    step holding ``POISON`` raises; ``gate``, when set, holds every step until it opens;
+    ``device_ok = False`` breaks every step and the probe, as a lost GPU would."""
+
+    def __init__(self, inner: Runner) -> None:
+        self.inner = inner
+        self.device_ok = True
+        self.gate: threading.Event | None = None
+        self.in_step = threading.Event()
+
+    def add_request(self, request_id: str, params: SamplingParams) -> None:
+        self.inner.add_request(request_id, params)
+
+    def remove_request(self, request_id: str) -> None:
+        self.inner.remove_request(request_id)
+
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        if self.gate is not None:
+            self.in_step.set()
+            self.gate.wait(30)
+        self._check_device()
+        if any(POISON in item.token_ids for item in plan.requests):
+            raise IndexError("index out of range in self")
+        return self.inner.execute(plan)
+
+    def probe(self) -> None:
+        self._check_device()
+        self.inner.probe()
+
+    def _check_device(self) -> None:
+        if not self.device_ok:
+            raise RuntimeError("CUDA error: an illegal memory access at 0xdeadbeef")

@@ -42,7 +42,7 @@ def test_generate_reports_errors_clearly() -> None:
     assert "error: Model path '/does/not/exist.gguf' does not exist" in res.stderr
     res = run("generate", "hi", "--temperature", "-1")
     assert res.returncode == 2
-    assert "temperature must be >= 0" in res.stderr
+    assert "temperature must be a finite number >= 0" in res.stderr
 
 
 def test_keys_commands(tmp_path: Path) -> None:

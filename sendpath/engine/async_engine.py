@@ -4,6 +4,9 @@ The event loop never runs model code. ``generate()`` tokenizes the request on a 
 thread and hands it to the engine thread (errors come back to the caller), then yields the
 request's ``EngineOutput`` deltas as the thread produces them. Leaving the iterator early
 (client gone, task cancelled) aborts the request, which frees its slot and KV blocks.
+
+``snapshot`` is the scheduler's stats as of the last step, refreshed by the engine thread:
+a health check reads it at once instead of queueing behind a long step.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ __all__ = ["AsyncEngine", "EngineDeadError", "RequestStream"]
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped (shut down, or a step failed); the request cannot finish."""
+    """The engine thread stopped (shut down, or the device failed); the request cannot
+    finish. Its text is for the log: clients get a plain 503."""
 
 
 _Item = EngineOutput | BaseException
@@ -39,6 +43,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[_Item]]] = {}
         self._stopped = threading.Event()
         self._error: BaseException | None = None
+        self.snapshot: SchedulerStats = core.stats()
         self._thread = threading.Thread(target=self._loop, name="sendpath-engine", daemon=True)
         self._thread.start()
 
@@ -130,6 +135,11 @@ class AsyncEngine:
         stats: SchedulerStats = await asyncio.wrap_future(self.call(lambda core: core.stats()))
         return stats
 
+    @property
+    def error(self) -> BaseException | None:
+        """What stopped the engine thread (``None``: running, or shut down on purpose)."""
+        return self._error
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop; every unfinished request's stream gets ``EngineDeadError``."""
         self._stopped.set()
@@ -177,6 +187,7 @@ class AsyncEngine:
                     pass
                 if self.core.has_unfinished_requests():
                     self._deliver(self.core.step())
+                self.snapshot = self.core.stats()
         except BaseException as exc:  # a failed step must not leave clients hanging
             self._error = exc
         finally:

@@ -3,11 +3,18 @@
 Single-threaded and synchronous: the offline ``LLM`` drives it directly, the async engine
 drives it from its own thread. Text enters here (chat template + tokenization are timed as
 the request's ``tokenize`` stage) and leaves as ``EngineOutput`` deltas.
+
+One request cannot stop the engine. Inputs are checked when a request is prepared (token
+ids inside the vocabulary, lengths); a step that still fails is run again one request at
+a time, and the requests that fail alone end with finish reason ``error`` while the rest
+get their tokens. Only when every request fails and the runner's ``probe()`` fails too is
+the fault the device's, not any request's: then ``EngineFaultError`` stops the engine.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -25,9 +32,16 @@ from sendpath.trace import EventType
 if TYPE_CHECKING:
     from sendpath.model.loader import LoadedModel
 
-__all__ = ["EngineCore", "Prompt", "Runner"]
+__all__ = ["EngineCore", "EngineFaultError", "Prompt", "Runner"]
+
+logger = logging.getLogger("sendpath.engine")
 
 Prompt = str | list[int] | Sequence[ChatMessage]
+
+
+class EngineFaultError(RuntimeError):
+    """A step failed for every request in it and the device cannot compute a plain token
+    either: not any request's fault. The engine stops."""
 
 
 class Runner(Protocol):
@@ -36,6 +50,9 @@ class Runner(Protocol):
     def add_request(self, request_id: str, params: SamplingParams) -> None: ...
     def remove_request(self, request_id: str) -> None: ...
     def execute(self, plan: SchedulerOutput) -> RunnerOutput: ...
+    def probe(self) -> None:
+        """Raise if the device cannot compute at all (called after a step failed)."""
+        ...
 
 
 class EngineCore:
@@ -132,6 +149,14 @@ class EngineCore:
             ids = self.tokenizer.encode(prompt)
         elif prompt and isinstance(prompt[0], int):
             ids = [int(t) for t in prompt]  # type: ignore[arg-type]
+            vocab = self.tokenizer.vocab_size
+            if not all(0 <= t < vocab for t in ids):
+                bad = next(t for t in ids if not 0 <= t < vocab)
+                raise InvalidRequestError(
+                    f"The prompt has token id {bad}, outside this model's vocabulary "
+                    f"(0 to {vocab - 1}).",
+                    param="prompt",
+                )
         elif prompt:
             ids = self.tokenizer.encode_chat(prompt)  # type: ignore[arg-type]
         else:
@@ -194,11 +219,21 @@ class EngineCore:
         """Schedule, execute and apply one step; return what each request got from it."""
         start = self.clock.now()
         plan = self.scheduler.schedule()
-        result = self.runner.execute(plan)
-        outputs = []
+        result = self._execute(plan)
+        outputs = [
+            out
+            for request_id, why in result.failed.items()
+            if (out := self._fail(request_id, why)) is not None
+        ]
         for request, token in self.scheduler.update(plan, result):
             stream = self._streams[request.request_id]
-            text = stream.append(token)
+            try:
+                text = stream.append(token)
+            except Exception as exc:
+                logger.exception("request %s: its output could not be made", request.request_id)
+                if (out := self._fail(request.request_id, repr(exc))) is not None:
+                    outputs.append(out)
+                continue
             if stream.finished:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED)
                 self.runner.remove_request(request.request_id)
@@ -212,6 +247,48 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+    def _execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        """The runner's result for ``plan``; when it raises, each request's own result,
+        with the requests that fail alone in ``failed`` (see the module docstring)."""
+        try:
+            return self.runner.execute(plan)
+        except Exception as exc:
+            if plan.is_empty:
+                raise
+            errors: dict[str, Exception] = {}
+            result = RunnerOutput()
+            if len(plan.requests) == 1:
+                errors[plan.requests[0].request_id] = exc
+            else:  # again, one at a time: same slots, same tokens, rewritten
+                for item in plan.requests:
+                    try:
+                        alone = self.runner.execute(SchedulerOutput([item]))
+                    except Exception as alone_exc:
+                        errors[item.request_id] = alone_exc
+                    else:
+                        result.sampled.update(alone.sampled)
+                        result.failed.update(alone.failed)
+        if len(errors) == len(plan.requests):
+            try:
+                self.runner.probe()
+            except Exception as fault:
+                raise EngineFaultError(f"the device cannot compute: {fault}") from fault
+        for request_id, error in errors.items():
+            logger.error("request %s: a step failed on it", request_id, exc_info=error)
+            result.failed[request_id] = f"{type(error).__name__}: {error}"
+        return result
+
+    def _fail(self, request_id: str, why: str) -> EngineOutput | None:
+        """End a request the engine could not compute; ``None`` if it is already gone."""
+        logger.error("request %s stopped with an error: %s", request_id, why)
+        stream = self._streams.pop(request_id, None)
+        request = self.scheduler.finish_request(request_id, RequestStatus.FAILED)
+        self.runner.remove_request(request_id)
+        if stream is None or request is None:
+            return None
+        stream.fail()
+        return self._output(request, stream, [], "")
 
     @staticmethod
     def _output(

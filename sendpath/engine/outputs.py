@@ -17,11 +17,12 @@ __all__ = ["CompletionOutput", "EngineOutput", "FinishReason", "OutputStream", "
 
 
 class FinishReason(StrEnum):
-    """Why generation ended, named as in the OpenAI API (``abort`` is ours)."""
+    """Why generation ended, named as in the OpenAI API (``abort`` and ``error`` are ours)."""
 
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"  # the engine could not compute the request; it was stopped
 
 
 @dataclass
@@ -112,6 +113,10 @@ class OutputStream:
         """Mark the request aborted (client went away, server shutting down)."""
         if not self.finished:
             self.finish_reason = FinishReason.ABORT
+
+    def fail(self) -> None:
+        """Mark the request failed (a step could not compute or sample it)."""
+        self.finish_reason = FinishReason.ERROR
 
     def output(self, index: int = 0) -> CompletionOutput:
         """A snapshot of what was generated so far."""

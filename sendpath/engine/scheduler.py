@@ -61,9 +61,12 @@ class SchedulerOutput:
 
 @dataclass
 class RunnerOutput:
-    """What a step produced: one sampled token per request whose plan had ``sample``."""
+    """What a step produced: one sampled token per request whose plan had ``sample``,
+    except those in ``failed`` (request id -> why, for the log): their step could not be
+    computed or sampled, and they end with an error while the rest go on."""
 
     sampled: dict[str, int] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -116,7 +119,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv.free(request)
         request.status = status
-        event = EventType.ABORTED if status is RequestStatus.ABORTED else EventType.FINISHED
+        event = EventType.FINISHED if status is RequestStatus.FINISHED else EventType.ABORTED
         request.record(event, self.clock.now())
         return request
 

@@ -44,12 +44,19 @@ def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
-) -> list[int]:
-    """logits [N, V] float32 -> one token id per row."""
-    out = logits.argmax(dim=-1).tolist()
+) -> list[int | None]:
+    """logits [N, V] float32 -> one token id per row (``None``: the row cannot be sampled)."""
+    out: list[int | None] = [int(t) for t in logits.argmax(dim=-1).tolist()]
+    nan_rows = torch.isnan(logits).any(dim=-1)
+    if bool(nan_rows.any()):
+        for i in nan_rows.nonzero().flatten().tolist():
+            out[i] = None
     for i, p in enumerate(params):
-        if p.greedy:
+        if p.greedy or out[i] is None:
             continue
-        probs = _filter(logits[i], p).softmax(-1)
-        out[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
-    return [int(t) for t in out]
+        try:
+            probs = _filter(logits[i], p).softmax(-1)
+            out[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
+        except RuntimeError:  # "probability tensor contains either inf, nan or element < 0"
+            out[i] = None
+    return out

@@ -30,6 +30,9 @@ class FakeRunner:
     def remove_request(self, request_id: str) -> None:
         pass
 
+    def probe(self) -> None:
+        """The device check: a fake one always computes."""
+
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         self.executed.append(plan)
         out = RunnerOutput()

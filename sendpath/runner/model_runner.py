@@ -9,7 +9,10 @@ head ([L, Hkv, S, Dh]); a token at position p of a request lives in slot
    all decodes together (their block tables gathered into one padded [B, Hkv, L, Dh] batch
    with a padding mask), each prefill chunk on its own (causal over cache + chunk);
 3. computes logits only for requests whose plan says ``sample``, and samples each with its
-   own parameters and generator.
+   own parameters and generator; a row that cannot be sampled is reported in ``failed``.
+
+``probe()`` runs one token through the model without touching the cache: the engine asks
+it, when a step fails for every request in it, whether the device itself still computes.
 """
 
 from __future__ import annotations
@@ -210,4 +213,24 @@ class ModelRunner:
             [self._params[i.request_id] for i in sampled],
             [self._generators[i.request_id] for i in sampled],
         )
-        return RunnerOutput({i.request_id: t for i, t in zip(sampled, tokens, strict=True)})
+        out = RunnerOutput()
+        for item, token in zip(sampled, tokens, strict=True):
+            if token is None:
+                out.failed[item.request_id] = "its logits could not be sampled (NaN)"
+            else:
+                out.sampled[item.request_id] = token
+        return out
+
+    @torch.inference_mode()
+    def probe(self) -> None:
+        """One token through every layer and the logits, no KV cache: raises if the device
+        cannot compute (gone, out of memory), returns if it can."""
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return v.repeat_interleave(q.shape[1] // v.shape[1], 1)  # [1, H, Dh]: one token
+
+        device = self.model.device
+        zero = torch.zeros(1, dtype=torch.long, device=device)
+        logits = self.model.compute_logits(self.model(zero, zero, attend))
+        if not bool(torch.isfinite(logits).all()):
+            raise RuntimeError("the model computes non-finite logits for a plain token")

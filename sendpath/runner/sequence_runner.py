@@ -99,6 +99,8 @@ class SequenceRunner:
         hidden = self._forward(cache, prompt_ids)[-1:]
         while True:
             token = sample(self.model.compute_logits(hidden), [params], [gen])[0]
+            if token is None:
+                raise RuntimeError("the model's logits cannot be sampled (NaN)")
             text = stream.append(token)
             yield GeneratedToken(token, text, stream.finished)
             if stream.finished:
