@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CacheConfig", "EngineConfig", "GatewayConfig", "ReplicaConfig", "SchedulerConfig"]
+__all__ = [
+    "CacheConfig",
+    "ConnectionLimits",
+    "EngineConfig",
+    "GatewayConfig",
+    "ReplicaConfig",
+    "SchedulerConfig",
+]
 
 
 @dataclass(frozen=True)
@@ -73,17 +80,46 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class ConnectionLimits:
+    """How long an HTTP client may take (seconds), for the gateway and the replica alike:
+    to send its whole request, to read what is sent to it (a stalled reader is dropped,
+    which aborts its request), and to stay idle between requests on a kept-alive
+    connection. ``send_buffer_bytes`` bounds what may wait unread in the kernel (and again
+    in the process) before a reader counts as stalled."""
+
+    request_timeout_s: float = 30.0
+    write_timeout_s: float = 30.0
+    keep_alive_s: float = 5.0
+    send_buffer_bytes: int = 64 * 1024
+
+    def __post_init__(self) -> None:
+        for name in ("request_timeout_s", "write_timeout_s", "keep_alive_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.send_buffer_bytes < 4096:
+            raise ValueError(f"send_buffer_bytes must be >= 4096, got {self.send_buffer_bytes}")
+
+
+@dataclass(frozen=True)
 class ReplicaConfig:
-    """One replica server: its engine, its name on the API and its HTTP limits."""
+    """One replica server: its engine, its name on the API and its HTTP limits.
+
+    ``api_key``: when set, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need it as a bearer
+    token (vLLM's ``--api-key``); ``sendpath serve`` gives its local replicas one.
+    """
 
     engine: EngineConfig = EngineConfig()
     served_model_name: str | None = None  # None: derived from the model path
     max_body_bytes: int = 8 * 2**20
     retry_after_s: int = 1  # sent with 503s
+    api_key: str | None = None
+    connection: ConnectionLimits = ConnectionLimits()
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (leave it out for no key)")
 
 
 ISOLATION_MODES = ("per-key", "shared")
@@ -91,32 +127,42 @@ ISOLATION_MODES = ("per-key", "shared")
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    """The gateway: where replicas are, where keys live, and the admission bounds.
+    """The gateway: where replicas are, where keys live, the admission bounds and timeouts.
 
     ``max_inflight_per_replica`` requests are forwarded to each replica at once; beyond
     that they wait in the gateway's queue (fair across keys) for ``queue_timeout_s``, and
     past ``max_queued_requests`` waiting a request is refused at once (503 + Retry-After).
-    ``default_reserve_tokens`` is what a request without ``max_tokens`` reserves against
-    its key's tokens-per-minute limit until its real usage is known.
+    ``default_max_tokens`` caps the answer of a request that sets no cap (a key's own
+    ``max_tokens`` comes first); it is reserved against the key's limits and sent upstream.
+    ``redis_fail_open``: when Redis does not answer, limit per process (True) or refuse
+    with 503 (False). The timeouts towards replicas are in seconds: connecting, a stream's
+    first token, the gap between tokens, and a whole non-streamed answer.
+    ``replica_api_key`` is sent to replicas as a bearer token (their ``--api-key``).
     """
 
     replicas: tuple[str, ...] = ()
     data_dir: str | None = None  # None: sendpath.gateway.keys.default_data_dir()
     require_keys: bool = True
     redis_url: str | None = None
+    redis_fail_open: bool = True
     safety_rules: str | None = None  # None: the rules file that ships with sendpath
     safety: bool = True
     prefix_cache_isolation: str = "per-key"
     max_inflight_per_replica: int = 64
     max_queued_requests: int = 1024
     queue_timeout_s: float = 30.0
-    default_reserve_tokens: int = 1024
+    default_max_tokens: int = 1024
     max_body_bytes: int = 8 * 2**20
     retry_after_s: int = 1
+    connect_timeout_s: float = 5.0
+    first_token_timeout_s: float = 120.0
+    between_tokens_timeout_s: float = 60.0
     upstream_timeout_s: float = 600.0
     policy: str = "prefix_aware"  # routing: round_robin, least_load or prefix_aware
-    retry_deadline_s: float = 30.0  # retries (before the first byte) stop after this
+    retry_deadline_s: float = 30.0  # retries (before the first token) stop after this
     health_interval_s: float = 1.0
+    replica_api_key: str | None = None
+    connection: ConnectionLimits = ConnectionLimits()
 
     def __post_init__(self) -> None:
         if self.prefix_cache_isolation not in ISOLATION_MODES:
@@ -124,15 +170,21 @@ class GatewayConfig:
                 f"prefix_cache_isolation must be one of {ISOLATION_MODES}, "
                 f"got {self.prefix_cache_isolation!r}"
             )
-        for name in ("max_inflight_per_replica", "default_reserve_tokens", "retry_after_s"):
+        for name in ("max_inflight_per_replica", "default_max_tokens", "retry_after_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
-        for name in ("queue_timeout_s", "upstream_timeout_s", "retry_deadline_s"):
-            if getattr(self, name) <= 0:
+        for name in (
+            "queue_timeout_s",
+            "connect_timeout_s",
+            "first_token_timeout_s",
+            "between_tokens_timeout_s",
+            "upstream_timeout_s",
+            "retry_deadline_s",
+            "health_interval_s",
+        ):
+            if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.health_interval_s <= 0:
-            raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")

@@ -1,47 +1,69 @@
 """The replica's HTTP app: OpenAI-compatible endpoints over one async engine.
 
-The model loads in the background after the server starts, so ``/health`` can say 503
-while loading (and while draining at shutdown). Each request is parsed from its raw body
-(``protocol.py``), queued in the engine (errors become OpenAI error bodies with the right
-status), then answered as one JSON body or as server-sent events. A client that goes away
-aborts its request wherever it is, which frees its slot and KV blocks.
+The model loads in the background after the server starts. ``/health`` says whether the
+process is alive (200 while loading, serving or draining; 503 once the engine failed),
+``/ready`` whether it takes requests now (200 only when loaded and not draining): a
+balancer routes on ``/ready``. ``/load`` and ``/metrics`` answer from the engine's last
+snapshot, never waiting for a step. Requests are read by ``protocol.py`` (the shared
+schema, published in ``/openapi.json``) and answered by ``generate.py``. With an API key
+(``ReplicaConfig.api_key``), ``/v1/*``, ``/tokenize`` and ``/detokenize`` need it.
+
+If the engine stops while serving (the device failed: a request's own failure never stops
+it), ``on_engine_failure`` is called once, so ``sendpath replica`` exits and ``sendpath
+serve`` starts it again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
-import time
-import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager, suppress
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from sendpath.api.errors import RequestIdMiddleware, install_error_handlers, send_error
+from sendpath.api.json_body import load_json
+from sendpath.api.openapi import publish_request_schemas
+from sendpath.api.schema import (
+    DEFAULT_CAP_HEADER,
+    ChatBody,
+    CompletionBody,
+    DetokenizeBody,
+    validate,
+)
 from sendpath.config import ReplicaConfig
-from sendpath.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from sendpath.engine.async_engine import AsyncEngine
 from sendpath.engine.core import EngineCore
 from sendpath.errors import (
+    AuthenticationError,
+    InvalidRequestError,
     ModelNotFoundError,
     RequestTooLargeError,
-    SendpathError,
     ServiceUnavailableError,
     TraceNotFoundError,
 )
 from sendpath.request import Request as EngineRequest
+from sendpath.server.generate import serve_generation
 from sendpath.server.metrics import ReplicaMetrics
-from sendpath.server.protocol import ParsedRequest, parse_chat, parse_completion
-from sendpath.server.responses import Chunker, error_body, server_timing, sse, timings_ms
+from sendpath.server.protocol import parse_chat, parse_completion
+from sendpath.server.responses import timings_ms
 from sendpath.trace import TraceStore, event_log
 
 __all__ = ["Replica", "create_app", "served_name"]
 
 logger = logging.getLogger("sendpath.replica")
+
+PROTECTED = ("/v1/", "/tokenize", "/detokenize")  # what --api-key guards
+LARGE_BODY = 256 * 1024  # parsed on a worker thread above this, not on the event loop
+WATCH_INTERVAL_S = 0.5
 
 
 def served_name(config: ReplicaConfig) -> str:
@@ -67,9 +89,10 @@ class Replica:
         self.traces: TraceStore[dict[str, Any]] = TraceStore()
         self.active: TraceStore[EngineRequest] = TraceStore()  # in flight, by response id
 
-    def finished(self, response_id: str, request: EngineRequest) -> None:
+    def finished(self, response_id: str, request: EngineRequest, reason: str) -> None:
         """Record a finished request: metrics, and its trace for ``/v1/traces/{id}``."""
         self.metrics.observe(request)
+        self.metrics.ended.labels(reason).inc()
         events = request.timeline.events
         self.traces.put(
             response_id,
@@ -84,11 +107,13 @@ class Replica:
 
     @property
     def status(self) -> str:
+        if self.load_error is not None:
+            return "failed"
         if self.draining:
             return "draining"
-        if self.load_error is not None or (self.engine is not None and not self.engine.is_running):
-            return "failed"
-        return "ok" if self.engine is not None else "loading"
+        if self.engine is None:
+            return "loading"
+        return "ok" if self.engine.is_running else "failed"
 
     async def load(self) -> None:
         try:
@@ -104,6 +129,35 @@ class Replica:
             raise ServiceUnavailableError(f"The server is {self.status}; retry in a moment.")
         return self.engine
 
+    async def watch(self, on_failure: Callable[[], None]) -> None:
+        """Call ``on_failure`` once if the engine stops while serving."""
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            engine = self.engine
+            if engine is not None and not engine.is_running and not self.draining:
+                logger.error("the engine stopped (%s): this replica exits", engine.error)
+                on_failure()
+                return
+
+
+class ApiKeyMiddleware:
+    """``Authorization: Bearer <key>`` on the protected paths (401 otherwise)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and str(scope["path"]).startswith(PROTECTED):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = AuthenticationError(
+                    "This replica needs its API key: send 'Authorization: Bearer <key>' "
+                    "(the key it was started with, --api-key or $SENDPATH_API_KEY)."
+                )
+                await send_error(send, error, {"WWW-Authenticate": "Bearer"})
+                return
+        await self.app(scope, receive, send)
+
 
 async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
@@ -117,47 +171,51 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def create_app(config: ReplicaConfig, engine: AsyncEngine | None = None) -> FastAPI:
+def create_app(
+    config: ReplicaConfig,
+    engine: AsyncEngine | None = None,
+    on_engine_failure: Callable[[], None] | None = None,
+) -> FastAPI:
     """The replica app; pass ``engine`` to serve an already built one (tests)."""
     replica = Replica(config, engine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loading = None if replica.engine is not None else asyncio.create_task(replica.load())
+        watch = None
+        if on_engine_failure is not None:
+            watch = asyncio.create_task(replica.watch(on_engine_failure))
         yield
         replica.draining = True
-        if loading is not None and not loading.done():
-            loading.cancel()
+        for task in (loading, watch):
+            if task is not None and not task.done():
+                task.cancel()
+                with suppress(asyncio.CancelledError):
+                    await task
         if replica.engine is not None:
             await asyncio.to_thread(replica.engine.shutdown)
         logger.info("replica %s stopped: engine shut down", replica.model_name)
 
     app = FastAPI(title="sendpath replica", lifespan=lifespan)
     app.state.replica = replica
-
-    @app.exception_handler(SendpathError)
-    async def sendpath_error(request: Request, exc: SendpathError) -> JSONResponse:
-        headers = {"Retry-After": str(config.retry_after_s)} if exc.status_code == 503 else None
-        return JSONResponse(error_body(exc), status_code=exc.status_code, headers=headers)
-
-    @app.exception_handler(EngineDeadError)
-    async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return await sendpath_error(request, ServiceUnavailableError(str(exc)))
+    install_error_handlers(app, config.retry_after_s)
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        return JSONResponse(
-            {"status": replica.status}, status_code=200 if replica.status == "ok" else 503
-        )
+        """Alive: 200 unless the engine failed (503)."""
+        status = replica.status
+        return JSONResponse({"status": status}, status_code=503 if status == "failed" else 200)
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """Takes requests now: 200 only when loaded, running and not draining."""
+        status = replica.status
+        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
     @app.get("/load")
     async def load() -> dict[str, Any]:
-        stats = await replica.ready_engine().stats()
+        """Running, waiting and KV usage as of the engine's last step."""
+        stats = replica.ready_engine().snapshot
         return {
             "num_requests_running": stats.num_running,
             "num_requests_waiting": stats.num_waiting,
@@ -168,7 +226,7 @@ def create_app(config: ReplicaConfig, engine: AsyncEngine | None = None) -> Fast
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        stats = await replica.engine.stats() if replica.engine is not None else None
+        stats = replica.engine.snapshot if replica.engine is not None else None
         return Response(replica.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/steps")
@@ -176,29 +234,7 @@ def create_app(config: ReplicaConfig, engine: AsyncEngine | None = None) -> Fast
         """The engine's recent steps (shape and wall time) after step ``after``, with the
         engine settings they ran under: what `sendpath profile --url` fits."""
         engine = replica.ready_engine()
-
-        def read(core: EngineCore) -> dict[str, Any]:
-            sched, kv = core.scheduler, core.scheduler.kv
-            describe = getattr(core.runner, "describe", None)  # the model runner's
-            runs_on = describe() if describe is not None else {}
-            return {
-                "engine": {
-                    "device": runs_on.get("device", "unknown device"),
-                    "dtype": runs_on.get("dtype"),
-                    "max_num_seqs": sched.config.max_num_seqs,
-                    "max_num_batched_tokens": sched.config.max_num_batched_tokens,
-                    "block_size": kv.block_size,
-                    "num_blocks": kv.pool.num_blocks,
-                    "max_model_len": core.max_model_len,
-                },
-                "steps": [
-                    {"seq": r.seq, "start": r.start, "seconds": r.seconds,
-                     "busy_after": r.busy_after, **asdict(r.shape)}
-                    for r in core.steps.since(after)
-                ],
-            }  # fmt: skip
-
-        found: dict[str, Any] = await asyncio.wrap_future(engine.call(read))
+        found: dict[str, Any] = await asyncio.wrap_future(engine.call(lambda c: _steps(c, after)))
         return found
 
     @app.get("/v1/requests/{response_id}")
@@ -234,101 +270,76 @@ def create_app(config: ReplicaConfig, engine: AsyncEngine | None = None) -> Fast
             card["max_model_len"] = replica.engine.core.max_model_len
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        """Token ids to text (vLLM's endpoint): what a gateway's input filter reads of a
+        token-id prompt. Ids outside the vocabulary are refused (400)."""
         engine = replica.ready_engine()
         raw = await _read_body(request, config.max_body_bytes)
-        return await _serve(replica, engine, parse_chat(raw, engine.core.max_model_len), request)
+        body: DetokenizeBody = validate(DetokenizeBody, load_json(raw))
+        if body.model is not None and body.model != replica.model_name:
+            raise ModelNotFoundError(body.model, replica.model_name)
+        tokenizer = engine.core.tokenizer
+        vocab = tokenizer.vocab_size
+        if bad := [t for t in body.tokens if t >= vocab]:
+            raise InvalidRequestError(
+                f"Token id {bad[0]} is outside this model's vocabulary (0 to {vocab - 1}).",
+                param="tokens",
+            )
+        text = await asyncio.to_thread(tokenizer.decode, body.tokens, False)  # specials too
+        return {"prompt": text}
+
+    async def generation(request: Request, parse: Callable[[bytes, int], Any]) -> Response:
+        engine = replica.ready_engine()
+        raw = await _read_body(request, config.max_body_bytes)
+        max_len = engine.core.max_model_len
+        if len(raw) > LARGE_BODY:  # parsed on a worker thread, not on the event loop
+            parsed = await asyncio.to_thread(parse, raw, max_len)
+        else:
+            parsed = parse(raw, max_len)
+        if request.headers.get(DEFAULT_CAP_HEADER) == "default":
+            parsed.max_tokens_given = False  # a gateway's cap: stop at the context's end
+        return await serve_generation(replica, engine, parsed, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await generation(request, parse_chat)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        engine = replica.ready_engine()
-        raw = await _read_body(request, config.max_body_bytes)
-        parsed = parse_completion(raw, engine.core.max_model_len)
-        return await _serve(replica, engine, parsed, request)
+        return await generation(request, parse_completion)
 
+    publish_request_schemas(
+        app,
+        {
+            "/v1/chat/completions": ChatBody,
+            "/v1/completions": CompletionBody,
+            "/detokenize": DetokenizeBody,
+        },
+    )
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(RequestIdMiddleware)
     return app
 
 
-async def _serve(
-    replica: Replica, engine: AsyncEngine, parsed: ParsedRequest, request: Request
-) -> Response:
-    if parsed.model != replica.model_name:
-        raise ModelNotFoundError(parsed.model, replica.model_name)
-    stream = await engine.add(
-        parsed.prompt,
-        parsed.params,
-        priority=parsed.priority,
-        cache_salt=parsed.cache_salt,
-        strict_max_tokens=parsed.max_tokens_given,
-    )
-    prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
-    chunker = Chunker(
-        parsed.kind, f"{prefix}-{uuid.uuid4().hex}", replica.model_name, int(time.time())
-    )
-    # the engine's arrival on this host's monotonic clock: a gateway on the same host
-    # stitches this replica's events into its own timeline exactly
-    arrival = stream.request.timeline.events[0].time
-    headers = {"x-request-id": chunker.id, "x-sendpath-clock": repr(arrival)}
-    replica.active.put(chunker.id, stream.request)
-    if parsed.stream:
-        events = _events(replica, stream, chunker, parsed.include_usage)
-        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-    collect = asyncio.create_task(_collect(stream))
-    gone = asyncio.create_task(_wait_disconnect(request))
-    try:
-        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        replica.active.pop(chunker.id)
-        if not collect.done():  # the client left (or this handler was cancelled)
-            collect.cancel()
-            stream.abort()
-    if not collect.done() or collect.cancelled():
-        return Response(status_code=499)
-    text, last = collect.result()
-    replica.finished(chunker.id, stream.request)
-    body = chunker.body(text, last, stream.request)
-    headers["Server-Timing"] = server_timing(body["timings"])
-    return JSONResponse(body, headers=headers)
-
-
-async def _collect(stream: RequestStream) -> tuple[str, Any]:
-    text, last = "", None
-    async for out in stream:
-        text, last = text + out.text, out
-    if last is None or last.finish_reason == "abort":
-        raise EngineDeadError("the request was aborted before it finished")
-    return text, last
-
-
-async def _events(
-    replica: Replica, stream: RequestStream, chunker: Chunker, include_usage: bool
-) -> AsyncIterator[str]:
-    """SSE: a role chunk, one chunk per text delta, the finish chunk, usage, [DONE]."""
-    try:
-        if chunker.kind == "chat":
-            yield sse(chunker.chunk("", role=True))
-        async for out in stream:
-            if out.text:
-                yield chunker.delta_sse(out.text)
-            if not out.finished:
-                continue
-            if out.finish_reason == "abort":
-                raise EngineDeadError("the request was aborted before it finished")
-            final = chunker.chunk(None, str(out.finish_reason))
-            timings = timings_ms(stream.request)
-            if include_usage:
-                yield sse(final)
-                final = chunker.usage_chunk(stream.request)
-            final["timings"] = timings
-            yield sse(final)
-            yield "data: [DONE]\n\n"
-            replica.finished(chunker.id, stream.request)
-    except (EngineDeadError, SendpathError) as exc:
-        err = exc if isinstance(exc, SendpathError) else ServiceUnavailableError(str(exc))
-        yield sse(error_body(err))  # an explicit error event, and no [DONE]
-    finally:
-        replica.active.pop(chunker.id)
-        if not stream.finished:
-            stream.abort()
+def _steps(core: EngineCore, after: int) -> dict[str, Any]:
+    sched, kv = core.scheduler, core.scheduler.kv
+    describe = getattr(core.runner, "describe", None)  # the model runner's
+    runs_on = describe() if describe is not None else {}
+    return {
+        "engine": {
+            "device": runs_on.get("device", "unknown device"),
+            "dtype": runs_on.get("dtype"),
+            "max_num_seqs": sched.config.max_num_seqs,
+            "max_num_batched_tokens": sched.config.max_num_batched_tokens,
+            "block_size": kv.block_size,
+            "num_blocks": kv.pool.num_blocks,
+            "max_model_len": core.max_model_len,
+        },
+        "steps": [
+            {"seq": r.seq, "start": r.start, "seconds": r.seconds,
+             "busy_after": r.busy_after, **asdict(r.shape)}
+            for r in core.steps.since(after)
+        ],
+    }  # fmt: skip

@@ -79,6 +79,12 @@ class ReplicaMetrics:
         self.generation_tokens = Counter(
             "sendpath:generation_tokens", "Generated tokens.", registry=r
         )
+        self.ended = Counter(
+            "sendpath:request_success",
+            "Requests that ended, by why: stop, length, abort (the client left) or error.",
+            ["finished_reason"],
+            registry=r,
+        )
         self._engine = _EngineCollector()
         r.register(self._engine)
 

@@ -1,75 +1,22 @@
-"""The OpenAI request bodies this server accepts, validated into engine inputs.
+"""The replica's reading of a request: the shared schema, then what this engine supports.
 
-Parsing is done by hand from the raw body so every client mistake gets OpenAI's error
-shape with the right status: bad UTF-8 or JSON, wrong types, missing or empty fields,
-values out of range, unsupported options. Unknown extra fields are ignored, as OpenAI does.
+The body is read by ``api.json_body`` (size, depth and finite-number limits) and checked
+against ``api.schema`` (the same models the gateway checks and both publish); then the
+options this engine does not implement are refused by name, and the rest becomes a
+``SamplingParams``. Every mistake is an ``InvalidRequestError`` (400, OpenAI's shape).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
+from sendpath.api.json_body import load_json
+from sendpath.api.schema import ChatBody, CompletionBody, content_text, validate
 from sendpath.errors import InvalidRequestError
 from sendpath.request import SamplingParams
 
-__all__ = ["ParsedRequest", "load_json", "parse_chat", "parse_completion"]
-
-ROLES = ("system", "developer", "user", "assistant", "tool")
-_TYPE_TAGS = {"str", "int", "float", "bool", "none"}
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class Message(_Strict):
-    role: str
-    content: str | list[TextPart] | None = None
-
-
-class StreamOptions(_Strict):
-    include_usage: bool = False
-
-
-class _Common(_Strict):
-    model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: bool | int | None = None
-    user: str | None = None
-    priority: int = 0
-    cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's field: tenant prefix cache
-
-
-class ChatBody(_Common):
-    messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    top_logprobs: int | None = None
-
-
-class CompletionBody(_Common):
-    prompt: str | list[int] | list[str]
-    echo: bool = False
+__all__ = ["ParsedRequest", "parse_chat", "parse_completion"]
 
 
 @dataclass
@@ -87,44 +34,9 @@ class ParsedRequest:
     cache_salt: str | None
 
 
-def load_json(raw: bytes) -> dict[str, Any]:
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InvalidRequestError(
-            f"The request body is not valid UTF-8 (bad byte at position {exc.start})."
-        ) from exc
-    try:
-        body = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidRequestError(
-            f"The request body is not valid JSON ({exc.msg} at line {exc.lineno}, "
-            f"column {exc.colno})."
-        ) from exc
-    if not isinstance(body, dict):
-        raise InvalidRequestError("The request body must be a JSON object.")
-    return body
-
-
-def _validate(model: type[_Common], body: dict[str, Any]) -> Any:
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        # drop pydantic's union-member tags ("str", "list[TextPart]") from the field path
-        param = ".".join(
-            str(p) for p in err["loc"] if str(p) not in _TYPE_TAGS and "[" not in str(p)
-        )
-        if err["type"] == "missing":
-            message = f"Missing required parameter: '{param}'."
-        elif err["type"] == "too_short":
-            message = f"'{param}' must not be empty."
-        else:
-            message = f"Invalid value for '{param}': {err['msg']}."
-        raise InvalidRequestError(message, param=param or None) from exc
-
-
-def _params(body: _Common, max_tokens: int | None, default_max: int) -> SamplingParams:
+def _params(
+    body: ChatBody | CompletionBody, max_tokens: int | None, default_max: int
+) -> SamplingParams:
     if body.n != 1:
         raise InvalidRequestError("Only n=1 is supported.", param="n")
     if body.presence_penalty or body.frequency_penalty:
@@ -132,6 +44,8 @@ def _params(body: _Common, max_tokens: int | None, default_max: int) -> Sampling
         raise InvalidRequestError(f"{name} is not supported; leave it at 0.", param=name)
     if body.logprobs:
         raise InvalidRequestError("logprobs are not supported.", param="logprobs")
+    if isinstance(body, ChatBody) and body.top_logprobs:
+        raise InvalidRequestError("top_logprobs are not supported.", param="top_logprobs")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return SamplingParams(
         max_tokens=default_max if max_tokens is None else max_tokens,
@@ -147,20 +61,8 @@ def _params(body: _Common, max_tokens: int | None, default_max: int) -> Sampling
 
 def parse_chat(raw: bytes, default_max: int) -> ParsedRequest:
     """Validate a /v1/chat/completions body."""
-    body: ChatBody = _validate(ChatBody, load_json(raw))
-    messages = []
-    for i, m in enumerate(body.messages):
-        if m.role not in ROLES:
-            raise InvalidRequestError(
-                f"messages[{i}].role is {m.role!r}; use one of {', '.join(ROLES)}.",
-                param=f"messages.{i}.role",
-            )
-        content = (
-            m.content
-            if isinstance(m.content, str) or m.content is None
-            else "".join(p.text for p in m.content)
-        )
-        messages.append({"role": m.role, "content": content or ""})
+    body: ChatBody = validate(ChatBody, load_json(raw))
+    messages = [{"role": m.role, "content": content_text(m.content)} for m in body.messages]
     max_tokens = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )
@@ -179,7 +81,7 @@ def parse_chat(raw: bytes, default_max: int) -> ParsedRequest:
 
 def parse_completion(raw: bytes, default_max: int) -> ParsedRequest:
     """Validate a /v1/completions body (prompt: text, token ids, or a one-item list of text)."""
-    body: CompletionBody = _validate(CompletionBody, load_json(raw))
+    body: CompletionBody = validate(CompletionBody, load_json(raw))
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         if len(prompt) != 1:

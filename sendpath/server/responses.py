@@ -6,20 +6,12 @@ import json
 from typing import Any
 
 from sendpath.engine.outputs import EngineOutput
-from sendpath.errors import SendpathError
 from sendpath.request import Request
 from sendpath.trace import Stage
 
-__all__ = ["Chunker", "error_body", "server_timing", "sse", "timings_ms", "usage"]
+__all__ = ["Chunker", "server_timing", "sse", "timings_ms", "usage"]
 
 _ENGINE_STAGES = (Stage.ENGINE_QUEUE, Stage.TOKENIZE, Stage.PREFILL, Stage.DECODE)
-
-
-def error_body(exc: SendpathError) -> dict[str, Any]:
-    """OpenAI's error shape."""
-    return {
-        "error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}
-    }
 
 
 def usage(request: Request) -> dict[str, Any]:

@@ -6,18 +6,19 @@ import asyncio
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import httpx
 import pytest
 import uvicorn
-from fastapi import FastAPI
+from starlette.types import ASGIApp
 
-from sendpath.config import ReplicaConfig, SchedulerConfig
+from sendpath.api.http_server import uvicorn_config
+from sendpath.config import ConnectionLimits, ReplicaConfig, SchedulerConfig
 from sendpath.engine.async_engine import AsyncEngine
-from sendpath.engine.core import EngineCore
+from sendpath.engine.core import EngineCore, Runner
 from sendpath.kvcache.manager import KVCacheManager
 from sendpath.model.loader import LoadedModel
 from sendpath.runner.model_runner import ModelRunner
@@ -58,24 +59,40 @@ def serve(
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 512,
     max_queued_requests: int | None = None,
+    limits: ConnectionLimits | None = None,
+    api_key: str | None = None,
+    runner: Callable[[ModelRunner], Runner] | None = None,
+    on_engine_failure: Callable[[], None] | None = None,
 ) -> Iterator[Server]:
+    """A replica of ``loaded`` in this process (``runner``: wraps the model runner)."""
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_queued_requests)
     kv = KVCacheManager(BLOCKS, BLOCK)
-    core = EngineCore(ModelRunner(loaded, BLOCKS, BLOCK), loaded.tokenizer, kv, sched, MAX_LEN)
-    app = create_app(
-        ReplicaConfig(served_model_name="tiny", max_body_bytes=64 * 1024), AsyncEngine(core)
+    model_runner = ModelRunner(loaded, BLOCKS, BLOCK)
+    used = runner(model_runner) if runner is not None else model_runner
+    core = EngineCore(used, loaded.tokenizer, kv, sched, MAX_LEN)
+    config = ReplicaConfig(
+        served_model_name="tiny",
+        max_body_bytes=64 * 1024,
+        api_key=api_key,
+        connection=limits or ConnectionLimits(),
     )
-    with serve_app(app) as url:
+    app = create_app(config, AsyncEngine(core), on_engine_failure)
+    with serve_app(app, limits) as url:
         yield Server(url, app.state.replica)
 
 
 @contextmanager
-def serve_app(app: FastAPI) -> Iterator[str]:
-    """Run an ASGI app with uvicorn on a free loopback port in a thread; yield its URL."""
+def serve_app(app: ASGIApp, limits: ConnectionLimits | None = None) -> Iterator[str]:
+    """Run an ASGI app with uvicorn on a free loopback port in a thread; yield its URL.
+    ``limits``: serve it with the guarded protocol, as the commands do."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    if limits is not None:
+        config = uvicorn_config(app, "127.0.0.1", port, limits, lifespan="on")
+    else:
+        config = uvicorn.Config(app, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -48,10 +48,11 @@ CASES: list[tuple[str, bytes, int, str | None, str]] = [
         "wizard",
     ),
     ("n > 1", with_(n=2), 400, "n", "n=1"),
-    ("temperature < 0", with_(temperature=-0.5), 400, "temperature", ">= 0"),
-    ("top_p = 0", with_(top_p=0.0), 400, "top_p", "(0, 1]"),
-    ("top_p > 1", with_(top_p=1.5), 400, "top_p", "(0, 1]"),
-    ("max_tokens < 1", with_(max_tokens=0), 400, "max_tokens", ">= 1"),
+    ("temperature < 0", with_(temperature=-0.5), 400, "temperature", "greater than or equal"),
+    ("temperature > 2", with_(temperature=2.5), 400, "temperature", "less than or equal to 2"),
+    ("top_p = 0", with_(top_p=0.0), 400, "top_p", "greater than 0"),
+    ("top_p > 1", with_(top_p=1.5), 400, "top_p", "less than or equal to 1"),
+    ("max_tokens < 1", with_(max_tokens=0), 400, "max_tokens", "greater than or equal to 1"),
     (
         "max_tokens beyond context",
         with_(max_tokens=MAX_LEN),
@@ -60,9 +61,18 @@ CASES: list[tuple[str, bytes, int, str | None, str]] = [
         "context window is 2048",
     ),
     ("penalty", with_(presence_penalty=0.5), 400, "presence_penalty", "not supported"),
-    ("seed out of range", with_(seed=2**70), 400, "seed", "seed must be an integer"),
+    ("seed out of range", with_(seed=2**70), 400, "seed", "less than 18446744073709551616"),
     ("wrong type: stream", with_(stream="yes"), 400, "stream", "Invalid value"),
-]
+    ("NaN", with_(temperature=...)[:-1] + b', "temperature": NaN}', 400, None, "NaN"),
+    ("Infinity", with_(top_p=...)[:-1] + b', "top_p": -Infinity}', 400, None, "-Infinity"),
+    ("overflowing float", with_(temperature=...)[:-1] + b', "temperature": 1e400}', 400, None,
+     "too large"),
+    ("a 5,000-digit int", with_(seed=...)[:-1] + b', "seed": ' + b"9" * 5000 + b"}", 400, None,
+     "too long"),
+    ("nested 10,000 deep", with_(x=...)[:-1] + b', "x": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
+     400, None, "nests 10001 levels"),
+    ("17 stop strings", with_(stop=["x"] * 17), 400, "stop", "at most 16 items"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -108,11 +118,30 @@ def test_body_over_the_limit_is_413(server: Server) -> None:
 
 
 def test_completion_prompt_mistakes(server: Server) -> None:
+    vocab = server.core.tokenizer.vocab_size
     for prompt, text in [
         ("", "must not be empty"),
         (["a", "b"], "one prompt"),
         (3, "Invalid value"),
+        ([5, -1], "greater than or equal to 0"),
+        ([5, 2**64], "less than 2147483648"),
+        ([5, vocab], f"token id {vocab}, outside this model's vocabulary"),
     ]:
         r = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": prompt})
-        assert r.status_code == 400 and text in r.json()["error"]["message"]
+        assert r.status_code == 400 and text in r.json()["error"]["message"], r.text
     assert server.idle()
+
+
+def test_tiny_temperatures_are_greedy(server: Server) -> None:
+    """Dividing logits by 1e-300 would make them NaN: such a request samples greedily."""
+    answers = []
+    for temperature in (0.0, 1e-300, 5e-324, 9e-6):
+        r = httpx.post(
+            f"{server.url}/v1/chat/completions",
+            json={**OK, "temperature": temperature, "max_tokens": 8},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        answers.append(r.json()["choices"][0]["message"]["content"])
+    assert len(set(answers)) == 1
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}

@@ -47,11 +47,13 @@ def test_replica_serves_the_builtin_model_and_stops_cleanly() -> None:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             try:
-                r = httpx.get(f"{url}/health", timeout=2)
+                r = httpx.get(f"{url}/ready", timeout=2)
+                alive = httpx.get(f"{url}/health", timeout=2)
                 statuses.append(r.json()["status"])
+                assert alive.status_code == 200  # alive while loading, and after
                 if r.status_code == 200:
                     break
-                assert r.status_code == 503
+                assert r.status_code == 503 and alive.json() == r.json()
             except httpx.TransportError:
                 pass
             time.sleep(0.1)
@@ -87,6 +89,7 @@ def test_a_model_that_fails_to_load_makes_health_say_failed(tmp_path: Path) -> N
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert r.status_code == 503 and r.json() == {"status": "failed"}
+        assert httpx.get(f"{url}/ready").status_code == 503
         chat = httpx.post(f"{url}/v1/chat/completions", json={"model": "broken", "messages": []})
         assert chat.status_code == 503 and chat.headers["retry-after"] == "1"
         assert "failed" in chat.json()["error"]["message"]

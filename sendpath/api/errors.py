@@ -1,0 +1,104 @@
+"""Errors as both apps answer them: OpenAI's shape, a request id, no internals.
+
+``RequestIdMiddleware`` gives every HTTP request an id (``req_<32 hex>``), kept in the
+ASGI scope and sent back as ``x-request-id`` unless the app set its own (a completion's
+``chatcmpl-...`` id). ``install_error_handlers`` makes every error an OpenAI error body:
+``SendpathError`` as it says (503s with ``Retry-After``), anything else as a 500 naming the
+request id, its exception and traceback only in the server's log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import MutableMapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from sendpath.errors import InternalServerError, SendpathError
+
+__all__ = [
+    "RequestIdMiddleware",
+    "error_body",
+    "error_response",
+    "install_error_handlers",
+    "request_id",
+    "send_error",
+]
+
+logger = logging.getLogger("sendpath.http")
+_SCOPE_KEY = "sendpath.request_id"
+
+
+def error_body(exc: SendpathError) -> dict[str, Any]:
+    """OpenAI's error shape."""
+    return {
+        "error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}
+    }
+
+
+def request_id(scope: MutableMapping[str, Any]) -> str:
+    """This request's id (made by ``RequestIdMiddleware``; one is made here if it did not run)."""
+    state = scope.setdefault("state", {})
+    if _SCOPE_KEY not in state:
+        state[_SCOPE_KEY] = f"req_{uuid.uuid4().hex}"
+    rid: str = state[_SCOPE_KEY]
+    return rid
+
+
+class RequestIdMiddleware:
+    """Names each HTTP request and says its name in ``x-request-id``."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = request_id(scope).encode()
+
+        async def named_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                if not any(k.lower() == b"x-request-id" for k, _ in headers):
+                    message = {**message, "headers": [*headers, (b"x-request-id", rid)]}
+            await send(message)
+
+        await self.app(scope, receive, named_send)
+
+
+def error_response(exc: SendpathError, retry_after_s: int) -> JSONResponse:
+    headers = dict(getattr(exc, "headers", None) or {})
+    if exc.status_code == 503:
+        headers.setdefault("Retry-After", str(retry_after_s))
+    return JSONResponse(error_body(exc), status_code=exc.status_code, headers=headers or None)
+
+
+def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
+    """OpenAI error bodies for every error a route raises (see the module docstring)."""
+
+    @app.exception_handler(SendpathError)
+    async def sendpath_error(request: Request, exc: SendpathError) -> JSONResponse:
+        return error_response(exc, retry_after_s)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        rid = request_id(request.scope)  # uvicorn logs the traceback after this line
+        logger.error("request %s failed: %s: %s", rid, type(exc).__name__, exc)
+        response = error_response(InternalServerError(rid), retry_after_s)
+        response.headers["x-request-id"] = rid  # sent from outside the id middleware
+        return response
+
+
+async def send_error(send: Send, exc: SendpathError, headers: dict[str, str] | None = None) -> None:
+    """Answer with OpenAI's error body from ASGI middleware (before any byte was sent)."""
+    body = json.dumps(error_body(exc)).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": exc.status_code, "headers": raw})
+    await send({"type": "http.response.body", "body": body})

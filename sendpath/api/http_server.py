@@ -1,0 +1,128 @@
+"""Running an ASGI app with uvicorn, guarded against clients that are slow on purpose.
+
+uvicorn closes a keep-alive connection that stays idle, but not one that sends half a
+request and stops (a hundred of those hold a hundred connections forever), nor one that
+stops reading a streamed answer (its writes wait for ever, holding the request's slot
+and KV blocks). ``GuardedH11Protocol`` adds both bounds at the connection:
+
+- ``request_timeout_s``: from the moment a connection waits for a request (opened, or its
+  last response done), the request's head and body must arrive within this; else the
+  connection is closed (the app, if it is reading the body, sees a disconnect);
+- ``write_timeout_s``: when the connection's send buffer is full (the client reads
+  nothing) for this long, the connection is dropped: the app sees a disconnect, which
+  aborts the request wherever it is, as if the client had hung up. The buffer is bounded
+  (``send_buffer_bytes`` in the kernel and as many again in the process; Linux would
+  otherwise grow a loopback socket's to megabytes, a whole long answer's worth, so a
+  client that stops reading would never be noticed). Streamed tokens are a few hundred
+  bytes a second, far below what such a buffer carries even over a slow link.
+
+``run(app, host, port, limits)`` is what the commands call; ``limits`` also carries the
+keep-alive idle bound (uvicorn's own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import Any
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from sendpath.config import ConnectionLimits
+
+__all__ = ["GuardedH11Protocol", "run", "uvicorn_config"]
+
+logger = logging.getLogger("sendpath.http")
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a request timeout and a write-stall timeout."""
+
+    limits = ConnectionLimits()  # set per process by ``run`` / ``uvicorn_config``
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        size = self.limits.send_buffer_bytes
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+        transport.set_write_buffer_limits(high=size)
+        self._request_timer: asyncio.TimerHandle | None = None
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self._arm_request_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for timer in (self._request_timer, self._stall_timer):
+            if timer is not None:
+                timer.cancel()
+        super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_request_timer()  # the next request on this connection: same bound
+
+    def _arm_request_timer(self) -> None:
+        if self._request_timer is not None:
+            self._request_timer.cancel()
+        self._request_timer = self.loop.call_later(
+            self.limits.request_timeout_s, self._request_timed_out
+        )
+
+    def _request_timed_out(self) -> None:
+        self._request_timer = None
+        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
+            logger.info(
+                "client %s did not send its request within %g s: connection closed",
+                _peer(self.client),
+                self.limits.request_timeout_s,
+            )
+            self.transport.close()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stall_timer is None:
+            self._stall_timer = self.loop.call_later(self.limits.write_timeout_s, self._stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+
+    def _stalled(self) -> None:
+        self._stall_timer = None
+        logger.warning(
+            "client %s read nothing for %g s: connection dropped, its request aborted",
+            _peer(self.client),
+            self.limits.write_timeout_s,
+        )
+        self.transport.abort()  # close() would wait to flush what the client never reads
+
+
+def _peer(client: tuple[str, int] | None) -> str:
+    return f"{client[0]}:{client[1]}" if client else "?"
+
+
+def uvicorn_config(
+    app: Any, host: str, port: int, limits: ConnectionLimits, **options: Any
+) -> uvicorn.Config:
+    """A uvicorn config with the guarded protocol (``options``: uvicorn's own)."""
+    GuardedH11Protocol.limits = limits
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=GuardedH11Protocol,
+        timeout_keep_alive=max(1, round(limits.keep_alive_s)),
+        log_level="warning",
+        **options,
+    )
+
+
+def run(app: Any, host: str, port: int, limits: ConnectionLimits, **options: Any) -> None:
+    """Serve ``app`` until interrupted (uvicorn.run with the guarded protocol)."""
+    uvicorn.Server(uvicorn_config(app, host, port, limits, **options)).run()

@@ -1,0 +1,164 @@
+"""The OpenAI request bodies, one schema per endpoint, shared by the gateway and the replica.
+
+Both check a body against the same model at their edge, so a request the gateway lets
+through never surprises the replica, and both publish these schemas as their OpenAPI
+request bodies (what a client generator or a fuzzer reads). The schemas say what is
+well-formed: types (strict: ``"1"`` is not a number, ``true`` is not an int; a whole
+number written ``5.0`` is the integer 5, as JSON Schema counts it), finite numbers in the
+ranges OpenAI and vLLM document, token ids that fit an int32, bounded lists. What a
+particular server supports (``n > 1``, penalties, logprobs) is that server's own check.
+Unknown fields are ignored, as OpenAI ignores them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+from sendpath.errors import InvalidRequestError
+
+__all__ = [
+    "DEFAULT_CAP_HEADER",
+    "ROLES",
+    "ChatBody",
+    "CompletionBody",
+    "DetokenizeBody",
+    "Message",
+    "TextPart",
+    "chat_text",
+    "content_text",
+    "validate",
+]
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# A gateway that filled in max_tokens for a request without one says so in this header
+# ("default"): a replica then stops such a request at the context's end instead of
+# refusing it as too long, as it would a client's own max_tokens.
+DEFAULT_CAP_HEADER = "x-sendpath-max-tokens"
+INT32 = 2**31
+MAX_STOP = 16  # stop strings (OpenAI: 4); each is checked against every new token
+MAX_STOP_IDS = 1024
+_TYPE_TAGS = {"str", "int", "float", "bool", "none"}
+
+
+def _whole(value: Any) -> Any:
+    """JSON has one number type: ``5.0`` is a valid "integer" to JSON Schema, so take it."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**64:
+        return int(value)
+    return value
+
+
+_WHOLE = BeforeValidator(_whole)  # after the constraints, so the schema shows them
+TokenId = Annotated[int, Field(ge=0, lt=INT32), _WHOLE]
+TokenCount = Annotated[int, Field(ge=1, lt=INT32), _WHOLE]
+TopK = Annotated[int, Field(ge=-1, lt=INT32), _WHOLE]  # vLLM's: 0 or -1 turn it off
+Seed = Annotated[int, Field(ge=-(2**63), lt=2**64), _WHOLE]
+Choices = Annotated[int, Field(ge=1, le=128), _WHOLE]
+Priority = Annotated[int, Field(ge=-INT32, lt=INT32), _WHOLE]  # vLLM's: lower runs first
+LogprobCount = Annotated[int, Field(ge=0, le=20), _WHOLE]
+StopString = Annotated[str, Field(min_length=1, max_length=1024)]
+StopList = Annotated[list[StopString], Field(max_length=MAX_STOP)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    model: str = Field(max_length=256)
+    max_tokens: TokenCount | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: TopK | None = None
+    seed: Seed | None = None
+    stop: StopString | StopList | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_IDS)
+    ignore_eos: bool = False
+    n: Choices = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    user: str | None = Field(None, max_length=256)
+    priority: Priority = 0
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)  # vLLM's
+
+
+class ChatBody(_Common):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: TokenCount | None = None
+    logprobs: bool | None = None
+    top_logprobs: LogprobCount | None = None
+
+
+class CompletionBody(_Common):
+    """``POST /v1/completions``: a text prompt, token ids, or a one-item list of text."""
+
+    prompt: str | Annotated[list[TokenId], Field(min_length=1)] | list[str]
+    echo: bool = False
+    logprobs: LogprobCount | None = None
+
+
+class DetokenizeBody(_Strict):
+    """``POST /detokenize`` (vLLM's): token ids to text."""
+
+    model: str | None = Field(None, max_length=256)
+    tokens: list[TokenId]
+
+
+def content_text(content: str | list[TextPart] | None) -> str:
+    """A message's text as the model sees it: its parts joined with nothing between."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(p.text for p in content)
+
+
+def chat_text(messages: list[Message]) -> str:
+    """Every message's text, one per line: what an input filter reads of a chat."""
+    return "\n".join(content_text(m.content) for m in messages)
+
+
+def validate(model: type[BaseModel], body: dict[str, Any]) -> Any:
+    """``model`` checked from ``body``; ``InvalidRequestError`` naming the first bad field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        # of a union's failed members, the one whose type matched and that went deepest
+        # says most ([5, -1] as token ids: "item 1 must be >= 0", not "not a string")
+        err = max(exc.errors(), key=lambda e: (not e["type"].endswith("_type"), len(e["loc"])))
+        # keep field names and list indices; drop pydantic's union-member tags ("str",
+        # "list[TextPart]", "constrained-str", "function-before[...]")
+        param = ".".join(
+            str(p)
+            for p in err["loc"]
+            if isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS)
+        )
+        if err["type"] == "missing":
+            message = f"Missing required parameter: '{param}'."
+        elif err["type"] == "too_short" and not err.get("ctx", {}).get("min_length", 1) > 1:
+            message = f"'{param}' must not be empty."
+        else:
+            given = err.get("input")
+            shown = repr(given) if isinstance(given, int | float | str) else None
+            if shown is not None and len(shown) <= 40:
+                message = f"Invalid value for '{param}': {err['msg']} (got {shown})."
+            else:
+                message = f"Invalid value for '{param}': {err['msg']}."
+        raise InvalidRequestError(message, param=param or None) from exc

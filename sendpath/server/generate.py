@@ -1,0 +1,157 @@
+"""Answering a generation request: queue it in the engine, then one JSON body or SSE.
+
+A client that goes away aborts its request wherever it is (queued, prefilling, decoding),
+which frees its slot and KV blocks; a client that stops reading a stream is dropped by the
+connection's write timeout (``api.http_server``), which does the same. A request the
+engine could not compute ends with ``request_failed`` (500, or an error event in a stream)
+and nothing else; an engine that stopped gives 503, its reason only in the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from sendpath.api.errors import error_body
+from sendpath.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from sendpath.engine.outputs import EngineOutput, FinishReason
+from sendpath.errors import (
+    ModelNotFoundError,
+    RequestFailedError,
+    SendpathError,
+    ServiceUnavailableError,
+)
+from sendpath.server.protocol import ParsedRequest
+from sendpath.server.responses import Chunker, server_timing, sse, timings_ms
+
+if TYPE_CHECKING:
+    from sendpath.server.app import Replica
+
+__all__ = ["ENGINE_STOPPED", "serve_generation"]
+
+logger = logging.getLogger("sendpath.replica")
+
+ENGINE_STOPPED = "The engine stopped before this request finished; retry it."
+
+
+async def serve_generation(
+    replica: Replica, engine: AsyncEngine, parsed: ParsedRequest, request: Request
+) -> Response:
+    """Queue ``parsed`` and answer it (streamed or whole)."""
+    if parsed.model != replica.model_name:
+        raise ModelNotFoundError(parsed.model, replica.model_name)
+    stream = await engine.add(
+        parsed.prompt,
+        parsed.params,
+        priority=parsed.priority,
+        cache_salt=parsed.cache_salt,
+        strict_max_tokens=parsed.max_tokens_given,
+    )
+    prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
+    chunker = Chunker(
+        parsed.kind, f"{prefix}-{uuid.uuid4().hex}", replica.model_name, int(time.time())
+    )
+    # the engine's arrival on this host's monotonic clock: a gateway on the same host
+    # stitches this replica's events into its own timeline exactly
+    arrival = stream.request.timeline.events[0].time
+    headers = {"x-request-id": chunker.id, "x-sendpath-clock": repr(arrival)}
+    replica.active.put(chunker.id, stream.request)
+    if parsed.stream:
+        events = _events(replica, stream, chunker, parsed.include_usage)
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+    collect = asyncio.create_task(_collect(stream, chunker.id))
+    gone = asyncio.create_task(_wait_disconnect(request))
+    try:
+        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        replica.active.pop(chunker.id)
+        if not collect.done():  # the client left (or this handler was cancelled)
+            collect.cancel()
+            stream.abort()
+    if not collect.done() or collect.cancelled():
+        replica.metrics.ended.labels("abort").inc()
+        return Response(status_code=499)
+    if (error := collect.exception()) is not None:
+        replica.metrics.ended.labels("error").inc()
+        raise error
+    text, last = collect.result()
+    replica.finished(chunker.id, stream.request, str(last.finish_reason))
+    body = chunker.body(text, last, stream.request)
+    headers["Server-Timing"] = server_timing(body["timings"])
+    return JSONResponse(body, headers=headers)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _raise_unfinished(out: EngineOutput, response_id: str) -> None:
+    """A last output that is not an answer: the request failed, or the engine stopped."""
+    if out.finish_reason is FinishReason.ERROR:
+        raise RequestFailedError(response_id)
+    if out.finish_reason is FinishReason.ABORT:
+        raise ServiceUnavailableError(ENGINE_STOPPED)
+
+
+async def _collect(stream: RequestStream, response_id: str) -> tuple[str, EngineOutput]:
+    text, last = "", None
+    try:
+        async for out in stream:
+            text, last = text + out.text, out
+    except EngineDeadError as exc:
+        logger.error("request %s: %s", response_id, exc)
+        raise ServiceUnavailableError(ENGINE_STOPPED) from exc
+    if last is None:
+        raise ServiceUnavailableError(ENGINE_STOPPED)
+    _raise_unfinished(last, response_id)
+    return text, last
+
+
+async def _events(
+    replica: Replica, stream: RequestStream, chunker: Chunker, include_usage: bool
+) -> AsyncIterator[str]:
+    """SSE: a role chunk, one chunk per text delta, the finish chunk, usage, [DONE]; or an
+    error event (and no [DONE]) if the request cannot finish. Leaving early (the client
+    went away, or was dropped for not reading) aborts the request."""
+    ended = False  # finished or failed: anything else that ends this is an abort
+    try:
+        if chunker.kind == "chat":
+            yield sse(chunker.chunk("", role=True))
+        async for out in stream:
+            if out.text:
+                yield chunker.delta_sse(out.text)
+            if not out.finished:
+                continue
+            _raise_unfinished(out, chunker.id)
+            ended = True
+            replica.finished(chunker.id, stream.request, str(out.finish_reason))
+            final: dict[str, Any] = chunker.chunk(None, str(out.finish_reason))
+            timings = timings_ms(stream.request)
+            if include_usage:
+                yield sse(final)
+                final = chunker.usage_chunk(stream.request)
+            final["timings"] = timings
+            yield sse(final)
+            yield "data: [DONE]\n\n"
+    except (EngineDeadError, SendpathError) as exc:
+        ended = True
+        replica.metrics.ended.labels("error").inc()
+        if isinstance(exc, EngineDeadError):
+            logger.error("request %s: %s", chunker.id, exc)
+            exc = ServiceUnavailableError(ENGINE_STOPPED)
+        yield sse(error_body(exc))  # an explicit error event, and no [DONE]
+    finally:
+        replica.active.pop(chunker.id)
+        if not stream.finished:
+            stream.abort()
+        if not ended:
+            replica.metrics.ended.labels("abort").inc()

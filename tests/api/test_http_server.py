@@ -1,0 +1,99 @@
+"""The guarded uvicorn protocol on real sockets: a client that sends half a request is cut
+off after the request timeout, and one that stops reading is dropped after the write
+timeout, which the app sees as a disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, StreamingResponse
+from starlette.routing import Route
+
+from sendpath.api.http_server import uvicorn_config
+from sendpath.config import ConnectionLimits
+from tests.conftest import wait_for
+
+LIMITS = ConnectionLimits(request_timeout_s=0.5, write_timeout_s=0.5, send_buffer_bytes=4096)
+
+
+class Events:
+    def __init__(self) -> None:
+        self.closed = threading.Event()  # the endless stream's generator was closed
+        self.sent = 0
+
+
+@contextmanager
+def server(events: Events) -> Iterator[int]:
+    async def endless(request: Request) -> StreamingResponse:
+        async def chunks() -> AsyncIterator[str]:
+            try:
+                while True:
+                    events.sent += 1
+                    yield "data: " + "x" * 200 + "\n\n"
+                    await asyncio.sleep(0)
+            finally:
+                events.closed.set()
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    async def echo(request: Request) -> PlainTextResponse:
+        return PlainTextResponse(str(len(await request.body())))
+
+    app = Starlette(routes=[Route("/stream", endless), Route("/echo", echo, methods=["POST"])])
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn_config(app, "127.0.0.1", 0, LIMITS))
+    thread = threading.Thread(target=lambda: asyncio.run(srv.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    wait_for(lambda: srv.started)
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+
+
+def closed_by_server(conn: socket.socket, within: float) -> bool:
+    conn.settimeout(within)
+    try:
+        while conn.recv(65536):
+            pass
+    except (TimeoutError, ConnectionResetError):
+        return False
+    return True
+
+
+def test_half_sent_requests_are_cut_off_and_whole_ones_answered() -> None:
+    with server(Events()) as port:
+        heads = []
+        for _ in range(20):  # slowloris: heads that never end
+            c = socket.create_connection(("127.0.0.1", port))
+            c.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Le")
+            heads.append(c)
+        body = socket.create_connection(("127.0.0.1", port))  # a body that never comes
+        body.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nabc")
+        assert all(closed_by_server(c, within=5) for c in [*heads, body])
+        whole = socket.create_connection(("127.0.0.1", port))
+        whole.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+        assert whole.recv(4096).startswith(b"HTTP/1.1 200 OK")
+
+
+def test_a_client_that_stops_reading_is_dropped_and_the_app_sees_it() -> None:
+    events = Events()
+    with server(events) as port:
+        c = socket.socket()
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        c.connect(("127.0.0.1", port))
+        c.sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+        # it reads nothing: once its buffers are full it is dropped, and the stream's
+        # generator is closed (a replica's would abort its request there)
+        assert events.closed.wait(10)
+        assert events.sent * 206 < 2**20  # after a bounded amount, not megabytes
+        c.close()
