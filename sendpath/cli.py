@@ -13,6 +13,7 @@ from sendpath.bench.command import add_bench_args, run_bench
 from sendpath.chat import add_chat_args, run_chat
 from sendpath.errors import SendpathError
 from sendpath.launch import (
+    add_connection_args,
     add_engine_args,
     add_gateway_args,
     run_gateway,
@@ -69,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rep.add_argument("--host", default="127.0.0.1")
     rep.add_argument("--port", type=int, default=8001)
+    rep.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
+        "(also read from $SENDPATH_API_KEY; default: none)",
+    )
+    add_connection_args(rep)
     add_engine_args(rep)
     chat = sub.add_parser(
         "chat",
@@ -174,6 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
     kc.add_argument(
         "--daily-tokens", type=int, default=None, help="tokens per UTC day (default: no limit)"
     )
+    kc.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="the answer cap of this key's requests that set none (default: the gateway's "
+        "--default-max-tokens)",
+    )
     ksub.add_parser("list", help="list keys (never their secrets)")
     kr = ksub.add_parser("revoke", help="revoke a key; takes effect on its next request")
     kr.add_argument("name")
@@ -192,19 +207,25 @@ def _keys(args: argparse.Namespace) -> int:
 
     try:
         if args.keys_command == "create":
-            key, secret = store.create(args.name, args.rpm, args.tpm, args.daily_tokens)
+            key, secret = store.create(
+                args.name, args.rpm, args.tpm, args.daily_tokens, args.max_tokens
+            )
             print(
                 f"created key {key.name!r} (rpm {limit(key.rpm)}, tpm {limit(key.tpm)}, "
-                f"daily tokens {limit(key.daily_tokens)}); it is shown once, keep it now:"
+                f"daily tokens {limit(key.daily_tokens)}, default max tokens "
+                f"{limit(key.max_tokens)}); it is shown once, keep it now:"
             )
             print(secret)
         elif args.keys_command == "list":
-            print(f"{'NAME':<20} {'KEY':<12} {'RPM':>8} {'TPM':>10} {'DAILY':>12}  STATUS")
+            print(
+                f"{'NAME':<20} {'KEY':<12} {'RPM':>8} {'TPM':>10} {'DAILY':>12} "
+                f"{'MAX TOKENS':>10}  STATUS"
+            )
             for k in store.list():
                 status = "active" if k.active else "revoked"
                 print(
                     f"{k.name:<20} {k.hint + '...':<12} {limit(k.rpm):>8} {limit(k.tpm):>10} "
-                    f"{limit(k.daily_tokens):>12}  {status}"
+                    f"{limit(k.daily_tokens):>12} {limit(k.max_tokens):>10}  {status}"
                 )
         elif args.keys_command == "revoke":
             store.revoke(args.name)

@@ -16,7 +16,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from sendpath.config import CacheConfig, EngineConfig, GatewayConfig, SchedulerConfig
+from sendpath.config import (
+    CacheConfig,
+    ConnectionLimits,
+    EngineConfig,
+    GatewayConfig,
+    SchedulerConfig,
+)
 
 __all__ = [
     "add_engine_args",
@@ -98,6 +104,21 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         help="share rate limits across gateway processes (default: in this process)",
     )
     p.add_argument(
+        "--replica-api-key",
+        default=None,
+        metavar="KEY",
+        help="sent to replicas as 'Authorization: Bearer KEY' (their --api-key; also read "
+        "from $SENDPATH_REPLICA_API_KEY). `serve` gives its local replicas this key, or one "
+        "it generates",
+    )
+    p.add_argument(
+        "--redis-failure",
+        default="open",
+        choices=["open", "closed"],
+        help="when Redis does not answer: limit per process (open, default) or refuse "
+        "requests with 503 (closed)",
+    )
+    p.add_argument(
         "--safety-rules", default=None, metavar="FILE", help="TOML [categories] of regexes"
     )
     p.add_argument("--no-safety", action="store_true", help="turn the safety filter off")
@@ -117,15 +138,46 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         "--queue-timeout", type=float, default=30.0, help="seconds a request may wait, then 503"
     )
     p.add_argument(
-        "--default-reserve-tokens",
+        "--default-max-tokens",
         type=int,
         default=1024,
-        help="tokens a request without max_tokens reserves against its key's TPM",
+        help="the answer cap of a request that sets none (a key's own --max-tokens comes "
+        "first); reserved against the key's limits and sent to the replica (1024)",
     )
+    p.add_argument(
+        "--connect-timeout", type=float, default=5.0, metavar="S",
+        help="seconds to connect to a replica before trying another (5)",
+    )  # fmt: skip
+    p.add_argument(
+        "--first-token-timeout", type=float, default=120.0, metavar="S",
+        help="seconds a replica may take to a stream's first token before the request "
+        "goes to another (120)",
+    )  # fmt: skip
+    p.add_argument(
+        "--between-tokens-timeout", type=float, default=60.0, metavar="S",
+        help="seconds a replica may send nothing mid-stream before the stream ends with an "
+        "error (60)",
+    )  # fmt: skip
+    p.add_argument(
+        "--upstream-timeout", type=float, default=600.0, metavar="S",
+        help="seconds a replica may take to a whole non-streamed answer (600)",
+    )  # fmt: skip
+    add_connection_args(p)
 
 
-def gateway_config(args: argparse.Namespace, replicas: Sequence[str]) -> GatewayConfig:
-    """The GatewayConfig the flags describe (raises ValueError on a bad value)."""
+def replica_api_key(args: argparse.Namespace) -> str | None:
+    """The key replicas want, from the flag or the environment."""
+    import os
+
+    key: str | None = args.replica_api_key or os.environ.get("SENDPATH_REPLICA_API_KEY")
+    return key or None
+
+
+def gateway_config(
+    args: argparse.Namespace, replicas: Sequence[str], replica_key: str | None = None
+) -> GatewayConfig:
+    """The GatewayConfig the flags describe (raises ValueError on a bad value);
+    ``replica_key``: the key of the replicas `serve` started."""
     return GatewayConfig(
         replicas=tuple(replicas),
         data_dir=str(args.data_dir) if args.data_dir else None,
@@ -137,8 +189,15 @@ def gateway_config(args: argparse.Namespace, replicas: Sequence[str]) -> Gateway
         max_inflight_per_replica=args.max_inflight_per_replica,
         max_queued_requests=args.queue_size,
         queue_timeout_s=args.queue_timeout,
-        default_reserve_tokens=args.default_reserve_tokens,
+        default_max_tokens=args.default_max_tokens,
         policy=args.policy,
+        redis_fail_open=args.redis_failure == "open",
+        connect_timeout_s=args.connect_timeout,
+        first_token_timeout_s=args.first_token_timeout,
+        between_tokens_timeout_s=args.between_tokens_timeout,
+        upstream_timeout_s=args.upstream_timeout,
+        replica_api_key=replica_key or replica_api_key(args),
+        connection=connection_limits(args),
     )
 
 
@@ -164,6 +223,7 @@ def run_gateway(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from sendpath.api import http_server
     from sendpath.gateway.app import CONFIG_ENV, config_to_env, create_gateway_app
     from sendpath.gateway.safety import SafetyRulesError
 
@@ -183,7 +243,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     )
     _log_setup()
     if args.workers == 1:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        http_server.run(app, args.host, args.port, config.connection)
         return 0
     os.environ[CONFIG_ENV] = config_to_env(config)
     uvicorn.run(
@@ -193,6 +253,8 @@ def run_gateway(args: argparse.Namespace) -> int:
         port=args.port,
         workers=args.workers,
         log_level="warning",
+        http=http_server.GuardedH11Protocol,
+        timeout_keep_alive=max(1, round(config.connection.keep_alive_s)),
     )
     return 0
 
@@ -203,8 +265,9 @@ def _log_setup() -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    import secrets
 
+    from sendpath.api import http_server
     from sendpath.fleet import LocalFleet, ReplicaStartError
     from sendpath.gateway.app import create_gateway_app
     from sendpath.gateway.safety import SafetyRulesError
@@ -218,8 +281,10 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: model path {args.model!r} does not exist.", file=sys.stderr)
         return 2
     _log_setup()
+    # only this gateway can use the local replicas: their key is given, or made here
+    replica_key = replica_api_key(args) or secrets.token_urlsafe(32)
     try:
-        fleet = LocalFleet(args.replicas, engine_argv(args))
+        fleet = LocalFleet(args.replicas, engine_argv(args), api_key=replica_key)
         gateway_config(args, ["http://placeholder"])  # check the flags before starting anything
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -233,8 +298,8 @@ def run_serve(args: argparse.Namespace) -> int:
             print(f"sendpath serve: starting {args.replicas} replica(s)...", flush=True)
             try:
                 fleet.wait_healthy(args.startup_timeout)
-                config = gateway_config(args, [*fleet.urls, *args.replica])
-                app = create_gateway_app(config)
+                config = gateway_config(args, [*fleet.urls, *args.replica], replica_key)
+                app = create_gateway_app(config, fleet_status=fleet.status)
             except (ReplicaStartError, ValueError, SafetyRulesError, OSError) as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 return 1
@@ -247,7 +312,8 @@ def run_serve(args: argparse.Namespace) -> int:
             )
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, _ignore)
-            uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+            fleet.supervise()  # a replica that exits is started again
+            http_server.run(app, args.host, args.port, config.connection)
     except KeyboardInterrupt:
         print("sendpath serve: interrupted while starting; replicas stopped", flush=True)
         return 130
@@ -285,14 +351,59 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def add_connection_args(p: argparse.ArgumentParser) -> None:
+    """How long a client may take (the gateway's and the replica's, each its own)."""
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="a client must send its whole request (head and body) within S seconds (30)",
+    )
+    p.add_argument(
+        "--write-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="a client that reads nothing of its answer for S seconds is dropped and its "
+        "request aborted (30)",
+    )
+    p.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="an idle kept-alive connection is closed after S seconds (5)",
+    )
+
+
+def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    return ConnectionLimits(
+        request_timeout_s=args.request_timeout,
+        write_timeout_s=args.write_timeout,
+        keep_alive_s=args.keep_alive_timeout,
+    )
+
+
+API_KEY_ENV = "SENDPATH_API_KEY"  # a replica's key, from `serve` (not on its command line)
+
+
 def run_replica(args: argparse.Namespace) -> int:
+    import os
+
     import uvicorn
 
+    from sendpath.api.http_server import uvicorn_config
     from sendpath.config import ReplicaConfig
     from sendpath.server.app import create_app, served_name
 
     try:
-        config = ReplicaConfig(engine=engine_config(args), served_model_name=args.served_model_name)
+        config = ReplicaConfig(
+            engine=engine_config(args),
+            served_model_name=args.served_model_name,
+            api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+            connection=connection_limits(args),
+        )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -305,9 +416,18 @@ def run_replica(args: argparse.Namespace) -> int:
         return 2
     print(
         f"sendpath replica: serving {served_name(config)} on http://{args.host}:{args.port} "
-        "(the model loads in the background; GET /health says when it is ready)",
+        "(the model loads in the background; GET /ready says when it takes requests)",
         flush=True,
     )
     _log_setup()
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")
-    return 0
+    failed: list[bool] = []
+    server: list[uvicorn.Server] = []
+
+    def stop() -> None:  # the engine stopped: drain and exit, so `serve` restarts it
+        failed.append(True)
+        server[0].should_exit = True
+
+    app = create_app(config, on_engine_failure=stop)
+    server.append(uvicorn.Server(uvicorn_config(app, args.host, args.port, config.connection)))
+    server[0].run()
+    return 1 if failed else 0

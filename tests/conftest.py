@@ -5,14 +5,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from sendpath.fleet import free_port
 from sendpath.llm import LLM
 from sendpath.model.loader import LoadedModel, builtin_model_path, load_model
 from sendpath.model.tokenizer import Tokenizer
@@ -150,3 +154,37 @@ def require_program(name: str, package: str) -> str:
             pytest.fail(f"CI must not skip: {reason}")
         pytest.skip(reason)
     return path
+
+
+@dataclass
+class Served:
+    """`sendpath serve` started by a test: its process, URL, output so far and first key."""
+
+    proc: subprocess.Popen[str]
+    url: str
+    lines: list[str]
+    secret: str | None
+
+
+def start_serve(model_dir: Path, data_dir: Path, *flags: str, replicas: int = 2) -> Served:
+    """Start `sendpath serve` on the tiny model and wait until it says it serves."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "sendpath.cli", "serve", "--port", str(port),
+            "--replicas", str(replicas), "--data-dir", str(data_dir), "--model", str(model_dir),
+            "--served-model-name", "tiny", "--kv-cache-memory-gib", "0.05", *flags,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + 120
+    while not any("Ctrl-C stops everything" in line for line in lines):
+        assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+        lines.append(proc.stdout.readline())
+    secret = next((line.strip() for line in lines if line.startswith("sk-sp-")), None)
+    return Served(proc, f"http://127.0.0.1:{port}", lines, secret)

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
-from sendpath.fleet import LocalFleet, ReplicaStartError, free_port
-from tests.conftest import child_pids
+from sendpath.fleet import LocalFleet, ReplicaStartError
+from tests.conftest import child_pids, start_serve
 
 
 def _alive(pid: int) -> bool:
@@ -26,27 +24,11 @@ def _alive(pid: int) -> bool:
 def test_serve_starts_two_replicas_answers_and_stops_cleanly(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable, "-m", "sendpath.cli", "serve", "--port", str(port),
-            "--replicas", "2", "--data-dir", str(tmp_path), "--model", str(tiny_llama_dir),
-            "--served-model-name", "tiny", "--kv-cache-memory-gib", "0.05",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )  # fmt: skip
+    served = start_serve(tiny_llama_dir, tmp_path)
+    proc, url, secret = served.proc, served.url, served.secret
     assert proc.stdout is not None
-    lines: list[str] = []
-    deadline = time.monotonic() + 120
-    while not any("Ctrl-C stops everything" in line for line in lines):
-        assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
-        lines.append(proc.stdout.readline())
-    secret = next(line.strip() for line in lines if line.startswith("sk-sp-"))
     replicas = child_pids(proc.pid)
     assert len(replicas) == 2
-    url = f"http://127.0.0.1:{port}"
     health = httpx.get(url + "/health").json()
     assert health["healthy"] == 2 and health["policy"] == "prefix_aware"
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
@@ -54,7 +36,7 @@ def test_serve_starts_two_replicas_answers_and_stops_cleanly(
     r = httpx.post(
         url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {secret}"}
     )
-    assert r.status_code == 200 and r.headers["x-sendpath-replica"].startswith("http://127.0.0.1:")
+    assert r.status_code == 200 and r.headers["x-sendpath-replica"] in ("replica-0", "replica-1")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0
     assert "sendpath serve: stopped" in proc.stdout.read()
@@ -72,3 +54,27 @@ def test_a_replica_that_cannot_start_is_reported(tmp_path: Path) -> None:
         else:
             raise AssertionError("a broken model became healthy")
     assert "could not load its model" in message
+
+
+def test_serve_restarts_a_replica_that_dies(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    served = start_serve(tiny_llama_dir, tmp_path, "--no-auth", replicas=1)
+    proc, url, lines = served.proc, served.url, served.lines
+    assert proc.stdout is not None
+    try:
+        (first,) = child_pids(proc.pid)
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while True:  # back: restarted by serve, healthy, and answering
+            replica = httpx.get(url + "/fleet").json()["replicas"][0]
+            if replica["restarts"] == 1 and replica["process"] == "running" and replica["healthy"]:
+                break
+            assert time.monotonic() < deadline, replica
+            time.sleep(0.1)
+        assert replica["last_exit_code"] == -signal.SIGKILL
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert httpx.post(url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+        assert child_pids(proc.pid) != [first]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=30)[0]
+    assert "exited with code -9; starting it again in 1 s (restart 1)" in "".join(lines) + out

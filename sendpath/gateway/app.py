@@ -4,6 +4,10 @@
 serve one port (``sendpath gateway --workers N``): uvicorn imports ``app_from_env`` in each
 worker, which reads the config from ``$SENDPATH_GATEWAY_CONFIG``; they share keys and the
 usage ledger through SQLite and the rate limits through Redis (``--redis``).
+
+Open to anyone: ``/health``, ``/fleet`` (what the page draws) and ``/metrics`` (operator
+views: they name replica URLs; nothing sent to a client about its own request does).
+Everything under ``/v1/`` needs a key when keys are required.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import asyncio
 import dataclasses
 import json
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -23,35 +27,43 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from sendpath.api.errors import RequestIdMiddleware, install_error_handlers
+from sendpath.api.http_server import GuardedH11Protocol
+from sendpath.api.openapi import publish_request_schemas
+from sendpath.api.schema import ChatBody, CompletionBody
 from sendpath.clock import Clock, RealClock
-from sendpath.config import GatewayConfig
-from sendpath.errors import SendpathError, ServiceUnavailableError, TraceNotFoundError
+from sendpath.config import ConnectionLimits, GatewayConfig
+from sendpath.errors import ServiceUnavailableError, TraceNotFoundError
 from sendpath.gateway.admission import AdmissionQueue
 from sendpath.gateway.context import GatewayContext, context
+from sendpath.gateway.input_filter import SafetyMiddleware
 from sendpath.gateway.keys import ApiKey, KeyStore, default_data_dir
+from sendpath.gateway.limiting import RateLimitMiddleware
 from sendpath.gateway.metrics import GatewayMetrics
 from sendpath.gateway.middleware import (
     AdmissionMiddleware,
     AuthMiddleware,
     BodyMiddleware,
-    RateLimitMiddleware,
-    SafetyMiddleware,
     TraceMiddleware,
+    live_key,
 )
-from sendpath.gateway.proxy import Proxy
+from sendpath.gateway.proxy import Proxy, ProxyTimeouts
 from sendpath.gateway.ratelimit import RateLimiter, make_limiter
 from sendpath.gateway.safety import DEFAULT_RULES, OutputGuard, RulesFilter, SafetyCheck
-from sendpath.gateway.tracing import GatewayTrace, record, stitch
-from sendpath.router.policy import RouteRequest, make_policy
+from sendpath.gateway.tracing import GatewayTrace, progress_of, record, stitch
+from sendpath.router.policy import make_policy
 from sendpath.router.pool import ReplicaPool
 from sendpath.router.router import Router
-from sendpath.server.responses import error_body
-from sendpath.trace import Stage, TraceStore
+from sendpath.trace import TraceStore
 
 __all__ = ["CONFIG_ENV", "app_from_env", "create_gateway_app", "ensure_first_key"]
 
 CONFIG_ENV = "SENDPATH_GATEWAY_CONFIG"
 WEB = Path(__file__).parent.parent / "web"  # the page: plain HTML, CSS and JavaScript
+WHATIF_WAIT_S = 10.0  # a what-if waits this long for the one running before it, then 503
+
+# The processes behind the replicas, by URL, when `sendpath serve` started them
+FleetStatus = Callable[[], dict[str, dict[str, Any]]]
 
 
 def key_store(config: GatewayConfig) -> KeyStore:
@@ -71,19 +83,23 @@ def create_gateway_app(
     clock: Clock | None = None,
     limiter: RateLimiter | None = None,
     safety: SafetyCheck | None = None,
+    fleet_status: FleetStatus | None = None,
 ) -> FastAPI:
     """The gateway app; ``limiter`` and ``safety`` override what the config would build."""
     clock = clock or RealClock()
     keys = key_store(config)
-    limiter = limiter or make_limiter(config.redis_url)
+    pool = ReplicaPool(config.replicas, config.max_inflight_per_replica, clock)
+    metrics = GatewayMetrics(pool)
+    limiter = limiter or make_limiter(
+        config.redis_url, config.redis_fail_open, metrics.store_errors.inc
+    )
     if safety is None and config.safety:
         safety = RulesFilter.from_toml(Path(config.safety_rules or DEFAULT_RULES))
-    pool = ReplicaPool(config.replicas, config.max_inflight_per_replica, clock)
     queue = AdmissionQueue(pool.capacity, config.max_queued_requests, config.queue_timeout_s)
     router = Router(pool, make_policy(config.policy), lambda: queue.resize(pool.capacity))
-    metrics = GatewayMetrics(pool)
     traces: TraceStore[GatewayTrace] = TraceStore()
-    live: TraceStore[GatewayContext] = TraceStore(1024)  # in flight, by client id
+    live: TraceStore[GatewayContext] = TraceStore(1024)  # in flight, by key and client id
+    whatif_slot = asyncio.Semaphore(1)
 
     def done(ctx: GatewayContext) -> None:
         metrics.finished(ctx)
@@ -91,13 +107,33 @@ def create_gateway_app(
             traces.put(ctx.response_id, record(ctx))
 
     checker = safety
+    timeouts = ProxyTimeouts(
+        connect_s=config.connect_timeout_s,
+        first_token_s=config.first_token_timeout_s,
+        between_tokens_s=config.between_tokens_timeout_s,
+        whole_answer_s=config.upstream_timeout_s,
+        retry_deadline_s=config.retry_deadline_s,
+    )
     proxy = Proxy(
         router,
         (lambda: OutputGuard(checker)) if checker is not None else None,
-        config.upstream_timeout_s,
-        config.retry_deadline_s,
+        timeouts,
         done,
+        config.replica_api_key,
     )
+
+    async def detokenize(ids: list[int]) -> str | None:
+        """A token-id prompt's text, from the first replica that can say (for the filter)."""
+        for endpoint in pool.candidates():
+            try:
+                r = await proxy.client.post(
+                    endpoint.url + "/detokenize", json={"tokens": ids}, timeout=10.0
+                )
+            except httpx.HTTPError:
+                continue
+            if r.status_code == 200 and isinstance(text := r.json().get("prompt"), str):
+                return text
+        return None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -110,18 +146,20 @@ def create_gateway_app(
     app.state.pool, app.state.queue, app.state.keys = pool, queue, keys
     app.state.router = router
     app.mount("/web", StaticFiles(directory=WEB), name="web")
-
-    @app.exception_handler(SendpathError)
-    async def sendpath_error(request: Request, exc: SendpathError) -> JSONResponse:
-        headers = {"Retry-After": str(config.retry_after_s)} if exc.status_code == 503 else None
-        return JSONResponse(error_body(exc), status_code=exc.status_code, headers=headers)
+    install_error_handlers(app, config.retry_after_s)
 
     @app.get("/health")
     async def health() -> JSONResponse:
         healthy = sum(e.healthy for e in pool.endpoints)
         status = "ok" if healthy else "unavailable"
         replicas = [
-            {"url": e.url, "healthy": e.healthy, "in_flight": e.in_flight, "load": e.load}
+            {
+                "name": e.name,
+                "url": e.url,
+                "healthy": e.healthy,
+                "in_flight": e.in_flight,
+                "load": e.load,
+            }
             for e in pool.endpoints
         ]
         return JSONResponse(
@@ -142,13 +180,15 @@ def create_gateway_app(
 
     @app.get("/fleet")
     async def fleet() -> dict[str, Any]:
-        """The gateway's queue and each replica's health and load, for the page."""
+        """The gateway's queue and each replica's health, load and process, for the page."""
+        processes = fleet_status() if fleet_status is not None else {}
         replicas = []
         for e in pool.endpoints:
             s = e.stats
             queries = s.get("prefix_cache_queries", 0.0)
             replicas.append(
                 {
+                    "name": e.name,
                     "url": e.url,
                     "healthy": e.healthy,
                     "in_flight": e.in_flight,
@@ -158,6 +198,7 @@ def create_gateway_app(
                     "prefix_cache_hit_rate": (
                         s.get("prefix_cache_hits", 0.0) / queries if queries else None
                     ),
+                    **processes.get(e.url, {}),
                 }
             )
         return {
@@ -180,9 +221,9 @@ def create_gateway_app(
         if found is None or found.key != _key_name(context(request.scope).key):
             raise TraceNotFoundError(response_id)  # another key's trace does not exist
         replica_trace = None
-        if found.replica is not None:
+        if found.replica_url is not None:
             try:
-                r = await proxy.client.get(f"{found.replica}/v1/traces/{response_id}")
+                r = await proxy.client.get(f"{found.replica_url}/v1/traces/{response_id}")
                 replica_trace = r.json() if r.status_code == 200 else None
             except (httpx.HTTPError, ValueError):
                 replica_trace = None
@@ -191,50 +232,43 @@ def create_gateway_app(
     @app.get("/v1/progress/{client_id}")
     async def progress(client_id: str, request: Request) -> dict[str, Any]:
         """The stage an in-flight request is in now (for the page's live pipeline)."""
-        found = live.get(client_id)
-        if found is None or _key_name(found.key) != _key_name(context(request.scope).key):
+        found = live.get(live_key(_key_name(context(request.scope).key), client_id))
+        if found is None:
             raise TraceNotFoundError(client_id)
-        out: dict[str, Any] = {"client_id": client_id, "stage": found.gateway_stage().value}
-        if found.first_token_at is not None:
-            out["stage"] = Stage.DECODE.value
-        elif found.replica is not None and found.replica_request_id is not None:
-            out["stage"] = Stage.TOKENIZE.value
-            try:
-                r = await proxy.client.get(
-                    f"{found.replica}/v1/requests/{found.replica_request_id}", timeout=1.0
-                )
-                engine = r.json() if r.status_code == 200 else None
-            except (httpx.HTTPError, ValueError):
-                engine = None
-            if engine is not None:
-                out["engine"] = engine
-                computed, prompt = engine["num_computed_tokens"], engine["num_prompt_tokens"]
-                if engine["num_output_tokens"] > 0:
-                    out["stage"] = Stage.DECODE.value
-                elif engine["status"] == "running" or computed > 0:
-                    out["stage"] = Stage.PREFILL.value
-                else:
-                    out["stage"] = Stage.ENGINE_QUEUE.value
-                out["prefill_done"] = round(computed / prompt, 3) if prompt else 0.0
-        return out
+        return await progress_of(found, client_id, proxy.client)
 
     @app.get("/v1/whatif")
     async def whatif(
         rate: float = 1.0, prompt: int = 256, answer: int = 256, replicas: int = 1
     ) -> dict[str, Any]:
         """The page's "what if": the simulator's stage shares for this traffic (Llama-3.1-8B
-        on H100s), at most 200 requests so it answers within a few seconds."""
+        on H100s). Bounded work, one at a time per gateway process, off the event loop."""
         from sendpath.sim.whatif import what_if
 
-        return await asyncio.to_thread(what_if, rate, prompt, answer, replicas)
+        try:
+            async with asyncio.timeout(WHATIF_WAIT_S):
+                await whatif_slot.acquire()
+        except TimeoutError:
+            raise ServiceUnavailableError(
+                "Another what-if simulation is running; retry in a moment."
+            ) from None
+        try:
+            return await asyncio.to_thread(what_if, rate, prompt, answer, replicas)
+        finally:
+            whatif_slot.release()
 
     @app.get("/v1/models")
     async def models() -> Response:
-        endpoint = router.choose(RouteRequest(""))
-        if endpoint is None:
-            raise ServiceUnavailableError("No healthy replica to ask; retry in a moment.")
-        upstream = await proxy.client.get(endpoint.url + "/v1/models")
-        return Response(upstream.content, upstream.status_code, media_type="application/json")
+        """The model list of the first healthy replica that answers."""
+        for endpoint in pool.candidates():
+            try:
+                upstream = await proxy.client.get(endpoint.url + "/v1/models", timeout=5.0)
+            except httpx.HTTPError as exc:
+                router.failed(endpoint, f"{type(exc).__name__} on /v1/models")
+                continue
+            if upstream.status_code == 200:
+                return Response(upstream.content, 200, media_type="application/json")
+        raise ServiceUnavailableError("No healthy replica to ask; retry in a moment.")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -244,15 +278,18 @@ def create_gateway_app(
     async def completions(request: Request) -> Response:
         return await proxy.forward(request)
 
+    publish_request_schemas(
+        app, {"/v1/chat/completions": ChatBody, "/v1/completions": CompletionBody}
+    )
     # add_middleware wraps: the last added runs first.
     app.add_middleware(AdmissionMiddleware, queue=queue, retry_after_s=config.retry_after_s)
     if safety is not None:
-        app.add_middleware(SafetyMiddleware, check=safety)
+        app.add_middleware(SafetyMiddleware, check=safety, detokenize=detokenize)
     app.add_middleware(
         RateLimitMiddleware,
         limiter=limiter,
         keys=keys,
-        default_reserve=config.default_reserve_tokens,
+        default_max_tokens=config.default_max_tokens,
     )
     app.add_middleware(BodyMiddleware, max_bytes=config.max_body_bytes)
     app.add_middleware(
@@ -260,13 +297,12 @@ def create_gateway_app(
         keys=keys,
         required=config.require_keys,
         per_key_salt=config.prefix_cache_isolation == "per-key",
-    )
-    app.add_middleware(
-        TraceMiddleware,
-        clock=clock,
-        on_status=lambda code: metrics.responses.labels(code).inc(),
         live=live,
     )
+    app.add_middleware(
+        TraceMiddleware, clock=clock, on_status=lambda code: metrics.responses.labels(code).inc()
+    )
+    app.add_middleware(RequestIdMiddleware)
     return app
 
 
@@ -283,4 +319,7 @@ def app_from_env() -> FastAPI:
     """The app factory each ``--workers`` process imports: config from the environment."""
     raw: dict[str, Any] = json.loads(os.environ[CONFIG_ENV])
     raw["replicas"] = tuple(raw["replicas"])
-    return create_gateway_app(GatewayConfig(**raw))
+    raw["connection"] = ConnectionLimits(**raw["connection"])
+    config = GatewayConfig(**raw)
+    GuardedH11Protocol.limits = config.connection  # this worker's connections
+    return create_gateway_app(config)

@@ -7,22 +7,25 @@ and the proxy reports the usage it saw, so the rate limiter can settle with real
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from starlette.types import Send
-
+from sendpath.api.schema import ChatBody, CompletionBody, chat_text
 from sendpath.clock import Clock
-from sendpath.errors import SendpathError
 from sendpath.gateway.keys import ApiKey
-from sendpath.server.responses import error_body
 from sendpath.trace import Stage
 
-__all__ = ["GatewayContext", "context", "estimate_prompt_tokens", "prompt_text", "send_error"]
+__all__ = [
+    "GatewayContext",
+    "GenerationBody",
+    "context",
+    "estimate_prompt_tokens",
+    "input_text",
+    "max_tokens_asked",
+]
 
 SCOPE_KEY = "sendpath.gateway"
 # The gateway's own stages before the replica, in path order.
@@ -48,18 +51,24 @@ class GatewayContext:
 
     clock: Clock
     start: float
+    request_id: str = ""  # the gateway's id for it (x-request-id; errors name it)
+    status: int | None = None  # the status code sent to the client, once sent
+    reached_replica: bool = False  # a replica answered it (any status): it cost something
     marks: dict[Stage, float] = field(default_factory=dict)  # when each stage ended
     key: ApiKey | None = None  # None: keys are not required and none was sent
     cache_salt: str | None = None  # set under per-key prefix-cache isolation
-    body: dict[str, Any] | None = None  # the parsed JSON body (POSTs to /v1/* only)
+    body: dict[str, Any] | None = None  # the JSON body as sent on (generation POSTs only)
+    request: GenerationBody | None = None  # the same body, checked against its schema
     prompt_tokens: int = 0  # the estimate reserved at admission
+    default_max_tokens: int | None = None  # the cap sent upstream for a request without one
     usage: tuple[int, int] | None = None  # (prompt, completion) as the replica reported it
     streamed_chunks: int = 0  # text chunks relayed (the usage estimate if none is reported)
     first_token_at: float | None = None
     first_token_held: int | None = None  # text chunks the output filter held the first for
     relayed: list[float] = field(default_factory=list)  # when each text chunk went out
     client_id: str | None = None  # the client's own name for it (x-sendpath-client-id)
-    replica: str | None = None
+    replica: str | None = None  # the URL it went to (internal: never shown to clients)
+    replica_name: str | None = None  # the name clients see ("replica-0")
     replica_request_id: str | None = None  # the replica's id for it (its x-request-id)
     response_id: str | None = None
     replica_arrival: float | None = None  # on this clock (exact on one host, else estimated)
@@ -133,41 +142,38 @@ def context(scope: MutableMapping[str, Any]) -> GatewayContext:
     return ctx
 
 
-def prompt_text(body: dict[str, Any]) -> str:
-    """The text a request sends the model: message contents, or the completion prompt."""
-    parts: list[str] = []
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        for m in messages:
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, str):
-                parts.append(content)
-            elif isinstance(content, list):
-                parts += [p["text"] for p in content if isinstance(p, dict) and "text" in p]
-    prompt = body.get("prompt")
+GenerationBody = ChatBody | CompletionBody
+
+
+def input_text(request: GenerationBody) -> str | None:
+    """The text a request puts before the model, as the replica renders it: each message's
+    parts joined with nothing between (``api.schema.content_text``), a message a line; or
+    the completion prompt. ``None`` for a prompt of token ids (no text without a tokenizer)."""
+    if isinstance(request, ChatBody):
+        return chat_text(request.messages)
+    prompt = request.prompt
     if isinstance(prompt, str):
-        parts.append(prompt)
-    elif isinstance(prompt, list):
-        parts += [p for p in prompt if isinstance(p, str)]
-    return "\n".join(str(p) for p in parts)
+        return prompt
+    if prompt and isinstance(prompt[0], str):
+        return "\n".join(str(p) for p in prompt)
+    return None
 
 
-def estimate_prompt_tokens(body: dict[str, Any]) -> int:
+def estimate_prompt_tokens(request: GenerationBody) -> int:
     """Prompt tokens estimated from characters, as OpenAI's own rate limiter does:
     about 4 characters per token, plus 4 per chat message for the template's markup.
     Token-id prompts count exactly. Settling corrects the estimate with real usage."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return len(prompt)
-    messages = body.get("messages")
-    overhead = 4 * len(messages) if isinstance(messages, list) else 0
-    return math.ceil(len(prompt_text(body)) / 4) + overhead
+    text = input_text(request)
+    if text is None:
+        assert isinstance(request, CompletionBody)
+        return len(request.prompt)
+    overhead = 4 * len(request.messages) if isinstance(request, ChatBody) else 0
+    return math.ceil(len(text) / 4) + overhead
 
 
-async def send_error(send: Send, exc: SendpathError, headers: dict[str, str] | None = None) -> None:
-    """Answer with OpenAI's error body (from a middleware, before any byte was sent)."""
-    body = json.dumps(error_body(exc)).encode()
-    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": exc.status_code, "headers": raw})
-    await send({"type": "http.response.body", "body": body})
+def max_tokens_asked(request: GenerationBody) -> int | None:
+    """The answer's cap as the backend honours it: chat takes ``max_completion_tokens``
+    over ``max_tokens``; completions read ``max_tokens`` only. ``None``: not given."""
+    if isinstance(request, ChatBody) and request.max_completion_tokens is not None:
+        return request.max_completion_tokens
+    return request.max_tokens

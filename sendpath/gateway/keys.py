@@ -4,6 +4,14 @@ Keys look like ``sk-sp-<40 url-safe characters>`` and are shown once, at creatio
 their SHA-256 is stored, and a presented key's hash is compared in constant time.
 Nothing is cached in the process: revoking a key takes effect on the next request, in
 every gateway process that shares the store.
+
+The daily quota is reserved and settled like the per-minute token limit, atomically in
+SQLite (one ``BEGIN IMMEDIATE`` transaction each): admission reserves what a request may
+use; it is admitted only if the day's usage plus every open reservation plus its own stays
+within the quota; settling replaces the reservation with the tokens really used. So
+concurrent requests, in any number of gateway processes on the store, cannot overrun the
+quota by more than what one request uses beyond its reservation. A reservation left by a
+process that died expires after ``RESERVATION_TTL_S``.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from pathlib import Path
 __all__ = ["ApiKey", "KeyStore", "KeyStoreError", "default_data_dir"]
 
 PREFIX = "sk-sp-"
+RESERVATION_TTL_S = 2 * 3600.0
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS keys (
     name TEXT PRIMARY KEY,
@@ -35,7 +44,12 @@ CREATE TABLE IF NOT EXISTS usage (
     requests INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (name, day)
 );
+CREATE TABLE IF NOT EXISTS reservations (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    name TEXT NOT NULL, day TEXT NOT NULL, tokens INTEGER NOT NULL, expires_at REAL NOT NULL
+);
 """
+_KEY_COLUMNS = "name, hint, rpm, tpm, daily_tokens, created_at, revoked_at, max_tokens"
 
 
 class KeyStoreError(ValueError):
@@ -69,6 +83,7 @@ class ApiKey:
     daily_tokens: int | None
     created_at: float
     revoked_at: float | None
+    max_tokens: int | None = None  # the answer cap for requests that set none (None: the gateway's)
 
     @property
     def active(self) -> bool:
@@ -83,6 +98,9 @@ class KeyStore:
         self.path = data_dir / "keys.sqlite3"
         with self._connect() as db:
             db.executescript(_SCHEMA)
+            columns = {row[1] for row in db.execute("PRAGMA table_info(keys)")}
+            if "max_tokens" not in columns:  # a store made before the per-key cap
+                db.execute("ALTER TABLE keys ADD COLUMN max_tokens INTEGER")
 
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
@@ -95,23 +113,31 @@ class KeyStore:
         rpm: int | None = None,
         tpm: int | None = None,
         daily_tokens: int | None = None,
+        max_tokens: int | None = None,
     ) -> tuple[ApiKey, str]:
         """A new key; returns it and its secret (shown once, stored only hashed)."""
         if not name or not name.replace("-", "").replace("_", "").isalnum():
             raise KeyStoreError(f"key name {name!r}: use letters, digits, '-' and '_'.")
-        for label, value in (("rpm", rpm), ("tpm", tpm), ("daily-tokens", daily_tokens)):
+        for label, value in (
+            ("rpm", rpm),
+            ("tpm", tpm),
+            ("daily-tokens", daily_tokens),
+            ("max-tokens", max_tokens),
+        ):
             if value is not None and value < 1:
                 raise KeyStoreError(
                     f"--{label} must be >= 1 (or left out for no limit), got {value}."
                 )
         secret = PREFIX + secrets.token_urlsafe(30)
-        key = ApiKey(name, secret[:10], rpm, tpm, daily_tokens, time.time(), None)
+        key = ApiKey(name, secret[:10], rpm, tpm, daily_tokens, time.time(), None, max_tokens)
         try:
             with self._connect() as db:
                 db.execute(
-                    "INSERT INTO keys VALUES (?, ?, ?, ?, ?, ?, ?, NULL)",
-                    (name, _hash(secret), key.hint, rpm, tpm, daily_tokens, key.created_at),
-                )
+                    "INSERT INTO keys (name, key_hash, hint, rpm, tpm, daily_tokens, "
+                    "created_at, revoked_at, max_tokens) VALUES (?, ?, ?, ?, ?, ?, ?, NULL, ?)",
+                    (name, _hash(secret), key.hint, rpm, tpm, daily_tokens, key.created_at,
+                     max_tokens),
+                )  # fmt: skip
         except sqlite3.IntegrityError as exc:
             raise KeyStoreError(f"a key named {name!r} already exists; pick another name.") from exc
         return key, secret
@@ -126,9 +152,7 @@ class KeyStore:
         digest = _hash(secret)
         with self._connect() as db:
             row = db.execute(
-                "SELECT key_hash, name, hint, rpm, tpm, daily_tokens, created_at, revoked_at "
-                "FROM keys WHERE key_hash = ?",
-                (digest,),
+                f"SELECT key_hash, {_KEY_COLUMNS} FROM keys WHERE key_hash = ?", (digest,)
             ).fetchone()
         if row is None or not hmac.compare_digest(row[0], digest):
             return None
@@ -141,10 +165,7 @@ class KeyStore:
 
     def list(self) -> list[ApiKey]:
         with self._connect() as db:
-            rows = db.execute(
-                "SELECT name, hint, rpm, tpm, daily_tokens, created_at, revoked_at "
-                "FROM keys ORDER BY created_at"
-            ).fetchall()
+            rows = db.execute(f"SELECT {_KEY_COLUMNS} FROM keys ORDER BY created_at").fetchall()
         return [ApiKey(*r) for r in rows]
 
     def revoke(self, name: str) -> None:
@@ -156,14 +177,50 @@ class KeyStore:
         if cur.rowcount == 0:
             raise KeyStoreError(f"no active key named {name!r} (`sendpath keys list` shows them).")
 
-    def record_usage(self, name: str, tokens: int, day: str | None = None) -> None:
-        """Add one finished request's tokens to the key's ledger for the day (UTC)."""
+    def record_usage(
+        self, name: str, tokens: int, day: str | None = None, reservation: int | None = None
+    ) -> None:
+        """Add one finished request's tokens to the key's ledger for the day (UTC), and
+        drop its quota reservation (``reserve_daily``'s id) in the same transaction."""
         with self._connect() as db:
+            db.execute("BEGIN IMMEDIATE")
+            if reservation is not None:
+                db.execute("DELETE FROM reservations WHERE id = ?", (reservation,))
             db.execute(
                 "INSERT INTO usage VALUES (?, ?, ?, 1) ON CONFLICT(name, day) DO UPDATE SET "
                 "tokens = tokens + excluded.tokens, requests = requests + 1",
                 (name, day or today(), tokens),
             )
+            db.execute("COMMIT")
+
+    def reserve_daily(self, name: str, tokens: int, quota: int) -> tuple[int | None, int]:
+        """Reserve ``tokens`` of the key's daily ``quota``: (reservation id, tokens left
+        after it), or (``None``, tokens left now) when they do not fit. Settle the id with
+        ``record_usage`` (or drop it with ``release``)."""
+        now, day = time.time(), today()
+        with self._connect() as db:
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("DELETE FROM reservations WHERE expires_at < ?", (now,))
+            (taken,) = db.execute(
+                "SELECT COALESCE((SELECT tokens FROM usage WHERE name = ? AND day = ?), 0) + "
+                "COALESCE((SELECT SUM(tokens) FROM reservations WHERE name = ? AND day = ?), 0)",
+                (name, day, name, day),
+            ).fetchone()
+            left = quota - taken
+            if tokens > left:
+                db.execute("COMMIT")
+                return None, max(0, left)
+            cur = db.execute(
+                "INSERT INTO reservations (name, day, tokens, expires_at) VALUES (?, ?, ?, ?)",
+                (name, day, tokens, now + RESERVATION_TTL_S),
+            )
+            db.execute("COMMIT")
+        return cur.lastrowid, left - tokens
+
+    def release(self, reservation: int) -> None:
+        """Drop a quota reservation that was never used (the request was refused)."""
+        with self._connect() as db:
+            db.execute("DELETE FROM reservations WHERE id = ?", (reservation,))
 
     def usage(self, name: str | None = None, day: str | None = None) -> dict[str, tuple[int, int]]:
         """(tokens, requests) per key name for the day (UTC, today by default)."""

@@ -69,6 +69,11 @@ class GatewayMetrics:
             ["code"],
             registry=self.registry,
         )
+        self.store_errors = Counter(
+            "sendpath:gateway_store_errors",
+            "Calls to the shared rate-limit store (Redis) that failed.",
+            registry=self.registry,
+        )
         self.registry.register(_PoolCollector(pool))
 
     def finished(self, ctx: GatewayContext) -> None:

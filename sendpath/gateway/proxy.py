@@ -1,24 +1,32 @@
-"""Forwarding a generation request to a replica and relaying its answer.
+"""Forwarding a generation request to a replica, with retries and timeouts.
 
-The body goes on as the client sent it, with two changes: under per-key isolation the
-key's ``cache_salt`` replaces any the client set, and a stream always asks the replica for
-usage (``stream_options.include_usage``) so the rate limiter can settle with real numbers;
-the usage chunk reaches the client only if it asked for it.
+The body goes on as the client sent it, with three changes: under per-key isolation the
+key's ``cache_salt`` replaces any the client set; a request that set no answer cap gets
+the one admission reserved (``max_tokens``, marked ``x-sendpath-max-tokens: default`` so
+our replica still stops at the context's end rather than refusing); and a stream always
+asks the replica for usage (``stream_options.include_usage``) so the rate limiter can
+settle with real numbers.
 
-A stream's opening events are held until its first token exists: until then a failing
-replica only means trying another. After that the stream is relayed event by event. Text
-goes through the output guard, which holds back only what could still become a blocked
-phrase; a blocked stream ends with finish_reason ``content_filter`` (the replica is
-disconnected, which aborts the request there). The last event carries the stitched
-``timings`` and, under the output filter, ``first_token_held``: how many more text chunks
-(tokens, nearly always) the first one waited for before it could go out. A replica that
-fails after its first token yields an explicit SSE error event and no ``[DONE]``.
+Until the first token exists nothing has reached the client, so a failing replica only
+means trying another (each at most once, within ``retry_deadline_s``): it did not connect
+within ``connect_s``, answered 5xx or "busy", sent an error as its first event (a 200
+whose stream opens with an error is that error, with its status), or produced no first
+token within ``first_token_s`` (504 if no replica does). A failure the request itself
+caused is never retried: any 4xx, and ``request_failed`` (the engine stopped that request
+alone). After the first token, ``relay.StreamRelay`` takes over.
+
+If the client leaves while its request is at a replica (a stream before its first token,
+or a whole answer at any time: a replica sends a whole answer's headers only when it is
+done), the upstream connection is closed at once, which aborts the request there.
+Clients never see a replica's address: answers name it (``x-sendpath-replica``) by its
+name, and an upstream 5xx whose body is not one of our known errors is replaced by ours.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -28,29 +36,57 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from sendpath.errors import ServiceUnavailableError
-from sendpath.gateway.chunks import (
-    answer_text,
-    chain,
-    finished,
-    numbers,
-    read_head,
-    text_of,
-    with_text,
-)
+from sendpath.api.errors import error_body
+from sendpath.api.schema import DEFAULT_CAP_HEADER
+from sendpath.errors import SendpathError, ServiceUnavailableError
+from sendpath.gateway.chunks import answer_text, numbers, read_head
 from sendpath.gateway.context import GatewayContext, context
+from sendpath.gateway.relay import StreamRelay
 from sendpath.gateway.safety import OutputGuard
 from sendpath.router.policy import RouteRequest, route_request
 from sendpath.router.pool import Endpoint
 from sendpath.router.router import Router
-from sendpath.server.responses import error_body, server_timing, sse
+from sendpath.server.responses import server_timing
 
-__all__ = ["Proxy"]
+__all__ = ["Proxy", "ProxyTimeouts", "UpstreamTimeoutError"]
+
+logger = logging.getLogger("sendpath.gateway")
 
 T = TypeVar("T")
 
 # Response headers worth passing on from a replica.
 _PASS_HEADERS = ("retry-after", "x-request-id")
+# Error codes whose bodies pass through as the replica wrote them (ours: no internals).
+_KNOWN_CODES = frozenset(
+    {"queue_full", "service_unavailable", "request_failed", "internal_error", "model_not_found"}
+)
+
+
+class UpstreamTimeoutError(SendpathError):
+    """No replica produced a first token in time (HTTP 504)."""
+
+    type = "timeout"
+    code = "upstream_timeout"
+    status_code = 504
+
+
+class UpstreamError(SendpathError):
+    """A replica answered with a server error we do not know (HTTP 502)."""
+
+    type = "server_error"
+    code = "upstream_error"
+    status_code = 502
+
+
+@dataclass(frozen=True)
+class ProxyTimeouts:
+    """How long the gateway waits on a replica (seconds)."""
+
+    connect_s: float = 5.0
+    first_token_s: float = 120.0  # a stream's first token (queue + prefill at the replica)
+    between_tokens_s: float = 60.0
+    whole_answer_s: float = 600.0  # a non-streamed answer, in full
+    retry_deadline_s: float = 30.0  # retries (before the first token) stop after this
 
 
 @dataclass
@@ -60,24 +96,29 @@ class _Retry:
     response: Response | None = None
 
 
+class _Gone(Exception):
+    """The client disconnected while its request was at a replica."""
+
+
 class Proxy:
-    """Sends requests to replicas over one pooled HTTP client, retrying before the first
-    token reaches the client (each replica at most once, within ``retry_deadline_s``)."""
+    """Sends requests to replicas over one pooled HTTP client (module docstring)."""
 
     def __init__(
         self,
         router: Router,
         guard: Callable[[], OutputGuard] | None,
-        timeout_s: float,
-        retry_deadline_s: float,
+        timeouts: ProxyTimeouts,
         on_done: Callable[[GatewayContext], None] = lambda ctx: None,
+        api_key: str | None = None,
     ) -> None:
         self.router = router
         self.on_done = on_done  # a request finished: record its trace and metrics
         self.guard = guard
-        self.retry_deadline_s = retry_deadline_s
+        self.timeouts = timeouts
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s, connect=5.0),
+            headers=headers,
+            timeout=httpx.Timeout(timeouts.whole_answer_s, connect=timeouts.connect_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
         )
 
@@ -89,8 +130,12 @@ class Proxy:
         ctx = context(request.scope)
         assert ctx.body is not None
         body = dict(ctx.body)
+        headers: dict[str, str] = {}
         if ctx.cache_salt is not None:
             body["cache_salt"] = ctx.cache_salt
+        if ctx.default_max_tokens is not None:
+            body["max_tokens"] = ctx.default_max_tokens
+            headers[DEFAULT_CAP_HEADER] = "default"
         streaming = body.get("stream") is True
         options = body.get("stream_options")
         options = options if isinstance(options, dict) else {}
@@ -98,7 +143,7 @@ class Proxy:
         if streaming:
             body["stream_options"] = {**options, "include_usage": True}
         route = route_request(ctx.body, ctx.cache_salt)
-        deadline = ctx.clock.now() + self.retry_deadline_s
+        deadline = ctx.clock.now() + self.timeouts.retry_deadline_s
         tried: set[int] = set()
         fallback: Response | None = None
         while tried == set() or ctx.clock.now() < deadline:
@@ -106,10 +151,11 @@ class Proxy:
             if endpoint is None:
                 break
             tried.add(endpoint.index)
-            ctx.replica = endpoint.url
-            answer = await self._attempt(ctx, request, endpoint, body, wants_usage, route)
+            ctx.replica, ctx.replica_name = endpoint.url, endpoint.name
+            attempt = _Attempt(self, ctx, request, endpoint, body, headers, wants_usage, route)
+            answer = await attempt.run()
             if not isinstance(answer, _Retry):
-                answer.headers["x-sendpath-replica"] = endpoint.url
+                answer.headers["x-sendpath-replica"] = endpoint.name
                 return answer
             fallback = answer.response or fallback
         if fallback is not None:
@@ -120,94 +166,36 @@ class Proxy:
             + "; retry in a moment."
         )
 
-    async def _attempt(
+    def refused(
         self,
         ctx: GatewayContext,
-        request: Request,
         endpoint: Endpoint,
-        body: dict[str, Any],
-        wants_usage: bool,
-        route: RouteRequest,
-    ) -> Response | _Retry:
-        # The replica's arrival on this clock: its x-sendpath-clock header when that reading
-        # falls inside this attempt (same host, same monotonic clock); otherwise the moment
-        # the request body was sent (httpx's trace hook).
-        t0 = sent = ctx.clock.now()
-
-        async def trace(event: str, info: dict[str, Any]) -> None:
-            nonlocal sent
-            if event.endswith("send_request_body.complete"):
-                sent = ctx.clock.now()
-
-        endpoint.in_flight += 1
-        held = [True]
-
-        def release() -> None:
-            if held[0]:
-                held[0] = False
-                endpoint.in_flight -= 1
-
-        url = endpoint.url + request.url.path
-        try:
-            upstream = await self.client.send(
-                self.client.build_request("POST", url, json=body, extensions={"trace": trace}),
-                stream=True,
-            )
-        except httpx.HTTPError as exc:
-            release()
-            self.router.failed(endpoint, f"{type(exc).__name__}: {exc}")
-            return _Retry()
-        headers = {k: v for k, v in upstream.headers.items() if k.lower() in _PASS_HEADERS}
-        ctx.replica_arrival = _arrival(upstream.headers, t0, ctx.clock.now(), sent)
-        ctx.replica_request_id = upstream.headers.get("x-request-id")
-        keep_open = False  # only a stream that started stays open, for the relay
-        try:
-            if upstream.status_code != 200:
-                return self._refused(
-                    endpoint, upstream.status_code, await upstream.aread(), headers
-                )
-            if body.get("stream") is not True:
-                raw = await _unless_gone(upstream.aread(), request)
-                if raw is None:  # the client left: closing the connection aborts it there
-                    return Response(status_code=499)
-                data = json.loads(raw)
-                ctx.end = ctx.clock.now()
-                self.router.succeeded(endpoint)
-                self.router.answered(route, endpoint, answer_text(data))
-                return self._answer(ctx, data, headers)
-            lines = upstream.aiter_lines()
-            head = await _unless_gone(read_head(lines), request)
-            if head is None:
-                return Response(status_code=499)
-            keep_open = True
-        except (httpx.HTTPError, StopAsyncIteration, ValueError) as exc:
-            self.router.failed(endpoint, f"{type(exc).__name__}: {exc}")
-            return _Retry()
-        finally:
-            if not keep_open:
-                with anyio.CancelScope(shield=True):
-                    await upstream.aclose()
-                release()
-        self.router.succeeded(endpoint)
-        events = self._relay(ctx, upstream, lines, head, endpoint, wants_usage, release, route)
-        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-
-    def _refused(
-        self, endpoint: Endpoint, status: int, raw: bytes, headers: dict[str, str]
+        status: int,
+        raw: bytes,
+        headers: dict[str, str],
     ) -> Response | _Retry:
         """A replica's error answer: the client's fault is final; busy or broken, retry."""
-        response = Response(raw, status, headers, media_type="application/json")
-        if status < 500 and status != 429:
-            return response
         try:
             code = json.loads(raw)["error"]["code"]
         except (ValueError, KeyError, TypeError):
             code = None
+        if status < 500 and status != 429:
+            return Response(raw, status, headers, media_type="application/json")
+        if code == "request_failed":  # the request's own failure: the replica is fine
+            return Response(raw, status, headers, media_type="application/json")
+        if status >= 500 and code not in _KNOWN_CODES:
+            logger.warning("replica %s answered HTTP %d: %.200r", endpoint.url, status, raw)
+            error = UpstreamError(
+                f"{endpoint.name} could not answer (HTTP {status}); retry the request "
+                f"(request id {ctx.request_id})."
+            )
+            raw = json.dumps(error_body(error)).encode()
+            status = error.status_code
         if status >= 500 and code != "queue_full":
             self.router.failed(endpoint, f"HTTP {status}")
-        return _Retry(response)
+        return _Retry(Response(raw, status, headers, media_type="application/json"))
 
-    def _answer(
+    def answer(
         self, ctx: GatewayContext, data: dict[str, Any], headers: dict[str, str]
     ) -> JSONResponse:
         """A whole (non-streamed) answer: usage, the output check, merged timings."""
@@ -233,115 +221,139 @@ class Proxy:
         self.on_done(ctx)
         return JSONResponse(data, headers=headers)
 
-    async def _relay(
-        self,
-        ctx: GatewayContext,
-        upstream: httpx.Response,
-        lines: AsyncIterator[str],
-        head: list[str],
-        endpoint: Endpoint,
-        wants_usage: bool,
-        release: Callable[[], None],
-        route: RouteRequest,
-    ) -> AsyncIterator[str]:
-        guard = self.guard() if self.guard is not None else None
-        tail: list[dict[str, Any]] = []  # the finish chunk and usage chunk, held for timings
-        upstream_timings: dict[str, Any] | None = None
-        answer: list[str] = []  # what the replica generated (and now has cached)
 
-        def finish() -> list[str]:
-            events = [c for c in tail if c.get("choices") or wants_usage]
-            ctx.replica_timings = numbers(upstream_timings)
-            ctx.end = ctx.clock.now()
-            if events:
-                events[-1]["timings"] = ctx.timings_ms()
-                if ctx.first_token_held is not None:
-                    events[-1]["first_token_held"] = ctx.first_token_held
-            self.on_done(ctx)
-            return [sse(c) for c in events] + ["data: [DONE]\n\n"]
+@dataclass
+class _Attempt:
+    """One try of one request on one replica."""
 
+    proxy: Proxy
+    ctx: GatewayContext
+    request: Request
+    endpoint: Endpoint
+    body: dict[str, Any]
+    headers: dict[str, str]
+    wants_usage: bool
+    route: RouteRequest
+
+    def __post_init__(self) -> None:
+        self.held = False
+        self.upstream: httpx.Response | None = None
+        self.streaming = self.body.get("stream") is True
+        self.sent = 0.0  # when the request body went out (httpx's trace hook)
+        self.passed: dict[str, str] = {}  # the replica's headers the client gets
+        self.lines: AsyncIterator[str] | None = None
+
+    def release(self) -> None:
+        """Give the endpoint's in-flight slot back (once)."""
+        if self.held:
+            self.held = False
+            self.endpoint.in_flight -= 1
+
+    async def run(self) -> Response | _Retry:
+        """Send the request and read up to its first token (or its whole answer)."""
+        proxy, ctx, endpoint = self.proxy, self.ctx, self.endpoint
+        endpoint.in_flight += 1
+        self.held = True
+        keep_open = False  # only a stream that started stays open, for the relay
+        limit = proxy.timeouts.first_token_s if self.streaming else None
         try:
-            async for line in chain(head, lines):
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    self.router.answered(route, endpoint, "".join(answer))
-                    for event in finish():
-                        yield event
-                    return
-                chunk = json.loads(payload)
-                ctx.response_id = ctx.response_id or chunk.get("id")
-                if "error" in chunk:  # the replica's own error event: pass it on, no [DONE]
-                    self.router.failed(endpoint, "an error event mid-stream")
-                    yield sse(chunk)
-                    return
-                upstream_timings = chunk.pop("timings", None) or upstream_timings
-                if chunk.get("usage"):
-                    u = chunk["usage"]
-                    ctx.usage = (int(u["prompt_tokens"]), int(u["completion_tokens"]))
-                choices = chunk.get("choices") or []
-                if not choices:
-                    tail.append(chunk)
-                    continue
-                text, reason = text_of(choices[0]), choices[0].get("finish_reason")
-                out: list[dict[str, Any]] = []
-                if text:
-                    answer.append(text)
-                    ctx.streamed_chunks += 1
-                    released = guard.push(text) if guard is not None else text
-                    if guard is not None and guard.blocked is not None:
-                        tail[:] = [finished(chunk, "content_filter")]
-                        if wants_usage and ctx.usage is None:
-                            tail.append(self._estimated_usage(chunk, ctx))
-                        for event in finish():
-                            yield event
-                        return
-                    if released:
-                        out.append(with_text(chunk, released))
-                if reason is not None:
-                    rest = guard.flush() if guard is not None else ""
-                    if rest:
-                        out.append(with_text(chunk, rest))
-                    tail.append(finished(chunk, reason) if text else chunk)
-                elif not text:
-                    out.append(chunk)  # the role chunk
-                for c in out:
-                    if text_of(c["choices"][0]):
-                        ctx.relayed.append(ctx.clock.now())
-                        if ctx.first_token_at is None:
-                            ctx.first_token_at = ctx.relayed[-1]
-                            if guard is not None:
-                                ctx.first_token_held = ctx.streamed_chunks - 1
-                    yield sse(c)
-            why = "the replica closed the stream before [DONE]"
-        except httpx.HTTPError as exc:
-            why = f"{type(exc).__name__}: {exc}"
+            async with asyncio.timeout(limit):
+                outcome = await _unless_gone(self._exchange(), self.request)
+            if isinstance(outcome, list):  # a stream's head: its first token is there
+                keep_open = True
+                return self._relay(outcome)
+            return outcome
+        except _Gone:  # closing the upstream connection aborts the request there
+            return Response(status_code=499)
+        except TimeoutError:
+            why = f"no first token within {proxy.timeouts.first_token_s:g} s"
+            proxy.router.failed(endpoint, why)
+            return _Retry(_timeout_response(ctx, endpoint, why))
+        except (httpx.HTTPError, StopAsyncIteration, ValueError) as exc:
+            proxy.router.failed(endpoint, f"{type(exc).__name__}: {exc}")
+            return _Retry()
         finally:
-            with anyio.CancelScope(shield=True):
-                await upstream.aclose()
-            release()
-        self.router.failed(endpoint, why)
-        yield sse(self._broken(endpoint, why))
+            if not keep_open:
+                if self.upstream is not None:
+                    with anyio.CancelScope(shield=True):
+                        await self.upstream.aclose()
+                self.release()
 
-    @staticmethod
-    def _estimated_usage(chunk: dict[str, Any], ctx: GatewayContext) -> dict[str, Any]:
-        prompt, completion = ctx.prompt_tokens, ctx.streamed_chunks
-        usage = {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        }
-        return {**chunk, "choices": [], "usage": usage}
+    async def _exchange(self) -> Response | _Retry | list[str]:
+        """The upstream call: a final answer, a retry, or a stream's head to relay."""
+        proxy, ctx, endpoint = self.proxy, self.ctx, self.endpoint
+        # The replica's arrival on this clock: its x-sendpath-clock header when that reading
+        # falls inside this attempt (same host, same monotonic clock); otherwise the moment
+        # the request body was sent.
+        t0 = self.sent = ctx.clock.now()
 
-    @staticmethod
-    def _broken(endpoint: Endpoint, why: str) -> dict[str, Any]:
-        return error_body(
-            ServiceUnavailableError(
-                f"The replica at {endpoint.url} failed mid-stream ({why}); the answer is "
-                "incomplete. Retry the request."
-            )
+        async def trace(event: str, info: dict[str, Any]) -> None:
+            if event.endswith("send_request_body.complete"):
+                self.sent = ctx.clock.now()
+
+        url = endpoint.url + self.request.url.path
+        request = proxy.client.build_request(
+            "POST", url, json=self.body, headers=self.headers, extensions={"trace": trace}
         )
+        self.upstream = upstream = await proxy.client.send(request, stream=True)
+        ctx.reached_replica = True
+        self.passed = {k: v for k, v in upstream.headers.items() if k.lower() in _PASS_HEADERS}
+        ctx.replica_arrival = _arrival(upstream.headers, t0, ctx.clock.now(), self.sent)
+        ctx.replica_request_id = upstream.headers.get("x-request-id")
+        if upstream.status_code != 200:
+            raw = await upstream.aread()
+            return proxy.refused(ctx, endpoint, upstream.status_code, raw, self.passed)
+        if not self.streaming:
+            data = json.loads(await upstream.aread())
+            ctx.end = ctx.clock.now()
+            proxy.router.succeeded(endpoint)
+            proxy.router.answered(self.route, endpoint, answer_text(data))
+            return proxy.answer(ctx, data, self.passed)
+        self.lines = upstream.aiter_lines()
+        head = await read_head(self.lines)
+        if (error := _error_event(head)) is not None:  # a 200 that opens with an error
+            status, raw = error
+            return proxy.refused(ctx, endpoint, status, raw, self.passed)
+        return head
+
+    def _relay(self, head: list[str]) -> StreamingResponse:
+        proxy = self.proxy
+        assert self.upstream is not None and self.lines is not None
+        proxy.router.succeeded(self.endpoint)
+        relay = StreamRelay(
+            self.ctx, proxy.router, self.endpoint, self.route, self.upstream, self.lines, head,
+            proxy.guard() if proxy.guard is not None else None, self.wants_usage,
+            proxy.timeouts.between_tokens_s, self.release, proxy.on_done,
+        )  # fmt: skip
+        return StreamingResponse(
+            relay.events(), media_type="text/event-stream", headers=self.passed
+        )
+
+
+def _error_event(head: list[str]) -> tuple[int, bytes] | None:
+    """(status, body) when a stream's head ends in an error event instead of a token."""
+    last = head[-1][5:].strip() if head else ""
+    if not last.startswith("{"):
+        return None
+    error = json.loads(last).get("error")
+    if not isinstance(error, dict):
+        return None
+    code = error.get("code")
+    if isinstance(code, int) and 400 <= code < 600:  # vLLM puts the status here
+        status = code
+    else:
+        status = {"request_failed": 500, "queue_full": 503, "service_unavailable": 503}.get(
+            str(code), 502
+        )
+    return status, json.dumps({"error": error}).encode()
+
+
+def _timeout_response(ctx: GatewayContext, endpoint: Endpoint, why: str) -> Response:
+    error = UpstreamTimeoutError(
+        f"{endpoint.name} produced {why}; the fleet may be overloaded. Retry the request "
+        f"(request id {ctx.request_id})."
+    )
+    return JSONResponse(error_body(error), status_code=error.status_code)
 
 
 def _arrival(headers: httpx.Headers, start: float, now: float, sent: float) -> float:
@@ -353,9 +365,9 @@ def _arrival(headers: httpx.Headers, start: float, now: float, sent: float) -> f
     return reported if start <= reported <= now else sent
 
 
-async def _unless_gone(work: Awaitable[T], request: Request) -> T | None:
-    """The result of ``work``, or ``None`` if the client disconnected first (then
-    ``work`` is cancelled; closing the upstream connection aborts the request there)."""
+async def _unless_gone(work: Awaitable[T], request: Request) -> T:
+    """The result of ``work``; raises ``_Gone`` if the client disconnected first (then
+    ``work`` is cancelled: nothing is left running, whatever ends this wait)."""
 
     async def gone() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -365,9 +377,11 @@ async def _unless_gone(work: Awaitable[T], request: Request) -> T | None:
     watch = asyncio.ensure_future(gone())
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
+    finally:  # also when this task is cancelled (a timeout)
         watch.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    return None
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+    if task.cancelled():
+        raise _Gone()
+    return task.result()

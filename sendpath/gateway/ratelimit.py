@@ -8,10 +8,14 @@ A bucket may not start with more than its capacity, so a burst is bounded by one
 allowance (unlike a fixed window, which admits two minutes' worth across a boundary).
 
 Backends: ``MemoryLimiter`` (one process) and ``RedisLimiter`` (atomic Lua scripts on
-Redis's clock, so several gateway processes share one limit). If Redis cannot be reached,
-``RedisLimiter`` falls back to a ``MemoryLimiter`` in this process and logs it: limits are
-then enforced per process instead of across the fleet (availability over strictness; the
-fallback is retried on the next call).
+Redis's clock, so several gateway processes share one limit). Redis is asked with a short
+socket timeout (``REDIS_TIMEOUT_S``); every failed call counts in ``on_error`` (the
+``sendpath:gateway_store_errors`` metric) and then, by ``fail_open``:
+
+- open (the default): a ``MemoryLimiter`` in this process decides instead, so limits hold
+  per process rather than across the fleet (availability over strictness), and the next
+  call tries Redis again;
+- closed: the request is refused with 503 (``StoreUnavailableError``) until Redis answers.
 """
 
 from __future__ import annotations
@@ -20,12 +24,37 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["Decision", "Limits", "MemoryLimiter", "RateLimiter", "RedisLimiter", "make_limiter"]
+from sendpath.errors import ServiceUnavailableError
+
+__all__ = [
+    "Decision",
+    "Limits",
+    "MemoryLimiter",
+    "RateLimiter",
+    "RedisLimiter",
+    "StoreUnavailableError",
+    "make_limiter",
+]
 
 logger = logging.getLogger("sendpath.gateway")
+
+REDIS_TIMEOUT_S = 0.25
+
+
+class StoreUnavailableError(ServiceUnavailableError):
+    """The shared limit store (Redis) did not answer and the gateway fails closed (503)."""
+
+    code = "rate_limit_store_unavailable"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "The rate limiter's store is unreachable and this gateway refuses requests until "
+            "it is back (it runs with --redis-failure closed). Retry in a moment."
+        )
 
 
 @dataclass(frozen=True)
@@ -47,8 +76,16 @@ class Decision:
 
 
 class RateLimiter(Protocol):
-    def reserve(self, key: str, limits: Limits, tokens: int) -> Decision: ...
-    def settle(self, key: str, limits: Limits, reserved: int, used: int) -> None: ...
+    def reserve(self, key: str, limits: Limits, tokens: int) -> Decision:
+        """Take 1 request and ``tokens`` tokens, both or neither."""
+        ...
+
+    def settle(
+        self, key: str, limits: Limits, reserved: int, used: int, refund_request: bool = False
+    ) -> None:
+        """Give back the ``reserved - used`` tokens not used (and the request, if it was
+        refused before it reached a replica)."""
+        ...
 
 
 def _refill(level: float, stamp: float, now: float, capacity: int) -> float:
@@ -88,13 +125,18 @@ class MemoryLimiter:
                 self._buckets[(key, k)] = (levels[k], now)
             return _decision(wait, limits, levels.get("req"), levels.get("tok"))
 
-    def settle(self, key: str, limits: Limits, reserved: int, used: int) -> None:
-        if limits.tpm is None or reserved == used:
-            return
+    def settle(
+        self, key: str, limits: Limits, reserved: int, used: int, refund_request: bool = False
+    ) -> None:
         with self._lock:
             now = self._clock()
-            level = self._level(key, "tok", limits.tpm, now)
-            self._buckets[(key, "tok")] = (min(float(limits.tpm), level + reserved - used), now)
+            if limits.tpm is not None and reserved != used:
+                level = self._level(key, "tok", limits.tpm, now)
+                refilled = min(float(limits.tpm), level + reserved - used)
+                self._buckets[(key, "tok")] = (refilled, now)
+            if refund_request and limits.rpm is not None:
+                level = self._level(key, "req", limits.rpm, now)
+                self._buckets[(key, "req")] = (min(float(limits.rpm), level + 1), now)
 
 
 def _decision(wait: float, limits: Limits, req: float | None, tok: float | None) -> Decision:
@@ -149,17 +191,23 @@ if wait == 0 then allowed = 1 end
 return {allowed, math.floor(wait * 1000), milli(1), milli(2)}
 """
 
-# KEYS: token bucket. ARGV: tpm, refund (may be negative).
+# KEYS: request bucket, token bucket. ARGV: rpm, tpm (0 = unlimited), refunds (tokens may
+# be negative: used more than reserved).
 _SETTLE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-local cap = tonumber(ARGV[1])
-local b = redis.call('HMGET', KEYS[1], 'level', 'stamp')
-local level = tonumber(b[1]) or cap
-local stamp = tonumber(b[2]) or now
-level = math.min(cap, math.min(cap, level + (now - stamp) * cap / 60.0) + tonumber(ARGV[2]))
-redis.call('HSET', KEYS[1], 'level', tostring(level), 'stamp', tostring(now))
-redis.call('EXPIRE', KEYS[1], 120)
+for i = 1, 2 do
+  local cap = tonumber(ARGV[i])
+  local refund = tonumber(ARGV[i + 2])
+  if cap > 0 and refund ~= 0 then
+    local b = redis.call('HMGET', KEYS[i], 'level', 'stamp')
+    local level = tonumber(b[1]) or cap
+    local stamp = tonumber(b[2]) or now
+    level = math.min(cap, math.min(cap, level + (now - stamp) * cap / 60.0) + refund)
+    redis.call('HSET', KEYS[i], 'level', tostring(level), 'stamp', tostring(now))
+    redis.call('EXPIRE', KEYS[i], 120)
+  end
+end
 return 1
 """
 
@@ -167,24 +215,34 @@ return 1
 class RedisLimiter:
     """The same buckets in Redis, shared by every gateway process that points at it."""
 
-    def __init__(self, url: str, prefix: str = "sendpath:rl:") -> None:
+    def __init__(
+        self,
+        url: str,
+        prefix: str = "sendpath:rl:",
+        fail_open: bool = True,
+        on_error: Callable[[], None] = lambda: None,
+    ) -> None:
         import redis
 
-        self._client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self._client = redis.Redis.from_url(
+            url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
+        )
         self._reserve = self._client.register_script(_RESERVE)
         self._settle = self._client.register_script(_SETTLE)
         self._prefix = prefix
         self._fallback = MemoryLimiter()
+        self._fail_open = fail_open
+        self._on_error = on_error
         self._warned = False
 
     def _keys(self, key: str) -> list[str]:
         return [f"{self._prefix}{{{key}}}:req", f"{self._prefix}{{{key}}}:tok"]
 
     def _degraded(self, exc: Exception) -> None:
+        self._on_error()
         if not self._warned:
-            logger.warning(
-                "Redis unreachable (%s): rate limits now per process until it returns", exc
-            )
+            what = "limits now per process" if self._fail_open else "requests refused (503)"
+            logger.warning("Redis unreachable (%s): %s until it returns", exc, what)
             self._warned = True
 
     def reserve(self, key: str, limits: Limits, tokens: int) -> Decision:
@@ -196,6 +254,8 @@ class RedisLimiter:
             )
         except redis.RedisError as exc:
             self._degraded(exc)
+            if not self._fail_open:
+                raise StoreUnavailableError() from exc
             return self._fallback.reserve(key, limits, tokens)
         self._warned = False
         wait = math.inf if wait_ms < 0 else (0.0 if allowed else max(wait_ms / 1000, 0.001))
@@ -203,18 +263,28 @@ class RedisLimiter:
             wait, limits, None if req < 0 else req / 1000, None if tok < 0 else tok / 1000
         )
 
-    def settle(self, key: str, limits: Limits, reserved: int, used: int) -> None:
+    def settle(
+        self, key: str, limits: Limits, reserved: int, used: int, refund_request: bool = False
+    ) -> None:
         import redis
 
-        if limits.tpm is None or reserved == used:
+        tokens = reserved - used if limits.tpm is not None else 0
+        requests = 1 if refund_request and limits.rpm is not None else 0
+        if not tokens and not requests:
             return
         try:
-            self._settle(keys=self._keys(key)[1:], args=[limits.tpm, reserved - used])
+            self._settle(
+                keys=self._keys(key), args=[limits.rpm or 0, limits.tpm or 0, requests, tokens]
+            )
         except redis.RedisError as exc:
             self._degraded(exc)
-            self._fallback.settle(key, limits, reserved, used)
+            self._fallback.settle(key, limits, reserved, used, refund_request)
 
 
-def make_limiter(redis_url: str | None) -> RateLimiter:
+def make_limiter(
+    redis_url: str | None, fail_open: bool = True, on_error: Callable[[], None] = lambda: None
+) -> RateLimiter:
     """The limiter backend for a gateway: Redis when a URL is given, else in memory."""
-    return RedisLimiter(redis_url) if redis_url else MemoryLimiter()
+    if not redis_url:
+        return MemoryLimiter()
+    return RedisLimiter(redis_url, fail_open=fail_open, on_error=on_error)

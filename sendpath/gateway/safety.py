@@ -1,7 +1,13 @@
 """Safety checks on the input (before queueing) and on the streamed output.
 
 A check maps text to the category it breaks, or ``None``. The default is a rules filter:
-regular expressions per category from a TOML file (``[categories]`` name = [patterns]).
+regular expressions per category from a TOML file (``[categories]`` name = [patterns]),
+matched against the text normalised the way a reader sees it (``normalize``: Unicode NFKC,
+so fullwidth and other compatibility forms become plain letters; invisible format
+characters such as zero-width spaces and joiners removed; case-folded), so that
+fullwidth "bomb" (U+FF42...), "bo\u200bmb" and "BOMB" all read as "bomb". Matching releases the GIL
+(``concurrent=True``), so a large prompt checked on a worker thread does not stall the
+event loop.
 
 On a stream, ``OutputGuard`` holds back only text that could still become a blocked
 phrase: the rules filter asks each pattern for a *partial* match reaching the end of what
@@ -14,15 +20,29 @@ bounds how much may be held back; checks that cannot say hold back the whole win
 from __future__ import annotations
 
 import tomllib
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import regex
 
-__all__ = ["DEFAULT_RULES", "OutputGuard", "RulesFilter", "SafetyCheck", "SafetyRulesError"]
+__all__ = [
+    "DEFAULT_RULES",
+    "OutputGuard",
+    "RulesFilter",
+    "SafetyCheck",
+    "SafetyRulesError",
+    "normalize",
+]
 
 DEFAULT_RULES = Path(__file__).with_name("safety_rules.toml")
+_INVISIBLE = regex.compile(r"\p{Cf}+")  # format characters: zero-width space/joiners, bidi marks
+
+
+def normalize(text: str) -> str:
+    """``text`` as a filter should read it: NFKC, format characters removed, case-folded."""
+    return _INVISIBLE.sub("", unicodedata.normalize("NFKC", text)).casefold()
 
 
 class SafetyRulesError(ValueError):
@@ -67,8 +87,9 @@ class RulesFilter:
         return cls(categories)
 
     def check(self, text: str) -> str | None:
+        normal = normalize(text)
         for name, patterns in self.categories.items():
-            if any(p.search(text) for p in patterns):
+            if any(p.search(normal, concurrent=True) for p in patterns):
                 return name
         return None
 

@@ -5,6 +5,10 @@ gateway's timeline, when each text chunk went out, which replica answered); the 
 not kept. ``GET /v1/traces/{id}`` stitches it with the replica's own trace (its events,
 one per generated token among them) by placing the replica's arrival where the gateway
 saw it, so every time in the answer is milliseconds since the request reached the gateway.
+
+``progress_of`` says which stage a request is in while it runs (the page's live pipeline):
+the gateway's own stages from its context, the engine's from the replica's
+``/v1/requests/{id}``.
 """
 
 from __future__ import annotations
@@ -13,9 +17,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sendpath.gateway.context import GatewayContext
+import httpx
 
-__all__ = ["GatewayTrace", "record", "stitch"]
+from sendpath.gateway.context import GatewayContext
+from sendpath.trace import Stage
+
+__all__ = ["GatewayTrace", "progress_of", "record", "stitch"]
 
 
 @dataclass(frozen=True)
@@ -23,7 +30,8 @@ class GatewayTrace:
     id: str
     key: str | None  # the key name that may read it (None: made without a key)
     model: str | None
-    replica: str | None
+    replica: str | None  # its name, as clients see it
+    replica_url: str | None  # where to fetch the replica's own trace (internal)
     created: int
     stages: list[tuple[str, float, float]]  # stage, start ms, duration ms
     timings: dict[str, float]
@@ -44,7 +52,8 @@ def record(ctx: GatewayContext) -> GatewayTrace:
         id=ctx.response_id,
         key=ctx.key.name if ctx.key else None,
         model=model if isinstance(model, str) else None,
-        replica=ctx.replica,
+        replica=ctx.replica_name,
+        replica_url=ctx.replica,
         created=int(time.time()),
         stages=[(s.value, _ms(start), _ms(d)) for s, start, d in ctx.stage_seconds()],
         timings=ctx.timings_ms(),
@@ -93,4 +102,34 @@ def stitch(trace: GatewayTrace, replica: dict[str, Any] | None) -> dict[str, Any
     }
     if trace.usage is not None:
         out["usage"] = {"prompt_tokens": trace.usage[0], "completion_tokens": trace.usage[1]}
+    return out
+
+
+async def progress_of(
+    ctx: GatewayContext, client_id: str, client: httpx.AsyncClient
+) -> dict[str, Any]:
+    """Where an in-flight request is now: its stage, and the engine's progress on it."""
+    out: dict[str, Any] = {"client_id": client_id, "stage": ctx.gateway_stage().value}
+    if ctx.first_token_at is not None:
+        out["stage"] = Stage.DECODE.value
+        return out
+    if ctx.replica is None or ctx.replica_request_id is None:
+        return out
+    out["stage"] = Stage.TOKENIZE.value
+    try:
+        r = await client.get(f"{ctx.replica}/v1/requests/{ctx.replica_request_id}", timeout=1.0)
+        engine = r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        engine = None
+    if engine is None:
+        return out
+    out["engine"] = engine
+    computed, prompt = engine["num_computed_tokens"], engine["num_prompt_tokens"]
+    if engine["num_output_tokens"] > 0:
+        out["stage"] = Stage.DECODE.value
+    elif engine["status"] == "running" or computed > 0:
+        out["stage"] = Stage.PREFILL.value
+    else:
+        out["stage"] = Stage.ENGINE_QUEUE.value
+    out["prefill_done"] = round(computed / prompt, 3) if prompt else 0.0
     return out

@@ -4,10 +4,14 @@ An ``Endpoint`` is one OpenAI-compatible server (ours, vLLM, llama.cpp): its URL
 requests the gateway has in flight there (and may have at most), the load it last
 reported, and whether it is in service.
 
+Clients see a replica only by its ``name`` (``replica-0``, ...), never its URL.
+
 Health, with every tunable here:
-- Active: every ``CHECK_INTERVAL_S`` the gateway asks each replica's ``/health`` (and
-  ``/load``, if it has one). A failed check takes the replica out of service; a passing one
-  puts it back, unless it is ejected and its backoff has not run out.
+- Active: every ``CHECK_INTERVAL_S`` the gateway asks each replica's ``/ready`` (or its
+  ``/health``, for a server without ``/ready``, such as vLLM) and ``/load``, if it has one.
+  A failed check takes the replica out of service; a passing one puts it back, unless it
+  is ejected and its backoff has not run out. Both answer at once on our replicas (from
+  the engine's last snapshot), so a long prompt step does not make a replica look dead.
 - Passive: a request that cannot reach a replica, or gets a 5xx that is not "busy", is a
   failure. ``EJECT_AFTER`` consecutive failures eject the replica for a backoff that
   starts at ``BACKOFF_S`` and doubles on each ejection in a row up to ``MAX_BACKOFF_S``;
@@ -36,7 +40,7 @@ class Endpoint:
     """One replica, as the gateway sees it."""
 
     index: int
-    url: str
+    url: str  # internal: in logs and operator views, never in answers to clients
     max_in_flight: int
     in_flight: int = 0
     up: bool = True  # the last active check passed (optimistic until the first one)
@@ -45,6 +49,11 @@ class Endpoint:
     ejections: int = 0  # ejections in a row (the backoff's exponent)
     external_load: int = 0  # running + waiting at the replica that are not this gateway's
     stats: dict[str, float] = field(default_factory=dict)  # its last /load, as it said it
+
+    @property
+    def name(self) -> str:
+        """What clients see of this replica."""
+        return f"replica-{self.index}"
 
     @property
     def healthy(self) -> bool:

@@ -33,6 +33,7 @@ class Router:
     ) -> None:
         self.pool, self.policy, self.on_change = pool, policy, on_change
         self._no_load: set[int] = set()  # replicas without a /load endpoint (not ours)
+        self._no_ready: set[int] = set()  # without /ready (not ours): /health says ready
 
     def choose(self, request: RouteRequest, exclude: set[int] | None = None) -> Endpoint | None:
         """The replica for ``request`` (``None``: no healthy replica with room)."""
@@ -71,7 +72,11 @@ class Router:
 
     async def _check(self, client: httpx.AsyncClient, endpoint: Endpoint) -> None:
         try:
-            r = await client.get(endpoint.url + "/health", timeout=CHECK_TIMEOUT_S)
+            path = "/health" if endpoint.index in self._no_ready else "/ready"
+            r = await client.get(endpoint.url + path, timeout=CHECK_TIMEOUT_S)
+            if r.status_code == 404 and path == "/ready":
+                self._no_ready.add(endpoint.index)
+                r = await client.get(endpoint.url + "/health", timeout=CHECK_TIMEOUT_S)
             ok = r.status_code == 200
             load, stats = None, None
             if ok and endpoint.index not in self._no_load:

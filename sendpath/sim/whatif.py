@@ -7,13 +7,21 @@ from typing import Any
 
 from sendpath.bench.workload import LengthSpec
 from sendpath.errors import InvalidRequestError
-from sendpath.sim.scenarios import SCENARIOS, simulate
+from sendpath.sim.hardware import hardware, model_spec
+from sendpath.sim.scenarios import SCENARIOS, kv_blocks, simulate
 from sendpath.sim.traffic import Traffic
 
 __all__ = ["what_if"]
 
-MAX_REQUESTS = 200
 LIMITS = {"rate": (0.01, 1000.0), "prompt": (1, 120_000), "answer": (1, 8192), "replicas": (1, 64)}
+# One run is bounded whatever the sliders say (a few seconds of one core at most): at most
+# MAX_REQUESTS requests, MAX_TOKENS prompt and answer tokens and MAX_DECODES answer tokens
+# in all, and about MAX_STEPS engine steps per replica (requests that cannot all fit in
+# the KV cache at once run in waves, each as many steps as an answer is long).
+MAX_REQUESTS = 200
+MAX_TOKENS = 2_000_000
+MAX_DECODES = 300_000
+MAX_STEPS = 10_000
 
 
 def what_if(rate: float, prompt: int, answer: int, replicas: int) -> dict[str, Any]:
@@ -24,9 +32,24 @@ def what_if(rate: float, prompt: int, answer: int, replicas: int) -> dict[str, A
         low, high = LIMITS[name]
         if not low <= value <= high:
             raise InvalidRequestError(f"{name} must be within {low}..{high}, got {value}")
-    # enough requests to reach a steady state, few enough to answer at once
-    count = int(min(MAX_REQUESTS, max(8, rate * 60)))
     base = SCENARIOS["overloaded"]  # Llama-3.1-8B, one H100, batches of up to 64
+    sched = base.config.scheduler
+    kv_tokens = kv_blocks(model_spec(base.model), hardware(base.hardware), base.tp, 16) * 16
+    at_once = max(1, min(sched.max_num_seqs, kv_tokens // (prompt + answer))) * replicas
+    steps_each = answer + prompt / sched.max_num_batched_tokens
+    # enough requests to reach a steady state, few enough to answer at once
+    count = max(
+        1,
+        int(
+            min(
+                MAX_REQUESTS,
+                max(8, rate * 60),
+                MAX_TOKENS // (prompt + answer),
+                MAX_DECODES // answer,
+                at_once * MAX_STEPS / steps_each,
+            )
+        ),
+    )
     run = replace(
         base,
         traffic=Traffic(rate, count, LengthSpec(prompt, prompt), LengthSpec(answer, answer)),

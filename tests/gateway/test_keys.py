@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -51,3 +52,28 @@ def test_usage_ledger_adds_up_per_day(tmp_path: Path) -> None:
     store.record_usage("alice", 1, day="2026-12-01")
     assert store.usage(day="2026-11-30") == {"alice": (150, 2), "bob": (7, 1)}
     assert store.usage("alice", day="2026-12-01") == {"alice": (1, 1)}
+
+
+def test_daily_reservations_are_atomic_across_threads_and_stores(tmp_path: Path) -> None:
+    stores = [KeyStore(tmp_path) for _ in range(4)]  # four gateway processes, one file
+    stores[0].create("q", daily_tokens=500)
+    granted: list[int] = []
+
+    def admit(store: KeyStore) -> None:
+        for _ in range(10):
+            reservation, _ = store.reserve_daily("q", 60, 500)
+            if reservation is not None:
+                granted.append(reservation)
+
+    threads = [threading.Thread(target=admit, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(granted) == 8  # 8 x 60 = 480 <= 500 < 9 x 60, however they interleave
+    assert stores[1].reserve_daily("q", 21, 500) == (None, 20)
+    stores[2].record_usage("q", 10, reservation=granted[0])  # used 10 of its 60
+    assert stores[3].reserve_daily("q", 70, 500)[0] is not None  # the 50 came back
+    for r in granted[1:]:
+        stores[0].release(r)
+    assert stores[0].usage("q") == {"q": (10, 1)}

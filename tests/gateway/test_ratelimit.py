@@ -9,7 +9,12 @@ import time
 
 import pytest
 
-from sendpath.gateway.ratelimit import Limits, MemoryLimiter, RedisLimiter
+from sendpath.gateway.ratelimit import (
+    Limits,
+    MemoryLimiter,
+    RedisLimiter,
+    StoreUnavailableError,
+)
 
 
 class FakeClock:
@@ -92,3 +97,29 @@ def test_unreachable_redis_falls_back_to_per_process_limits() -> None:
     limits = Limits(rpm=1, tpm=None)
     assert lim.reserve("k", limits, 10).allowed
     assert not lim.reserve("k", limits, 10).allowed  # still limited, in this process
+
+
+def test_unreachable_redis_fails_closed_when_asked_and_counts_every_error() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    errors: list[int] = []
+    lim = RedisLimiter(
+        f"redis://127.0.0.1:{dead}/0", fail_open=False, on_error=lambda: errors.append(1)
+    )
+    limits = Limits(rpm=100, tpm=None)
+    for _ in range(3):
+        with pytest.raises(StoreUnavailableError) as refused:
+            lim.reserve("k", limits, 10)
+    assert refused.value.status_code == 503 and "--redis-failure closed" in refused.value.message
+    assert len(errors) == 3
+
+
+def test_a_refused_request_gets_its_request_back(redis_url: str) -> None:
+    for lim in (MemoryLimiter(FakeClock()), RedisLimiter(redis_url, prefix="refund:")):
+        limits = Limits(rpm=2, tpm=1000)
+        assert lim.reserve("k", limits, 100).allowed
+        lim.settle("k", limits, reserved=100, used=0, refund_request=True)  # e.g. a 400
+        assert lim.reserve("k", limits, 100).allowed
+        assert lim.reserve("k", limits, 100).allowed  # 2 RPM: both still there
+        assert not lim.reserve("k", limits, 100).allowed

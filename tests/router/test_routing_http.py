@@ -68,8 +68,9 @@ def post(url: str, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
 
 
-def replica_of(r: httpx.Response) -> str:
-    return r.headers["x-sendpath-replica"]
+def replica_of(r: httpx.Response, urls: list[str]) -> str:
+    """The URL of the replica that answered: clients see only its name, replica-<index>."""
+    return urls[int(r.headers["x-sendpath-replica"].removeprefix("replica-"))]
 
 
 def health(url: str) -> dict[str, bool]:
@@ -83,7 +84,7 @@ def running(replica: str) -> int:
 
 def test_round_robin_alternates(fleet: LocalFleet, tmp_path: Path) -> None:
     with gateway(fleet.urls, tmp_path, "round_robin") as url:
-        seen = [replica_of(post(url, msg("hi", max_tokens=2))) for _ in range(4)]
+        seen = [replica_of(post(url, msg("hi", max_tokens=2)), fleet.urls) for _ in range(4)]
     a, b = fleet.urls
     assert seen in ([a, b, a, b], [b, a, b, a])
 
@@ -95,11 +96,12 @@ def test_least_load_avoids_the_busy_replica(fleet: LocalFleet, tmp_path: Path) -
             "POST", url + "/v1/chat/completions", json={**msg("x"), **LONG, "stream": True}
         ) as s,
     ):
-        busy = replica_of(s)
+        busy = replica_of(s, fleet.urls)
         lines = s.iter_lines()  # (dropping the iterator would close the stream)
         next(lines)
         other = next(u for u in fleet.urls if u != busy)
-        assert [replica_of(post(url, msg("hi", max_tokens=2))) for _ in range(3)] == [other] * 3
+        answers = [post(url, msg("hi", max_tokens=2)) for _ in range(3)]
+        assert [replica_of(r, fleet.urls) for r in answers] == [other] * 3
     wait_for(lambda: running(busy) == 0)
 
 
@@ -114,7 +116,7 @@ def test_prefix_aware_keeps_each_conversation_on_one_replica(
             for _ in range(3):
                 r = post(url, {"model": "tiny", "messages": messages, "max_tokens": 8})
                 assert r.status_code == 200
-                homes.setdefault(c, set()).add(replica_of(r))
+                homes.setdefault(c, set()).add(replica_of(r, fleet.urls))
                 if len(messages) > 1:
                     cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
                 answer = r.json()["choices"][0]["message"]["content"]
@@ -136,22 +138,24 @@ def test_ejection_retry_before_first_token_and_readmission(
         own_fleet.procs[1].wait()
         answers = [post(url, msg("hi", max_tokens=2)) for _ in range(4)]
         assert [r.status_code for r in answers] == [200] * 4  # B's turns retried on A
-        assert {replica_of(r) for r in answers} == {a}
+        assert {replica_of(r, own_fleet.urls) for r in answers} == {a}
         wait_for(lambda: health(url)[b] is False)
         own_fleet.restart(1)
         wait_for(lambda: health(url)[b] is True, timeout=60)  # readmitted
-        seen = {replica_of(post(url, msg("hi", max_tokens=2))) for _ in range(4)}
+        seen = {replica_of(post(url, msg("hi", max_tokens=2)), own_fleet.urls) for _ in range(4)}
         assert seen == {a, b}
 
 
-def stream_events(url: str, body: dict[str, Any], on_first: Any = None) -> dict[str, Any]:
+def stream_events(
+    url: str, urls: list[str], body: dict[str, Any], on_first: Any = None
+) -> dict[str, Any]:
     """Stream a chat request; returns its replica, text chunks, error event and [DONE]."""
     out: dict[str, Any] = {"chunks": 0, "error": None, "done": False, "replica": None}
     with httpx.stream(
         "POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60
     ) as r:
         out["status"] = r.status_code
-        out["replica"] = r.headers.get("x-sendpath-replica")
+        out["replica"] = replica_of(r, urls) if r.status_code == 200 else None
         for line in r.iter_lines():
             if not line.startswith("data: "):
                 continue
@@ -175,7 +179,7 @@ def test_mid_stream_failure_is_an_error_event_without_done(
         own_fleet.procs[own_fleet.urls.index(replica)].kill()
 
     with gateway(own_fleet.urls, tmp_path, "round_robin") as url:
-        out = stream_events(url, {**msg("x"), **LONG}, on_first=kill)
+        out = stream_events(url, own_fleet.urls, {**msg("x"), **LONG}, on_first=kill)
     assert out["status"] == 200 and out["chunks"] >= 5
     assert out["error"]["code"] == "service_unavailable"
     assert "failed mid-stream" in out["error"]["message"]
@@ -188,7 +192,8 @@ def test_fault_run_kill_one_of_two_under_load(own_fleet: LocalFleet, tmp_path: P
     victim = own_fleet.urls[1]
 
     def client(i: int) -> None:
-        out = stream_events(url, {**msg(f"request {i}"), "max_tokens": 400, "ignore_eos": True})
+        body = {**msg(f"request {i}"), "max_tokens": 400, "ignore_eos": True}
+        out = stream_events(url, own_fleet.urls, body)
         with lock:
             results.append({**out, "i": i})
 
@@ -218,7 +223,7 @@ def test_client_disconnect_aborts_the_request_on_the_replica(
         with httpx.stream(
             "POST", url + "/v1/chat/completions", json={**msg("x"), **LONG, "stream": True}
         ) as s:
-            replica = s.headers["x-sendpath-replica"]
+            replica = replica_of(s, fleet.urls)
             lines = s.iter_lines()
             for _ in range(4):
                 next(lines)

@@ -1,0 +1,180 @@
+"""Relaying one replica's stream to the client, event by event, once its first token exists.
+
+Text goes through the output guard, which holds back only what could still become a
+blocked phrase; a blocked stream ends with finish_reason ``content_filter`` (the replica
+is disconnected, which aborts the request there). The finish and usage chunks are held
+until the end, so the last event can carry the stitched ``timings`` and, under the output
+filter, ``first_token_held``: how many more text chunks (tokens, nearly always) the first
+one waited for before it could go out. The usage chunk reaches the client only if it
+asked for it.
+
+A replica that sends nothing for ``between_tokens_s``, closes early or sends an error
+event ends the stream with an explicit SSE error event and no ``[DONE]``; the client is
+told which replica (by name) and why, in words that name no internal address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+
+from sendpath.api.errors import error_body
+from sendpath.errors import ServiceUnavailableError
+from sendpath.gateway.chunks import chain, finished, numbers, text_of, with_text
+from sendpath.gateway.context import GatewayContext
+from sendpath.gateway.safety import OutputGuard
+from sendpath.router.policy import RouteRequest
+from sendpath.router.pool import Endpoint
+from sendpath.router.router import Router
+from sendpath.server.responses import sse
+
+__all__ = ["StreamRelay"]
+
+logger = logging.getLogger("sendpath.gateway")
+
+
+@dataclass
+class StreamRelay:
+    """One stream's relay; ``events()`` is the body the client reads."""
+
+    ctx: GatewayContext
+    router: Router
+    endpoint: Endpoint
+    route: RouteRequest
+    upstream: httpx.Response
+    lines: AsyncIterator[str]
+    head: list[str]
+    guard: OutputGuard | None
+    wants_usage: bool
+    between_tokens_s: float
+    release: Callable[[], None]  # gives the endpoint's in-flight slot back
+    on_done: Callable[[GatewayContext], None]
+
+    def __post_init__(self) -> None:
+        self.tail: list[dict[str, Any]] = []  # the finish and usage chunks, held for timings
+        self.upstream_timings: dict[str, Any] | None = None
+        self.answer: list[str] = []  # what the replica generated (and now has cached)
+
+    async def events(self) -> AsyncIterator[str]:
+        why = "the replica closed the stream before [DONE]"
+        try:
+            async for line in self._lines():
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    self.router.answered(self.route, self.endpoint, "".join(self.answer))
+                    for event in self._finish():
+                        yield event
+                    return
+                chunk = json.loads(payload)
+                if "error" in chunk:  # the replica's own error event: pass it on, no [DONE]
+                    self.router.failed(self.endpoint, "an error event mid-stream")
+                    yield sse(chunk)
+                    return
+                out, done = self._on_chunk(chunk)
+                for event in out:
+                    yield event
+                if done:
+                    return
+        except TimeoutError:
+            why = f"it sent nothing for {self.between_tokens_s:g} s"
+        except httpx.HTTPError as exc:
+            why = f"the connection failed ({type(exc).__name__})"
+        except ValueError:
+            why = "it sent an event that is not JSON"
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.upstream.aclose()
+            self.release()
+        logger.warning("replica %s broke a stream: %s", self.endpoint.url, why)
+        self.router.failed(self.endpoint, why)
+        yield sse(self._broken(why))
+
+    async def _lines(self) -> AsyncIterator[str]:
+        """The head, then each further line within ``between_tokens_s`` of the last."""
+        lines = chain(self.head, self.lines)
+        while True:
+            try:
+                async with asyncio.timeout(self.between_tokens_s):
+                    line = await anext(lines)
+            except StopAsyncIteration:
+                return
+            yield line
+
+    def _on_chunk(self, chunk: dict[str, Any]) -> tuple[list[str], bool]:
+        """The events one upstream chunk becomes, and whether the stream ends here."""
+        ctx, guard = self.ctx, self.guard
+        ctx.response_id = ctx.response_id or chunk.get("id")
+        self.upstream_timings = chunk.pop("timings", None) or self.upstream_timings
+        if chunk.get("usage"):
+            u = chunk["usage"]
+            ctx.usage = (int(u["prompt_tokens"]), int(u["completion_tokens"]))
+        choices = chunk.get("choices") or []
+        if not choices:
+            self.tail.append(chunk)
+            return [], False
+        text, reason = text_of(choices[0]), choices[0].get("finish_reason")
+        out: list[dict[str, Any]] = []
+        if text:
+            self.answer.append(text)
+            ctx.streamed_chunks += 1
+            released = guard.push(text) if guard is not None else text
+            if guard is not None and guard.blocked is not None:
+                self.tail[:] = [finished(chunk, "content_filter")]
+                if self.wants_usage and ctx.usage is None:
+                    self.tail.append(self._estimated_usage(chunk))
+                return self._finish(), True
+            if released:
+                out.append(with_text(chunk, released))
+        if reason is not None:
+            rest = guard.flush() if guard is not None else ""
+            if rest:
+                out.append(with_text(chunk, rest))
+            self.tail.append(finished(chunk, reason) if text else chunk)
+        elif not text:
+            out.append(chunk)  # the role chunk
+        for c in out:
+            if text_of(c["choices"][0]):
+                ctx.relayed.append(ctx.clock.now())
+                if ctx.first_token_at is None:
+                    ctx.first_token_at = ctx.relayed[-1]
+                    if guard is not None:
+                        ctx.first_token_held = ctx.streamed_chunks - 1
+        return [sse(c) for c in out], False
+
+    def _finish(self) -> list[str]:
+        ctx = self.ctx
+        events = [c for c in self.tail if c.get("choices") or self.wants_usage]
+        ctx.replica_timings = numbers(self.upstream_timings)
+        ctx.end = ctx.clock.now()
+        if events:
+            events[-1]["timings"] = ctx.timings_ms()
+            if ctx.first_token_held is not None:
+                events[-1]["first_token_held"] = ctx.first_token_held
+        self.on_done(ctx)
+        return [sse(c) for c in events] + ["data: [DONE]\n\n"]
+
+    def _estimated_usage(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        prompt, completion = self.ctx.prompt_tokens, self.ctx.streamed_chunks
+        usage = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+        return {**chunk, "choices": [], "usage": usage}
+
+    def _broken(self, why: str) -> dict[str, Any]:
+        return error_body(
+            ServiceUnavailableError(
+                f"{self.endpoint.name} failed mid-stream ({why}); the answer is incomplete. "
+                f"Retry the request (request id {self.ctx.request_id})."
+            )
+        )
