@@ -15,7 +15,8 @@ C concurrent clients:
 
 Reports what was served and refused (by status), the 5xx count (must be 0), the replicas'
 KV blocks still held once the fleet is idle (must be 0), whether both replicas are still
-ready and answering, and the gateway process's memory before and after.
+ready and answering, and the gateway process's memory before and after each third of
+the run (a leak grows with every third; an allocator keeping its peak does not).
 
     .venv/bin/python -m benchmarks.soak [--requests 3000] [--concurrency 32]
 """
@@ -245,7 +246,7 @@ def main() -> None:
     data = tempfile.mkdtemp(prefix="sendpath-soak-")
     proc = subprocess.Popen(
         [sys.executable, "-m", "sendpath.cli", "serve", "--port", str(port), "--replicas", "2",
-         "--data-dir", data, "--replica-api-key", KEY, "--kv-cache-memory-gib", "0.25"],
+         "--data-dir", data, "--replica-api-key", KEY],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     assert proc.stdout is not None
@@ -258,12 +259,17 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     try:
         warm = asyncio.run(run(url, secret, 64, 8, seed=args.seed + 1))  # warm caches, pools
-        rss_before = rss_mib(proc.pid)
+        rss = [rss_mib(proc.pid)]
         start = time.monotonic()
-        soak = asyncio.run(run(url, secret, args.requests, args.concurrency, args.seed))
+        soak = Soak(url, secret)
+        for third in range(3):  # the gateway's memory after each third: growth, or a plateau
+            part = asyncio.run(run(url, secret, args.requests // 3, args.concurrency,
+                                   args.seed + third))  # fmt: skip
+            soak.statuses.update(part.statuses)
+            soak.server_errors += part.server_errors
+            rss.append(rss_mib(proc.pid))
         seconds = time.monotonic() - start
         replicas = idle_fleet(url)
-        rss_after = rss_mib(proc.pid)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
@@ -273,7 +279,7 @@ def main() -> None:
         by_kind[kind][status] = count
     served = sum(c for k, c in soak.statuses.items() if k.endswith(" 200"))
     result = {
-        "requests": args.requests,
+        "requests": args.requests // 3 * 3,
         "concurrency": args.concurrency,
         "seconds": round(seconds, 1),
         "served_200": served,
@@ -282,7 +288,10 @@ def main() -> None:
         "server_error_samples": soak.server_errors[:10],
         "replicas_after": replicas,
         "kv_blocks_leaked": sum(r["kv_blocks_held"] for r in replicas),
-        "gateway_rss_mib": {"before": round(rss_before, 1), "after": round(rss_after, 1)},
+        "gateway_rss_mib": {
+            "before": round(rss[0], 1),
+            "after_each_third": [round(r, 1) for r in rss[1:]],
+        },
         "warmup_statuses": dict(warm.statuses),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "python": platform.python_version(),

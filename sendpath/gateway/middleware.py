@@ -185,7 +185,8 @@ def parse_body(path: str, raw: bytes) -> tuple[dict[str, Any], GenerationBody]:
 
 
 class BodyMiddleware:
-    """Reads a generation request's body once (413 over the limit), checks it against its
+    """Reads a generation request's body once (413 over the limit: at once when its
+    Content-Length says so, else as soon as it passes it), checks it against its
     endpoint's schema (400 naming the field: the same check the replica makes), keeps it on
     the context and replays it to the inner app. A large body is parsed on a worker thread."""
 
@@ -195,6 +196,10 @@ class BodyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not generates(scope):
             await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:  # refused unread
+            await send_error(send, RequestTooLargeError(int(declared), self.max_bytes))
             return
         raw = bytearray()
         more = True
