@@ -150,8 +150,9 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument(
         "--first-token-timeout", type=float, default=120.0, metavar="S",
-        help="seconds a replica may take to a stream's first token before the request "
-        "goes to another (120)",
+        help="seconds a replica may take to a stream's first token; then it counts as "
+        "failed and the request gets 504, or another replica while the 30 s retry window "
+        "is open (120)",
     )  # fmt: skip
     p.add_argument(
         "--between-tokens-timeout", type=float, default=60.0, metavar="S",

@@ -260,8 +260,11 @@ async function pollFleet() {
     for (const rep of fleet.replicas) {
       const tr = document.createElement("tr");
       const pct = (x) => (x == null ? "-" : `${(100 * x).toFixed(0)}%`);
-      tr.innerHTML = `<td>${rep.url.replace(/^https?:\/\//, "")}</td>` +
-        `<td class="${rep.healthy ? "health-ok" : "health-down"}">${rep.healthy ? "healthy" : "out"}</td>` +
+      // `serve` reports its replica processes: one that exited is being started again
+      const state = rep.process === "restarting" ? "restarting" : rep.healthy ? "healthy" : "out";
+      const restarts = rep.restarts ? ` (${rep.restarts} restart${rep.restarts > 1 ? "s" : ""})` : "";
+      tr.innerHTML = `<td>${rep.name}<br><small>${rep.url.replace(/^https?:\/\//, "")}</small></td>` +
+        `<td class="${rep.healthy ? "health-ok" : "health-down"}">${state}${restarts}</td>` +
         `<td class="num">${rep.running ?? "-"}</td><td class="num">${rep.waiting ?? "-"}</td>` +
         `<td class="num">${pct(rep.kv_cache_usage)}</td><td class="num">${pct(rep.prefix_cache_hit_rate)}</td>`;
       body.appendChild(tr);

@@ -172,6 +172,32 @@ def test_a_client_that_stops_reading_is_dropped_and_the_upstream_let_go(tmp_path
         c.close()
 
 
+def test_a_stalled_reader_through_the_gateway_returns_the_replica_to_idle(
+    replica: Server, tmp_path: Path
+) -> None:
+    limits = ConnectionLimits(write_timeout_s=0.5, send_buffer_bytes=4096)
+    before = _aborted(replica)
+    with front([replica.url], tmp_path, connection=limits) as url:
+        port = int(url.rsplit(":", 1)[1])
+        c = socket.socket()
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        c.connect(("127.0.0.1", port))
+        body = json.dumps({**CHAT, "max_tokens": 1900, "ignore_eos": True, "stream": True})
+        c.sendall(
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode()
+        )  # ...and never reads
+        wait_for(lambda: _aborted(replica) == before + 1)  # aborted there, not finished
+        assert replica.idle()
+        c.close()
+
+
+def _aborted(replica: Server) -> float:
+    line = 'sendpath:request_success_total{finished_reason="abort"} '
+    text = httpx.get(replica.url + "/metrics").text
+    return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(line))
+
+
 def test_models_answers_from_a_live_replica_when_another_is_dead(
     replica: Server, tmp_path: Path
 ) -> None:

@@ -109,6 +109,7 @@ def test_a_message_streams_and_every_stage_shows_in_the_waterfall(
         page.wait_for_selector("#replicas tbody tr")
         fleet = page.inner_text("#replicas")
         assert gw.replica.url.removeprefix("http://") in fleet and "healthy" in fleet
+        assert "replica-0" in fleet
         assert "in flight of 64" in page.inner_text("#gateway-line")
         # legible at this width: nothing wider than the window
         assert page.evaluate("document.documentElement.scrollWidth") <= SIZES[size]["width"]
