@@ -10,13 +10,16 @@ C concurrent clients:
   unknown model, blocked and disguised blocked phrases;
 - cancelled (15%): a stream dropped after its first token, a whole answer whose client
   gives up after 0.3 s, a request head that never ends;
-- oversized (10%): a 9 MiB body, and a 2 MB prompt (filtered off the event loop, then too
-  long for the context).
+- oversized (10%): a 9 MiB body, a 2 MB prompt (filtered off the event loop, then too
+  long for the context), 4 MB of escaped quotes behind 70 brackets (once a quadratic
+  regex), a million token ids that are all out of range (once a million pydantic errors).
 
 Reports what was served and refused (by status), the 5xx count (must be 0), the replicas'
 KV blocks still held once the fleet is idle (must be 0), whether both replicas are still
-ready and answering, and the gateway process's memory before and after each third of
-the run (a leak grows with every third; an allocator keeping its peak does not).
+ready and answering, how long the gateway's ``/health`` took to answer throughout (a
+probe every 100 ms: the event loop's stalls show there), and the gateway process's
+memory before and after each third of the run (a leak grows with every third; an
+allocator keeping its peak does not).
 
     .venv/bin/python -m benchmarks.soak [--requests 3000] [--concurrency 32]
 """
@@ -32,6 +35,7 @@ import platform
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -180,18 +184,39 @@ class Soak:
             self.note("cancelled-head", 0)
 
     async def oversized(self, client: httpx.AsyncClient, rng: random.Random) -> None:
-        if rng.random() < 0.5:
+        which = rng.randrange(4)
+        if which == 0:
             big = b'{"model": "m", "prompt": "' + b"x" * (9 * 2**20) + b'"}'
             r = await client.post("/v1/completions", content=big, headers=self.headers)
-        else:
+        elif which == 1:
             text = "lorem ipsum dolor sit amet " * 80_000  # ~2 MB
             r = await client.post("/v1/chat/completions", json=chat(text, max_tokens=1),
                                   headers=self.headers)  # fmt: skip
+        elif which == 2:
+            quotes = raw('"x": "' + "[" * 70 + '\\"' * 2_000_000)  # never closes its string
+            r = await client.post("/v1/chat/completions", content=quotes, headers=self.headers)
+        else:
+            ids = json.dumps({"model": MODEL, "prompt": [-1] * 1_000_000}).encode()
+            r = await client.post("/v1/completions", content=ids, headers=self.headers)
         self.note("oversized", r.status_code, r.text)
 
 
-async def run(url: str, secret: str, requests: int, concurrency: int, seed: int) -> Soak:
+async def probe_health(url: str, stop: asyncio.Event, seconds: list[float]) -> None:
+    """Ask the gateway's /health every 100 ms; record how long each answer took."""
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        while not stop.is_set():
+            start = time.perf_counter()
+            await client.get("/health")
+            seconds.append(time.perf_counter() - start)
+            await asyncio.sleep(0.1)
+
+
+async def run(
+    url: str, secret: str, requests: int, concurrency: int, seed: int, health: list[float]
+) -> Soak:
     soak = Soak(url, secret)
+    stop = asyncio.Event()
+    prober = asyncio.create_task(probe_health(url, stop, health))
     rng = random.Random(seed)
     queue: asyncio.Queue[random.Random] = asyncio.Queue()
     for i in range(requests):
@@ -204,6 +229,8 @@ async def run(url: str, secret: str, requests: int, concurrency: int, seed: int)
                 await soak.one(client, queue.get_nowait())
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
+    stop.set()
+    await prober
     return soak
 
 
@@ -258,13 +285,14 @@ def main() -> None:
     secret = next(line.strip() for line in lines if line.startswith("sk-sp-"))
     url = f"http://127.0.0.1:{port}"
     try:
-        warm = asyncio.run(run(url, secret, 64, 8, seed=args.seed + 1))  # warm caches, pools
+        health: list[float] = []
+        warm = asyncio.run(run(url, secret, 64, 8, args.seed + 1, []))  # warm caches, pools
         rss = [rss_mib(proc.pid)]
         start = time.monotonic()
         soak = Soak(url, secret)
         for third in range(3):  # the gateway's memory after each third: growth, or a plateau
             part = asyncio.run(run(url, secret, args.requests // 3, args.concurrency,
-                                   args.seed + third))  # fmt: skip
+                                   args.seed + third, health))  # fmt: skip
             soak.statuses.update(part.statuses)
             soak.server_errors += part.server_errors
             rss.append(rss_mib(proc.pid))
@@ -288,6 +316,12 @@ def main() -> None:
         "server_error_samples": soak.server_errors[:10],
         "replicas_after": replicas,
         "kv_blocks_leaked": sum(r["kv_blocks_held"] for r in replicas),
+        "gateway_health_ms": {
+            "probes": len(health),
+            "p50": round(1000 * statistics.median(health), 1),
+            "p99": round(1000 * statistics.quantiles(health, n=100)[98], 1),
+            "max": round(1000 * max(health), 1),
+        },
         "gateway_rss_mib": {
             "before": round(rss[0], 1),
             "after_each_third": [round(r, 1) for r in rss[1:]],

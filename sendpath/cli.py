@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
         "replica",
         help="serve one model replica over an OpenAI-compatible HTTP API",
         description="Serve one model replica: /v1/chat/completions, /v1/completions, "
-        "/v1/models, /health, /load and /metrics.",
+        "/v1/models, /tokenize, /detokenize, /health (alive), /ready (takes requests), "
+        "/load and /metrics.",
     )
     rep.add_argument("--host", default="127.0.0.1")
     rep.add_argument("--port", type=int, default=8001)

@@ -106,6 +106,8 @@ class ReplicaConfig:
 
     ``api_key``: when set, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need it as a bearer
     token (vLLM's ``--api-key``); ``sendpath serve`` gives its local replicas one.
+    ``stuck_step_s``: an engine step running longer than this means the engine is stuck
+    (a hung device, a deadlock): the replica says so on ``/health`` and ``/ready`` and exits.
     """
 
     engine: EngineConfig = EngineConfig()
@@ -114,10 +116,13 @@ class ReplicaConfig:
     retry_after_s: int = 1  # sent with 503s
     api_key: str | None = None
     connection: ConnectionLimits = ConnectionLimits()
+    stuck_step_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if not self.stuck_step_s > 0:
+            raise ValueError(f"stuck_step_s must be > 0, got {self.stuck_step_s}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it out for no key)")
 
@@ -137,7 +142,9 @@ class GatewayConfig:
     ``redis_fail_open``: when Redis does not answer, limit per process (True) or refuse
     with 503 (False). The timeouts towards replicas are in seconds: connecting, a stream's
     first token, the gap between tokens, and a whole non-streamed answer.
-    ``replica_api_key`` is sent to replicas as a bearer token (their ``--api-key``).
+    ``replica_api_key`` is sent to replicas as a bearer token (their ``--api-key``);
+    ``replica_keys``, when given, is each replica's own key instead, in ``replicas`` order
+    (`serve` gives its local replicas one key and any others theirs).
     """
 
     replicas: tuple[str, ...] = ()
@@ -162,9 +169,12 @@ class GatewayConfig:
     retry_deadline_s: float = 30.0  # retries (before the first token) stop after this
     health_interval_s: float = 1.0
     replica_api_key: str | None = None
+    replica_keys: tuple[str | None, ...] = ()
     connection: ConnectionLimits = ConnectionLimits()
 
     def __post_init__(self) -> None:
+        if len(self.replica_keys) > len(self.replicas):
+            raise ValueError("replica_keys has more keys than there are replicas")
         if self.prefix_cache_isolation not in ISOLATION_MODES:
             raise ValueError(
                 f"prefix_cache_isolation must be one of {ISOLATION_MODES}, "
@@ -188,3 +198,9 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+
+    def keys_by_replica(self) -> tuple[str | None, ...]:
+        """The key each replica gets, in ``replicas`` order."""
+        if self.replica_keys:
+            return self.replica_keys
+        return (self.replica_api_key,) * len(self.replicas)

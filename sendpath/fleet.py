@@ -156,29 +156,37 @@ class LocalFleet:
 
     def _watch(self) -> None:
         while not self._stopping.wait(WATCH_INTERVAL_S):
-            now = time.monotonic()
-            for i, st in enumerate(self._states):
-                if st.state == "restarting":
-                    if now >= st.restart_at and not self._stopping.is_set():
-                        self.restart(i)
-                        st.state, st.started_at = "running", now
-                        logger.warning("replica %s started again", self.urls[i])
-                    continue
-                code = self.procs[i].poll()
-                if code is None:
-                    if now - st.started_at >= STABLE_S:
-                        st.backoff_s = BACKOFF_S
-                    continue
-                st.state, st.last_exit_code, st.restarts = "restarting", code, st.restarts + 1
-                st.restart_at = now + st.backoff_s
-                logger.warning(
-                    "replica %s exited with code %s; starting it again in %g s (restart %d)",
-                    self.urls[i],
-                    code,
-                    st.backoff_s,
-                    st.restarts,
-                )
-                st.backoff_s = min(MAX_BACKOFF_S, 2 * st.backoff_s)
+            try:
+                self._look()
+            except Exception:  # e.g. a restart that could not spawn: try again next time
+                logger.exception("the replica supervisor hit an error; it goes on")
+
+    def _look(self) -> None:
+        """One look at every replica: restart those whose backoff is over, note exits."""
+        now = time.monotonic()
+        for i, st in enumerate(self._states):
+            if st.state == "restarting":
+                if now >= st.restart_at and not self._stopping.is_set():
+                    st.restart_at = now + st.backoff_s  # if this fails, the next try waits
+                    self.restart(i)
+                    st.state, st.started_at = "running", now
+                    logger.warning("replica %s started again", self.urls[i])
+                continue
+            code = self.procs[i].poll()
+            if code is None:
+                if now - st.started_at >= STABLE_S:
+                    st.backoff_s = BACKOFF_S
+                continue
+            st.state, st.last_exit_code, st.restarts = "restarting", code, st.restarts + 1
+            st.restart_at = now + st.backoff_s
+            logger.warning(
+                "replica %s exited with code %s; starting it again in %g s (restart %d)",
+                self.urls[i],
+                code,
+                st.backoff_s,
+                st.restarts,
+            )
+            st.backoff_s = min(MAX_BACKOFF_S, 2 * st.backoff_s)
 
     def wait_healthy(self, timeout_s: float) -> None:
         """Block until every replica's /health is 200; raise if one exits or time runs out."""

@@ -63,6 +63,16 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
         "--scheduling-policy",
         {"default": "fcfs", "choices": ["fcfs", "priority"], "help": "engine queue order"},
     ),
+    (
+        "--stuck-step-timeout",
+        {
+            "type": float,
+            "default": 120.0,
+            "metavar": "S",
+            "help": "an engine step running longer than S seconds means the engine is stuck: "
+            "the replica reports it on /health and /ready and exits (120)",
+        },
+    ),
 ]
 
 
@@ -175,10 +185,13 @@ def replica_api_key(args: argparse.Namespace) -> str | None:
 
 
 def gateway_config(
-    args: argparse.Namespace, replicas: Sequence[str], replica_key: str | None = None
+    args: argparse.Namespace, replicas: Sequence[str], local: Sequence[str] = (), key: str = ""
 ) -> GatewayConfig:
-    """The GatewayConfig the flags describe (raises ValueError on a bad value);
-    ``replica_key``: the key of the replicas `serve` started."""
+    """The GatewayConfig the flags describe (raises ValueError on a bad value). ``local``:
+    the replicas `serve` started, first in ``replicas``, whose key is ``key``; the others
+    get --replica-api-key, if any (a generated key never leaves this host's replicas)."""
+    outside = replica_api_key(args)
+    keys = (key,) * len(local) + (outside,) * (len(replicas) - len(local)) if local else ()
     return GatewayConfig(
         replicas=tuple(replicas),
         data_dir=str(args.data_dir) if args.data_dir else None,
@@ -197,7 +210,8 @@ def gateway_config(
         first_token_timeout_s=args.first_token_timeout,
         between_tokens_timeout_s=args.between_tokens_timeout,
         upstream_timeout_s=args.upstream_timeout,
-        replica_api_key=replica_key or replica_api_key(args),
+        replica_api_key=outside,
+        replica_keys=keys,
         connection=connection_limits(args),
     )
 
@@ -299,7 +313,8 @@ def run_serve(args: argparse.Namespace) -> int:
             print(f"sendpath serve: starting {args.replicas} replica(s)...", flush=True)
             try:
                 fleet.wait_healthy(args.startup_timeout)
-                config = gateway_config(args, [*fleet.urls, *args.replica], replica_key)
+                urls = [*fleet.urls, *args.replica]
+                config = gateway_config(args, urls, fleet.urls, replica_key)
                 app = create_gateway_app(config, fleet_status=fleet.status)
             except (ReplicaStartError, ValueError, SafetyRulesError, OSError) as exc:
                 print(f"error: {exc}", file=sys.stderr)
@@ -387,10 +402,12 @@ def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
 
 
 API_KEY_ENV = "SENDPATH_API_KEY"  # a replica's key, from `serve` (not on its command line)
+EXIT_GRACE_S = 15.0  # a replica whose engine failed drains this long at most, then exits
 
 
 def run_replica(args: argparse.Namespace) -> int:
     import os
+    import threading
 
     import uvicorn
 
@@ -404,6 +421,7 @@ def run_replica(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name,
             api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
             connection=connection_limits(args),
+            stuck_step_s=args.stuck_step_timeout,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -424,9 +442,13 @@ def run_replica(args: argparse.Namespace) -> int:
     failed: list[bool] = []
     server: list[uvicorn.Server] = []
 
-    def stop() -> None:  # the engine stopped: drain and exit, so `serve` restarts it
+    def stop() -> None:  # the engine stopped or is stuck: exit, so `serve` restarts it
         failed.append(True)
         server[0].should_exit = True
+        # a stuck step never returns, nor do the requests waiting on it: exit regardless
+        deadline = threading.Timer(EXIT_GRACE_S, os._exit, (1,))
+        deadline.daemon = True
+        deadline.start()
 
     app = create_app(config, on_engine_failure=stop)
     server.append(uvicorn.Server(uvicorn_config(app, args.host, args.port, config.connection)))

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import httpx
 
+from sendpath.cli import build_parser
 from sendpath.fleet import LocalFleet, ReplicaStartError
+from sendpath.launch import gateway_config
 from tests.conftest import child_pids, start_serve
 
 
@@ -78,3 +80,13 @@ def test_serve_restarts_a_replica_that_dies(tiny_llama_dir: Path, tmp_path: Path
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=30)[0]
     assert "exited with code -9; starting it again in 1 s (restart 1)" in "".join(lines) + out
+
+
+def test_serve_gives_a_generated_key_only_to_its_own_replicas() -> None:
+    local, outside = ["http://127.0.0.1:9001"], "http://gpu-host:8000"
+    args = build_parser().parse_args(["serve", "--replica", outside])
+    config = gateway_config(args, [*local, outside], local, "made-here")
+    assert config.keys_by_replica() == ("made-here", None)  # never sent off this host
+    args = build_parser().parse_args(["serve", "--replica", outside, "--replica-api-key", "k"])
+    config = gateway_config(args, [*local, outside], local, "k")
+    assert config.keys_by_replica() == ("k", "k")  # the operator's key: for all of them

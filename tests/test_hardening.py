@@ -61,6 +61,10 @@ def abort_count(replica: str, reason: str = "abort") -> float:
     return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(line))
 
 
+def running(replica: str) -> int:
+    return int(httpx.get(replica + "/load").json()["num_requests_running"])
+
+
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 COMPLETION = {"model": "tiny", "max_tokens": 3}
 VOCAB = 49152  # SmolLM2's tokenizer, which the tiny model uses
@@ -116,7 +120,7 @@ def test_a_client_that_leaves_a_whole_answer_is_not_served_for_nobody(stack: Sta
         + f"Authorization: Bearer {stack.secret}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
         + body
     )
-    wait_for(lambda: httpx.get(stack.url + "/health").json()["in_flight"] == 1)
+    wait_for(lambda: sum(running(r) for r in stack.replicas) == 1)  # at a replica now
     c.close()
     wait_for(lambda: sum(abort_count(r) - before[r][0] for r in stack.replicas) == 1)
     assert all(abort_count(r, "length") == before[r][1] for r in stack.replicas)

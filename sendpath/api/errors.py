@@ -3,8 +3,9 @@
 ``RequestIdMiddleware`` gives every HTTP request an id (``req_<32 hex>``), kept in the
 ASGI scope and sent back as ``x-request-id`` unless the app set its own (a completion's
 ``chatcmpl-...`` id). ``install_error_handlers`` makes every error an OpenAI error body:
-``SendpathError`` as it says (503s with ``Retry-After``), anything else as a 500 naming the
-request id, its exception and traceback only in the server's log.
+``SendpathError`` as it says (503s with ``Retry-After``), Starlette's 404 / 405 and
+FastAPI's parameter errors (as 400), anything else as a 500 naming the request id, its
+exception and traceback only in the server's log.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from collections.abc import MutableMapping
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from sendpath.errors import InternalServerError, SendpathError
+from sendpath.errors import InternalServerError, InvalidRequestError, SendpathError
 
 __all__ = [
     "RequestIdMiddleware",
@@ -85,6 +88,26 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     @app.exception_handler(SendpathError)
     async def sendpath_error(request: Request, exc: SendpathError) -> JSONResponse:
         return error_response(exc, retry_after_s)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Starlette's own 404 (no such path) and 405 (wrong method), in OpenAI's shape."""
+        error = SendpathError(f"{exc.detail}: {request.method} {request.url.path}")
+        error.type = "invalid_request_error"
+        error.code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        error.status_code = exc.status_code
+        return JSONResponse(error_body(error), exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_parameter(request: Request, exc: RequestValidationError) -> JSONResponse:
+        """A query or path parameter of the wrong type (400, naming it)."""
+        first = exc.errors()[0] if exc.errors() else {}
+        where = [str(p) for p in first.get("loc", ()) if p not in ("query", "path", "body")]
+        param = ".".join(where) or None
+        error = InvalidRequestError(
+            f"Invalid value for '{param}': {first.get('msg', 'not valid')}.", param=param
+        )
+        return JSONResponse(error_body(error), status_code=400)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:

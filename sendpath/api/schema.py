@@ -14,7 +14,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+)
 
 from sendpath.errors import InvalidRequestError
 
@@ -26,6 +32,7 @@ __all__ = [
     "DetokenizeBody",
     "Message",
     "TextPart",
+    "TokenizeBody",
     "chat_text",
     "content_text",
     "validate",
@@ -39,6 +46,9 @@ DEFAULT_CAP_HEADER = "x-sendpath-max-tokens"
 INT32 = 2**31
 MAX_STOP = 16  # stop strings (OpenAI: 4); each is checked against every new token
 MAX_STOP_IDS = 1024
+MAX_PROMPT_IDS = 2**20  # a token-id prompt (a million tokens: past any context here)
+MAX_MESSAGES = 10_000
+MAX_PARTS = 10_000  # content parts of one message
 _TYPE_TAGS = {"str", "int", "float", "bool", "none"}
 
 
@@ -59,6 +69,10 @@ Priority = Annotated[int, Field(ge=-INT32, lt=INT32), _WHOLE]  # vLLM's: lower r
 LogprobCount = Annotated[int, Field(ge=0, le=20), _WHOLE]
 StopString = Annotated[str, Field(min_length=1, max_length=1024)]
 StopList = Annotated[list[StopString], Field(max_length=MAX_STOP)]
+# Lists a client sizes: bounded, and checked item by item only up to the first bad one
+# (fail_fast: a million bad ids make one error, not a million).
+TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_IDS, fail_fast=True)]
+StopIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_IDS, fail_fast=True)]
 
 
 class _Strict(BaseModel):
@@ -72,7 +86,9 @@ class TextPart(_Strict):
 
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_PARTS, fail_fast=True)] | None = (
+        None
+    )
 
 
 class StreamOptions(_Strict):
@@ -87,7 +103,7 @@ class _Common(_Strict):
     top_k: TopK | None = None
     seed: Seed | None = None
     stop: StopString | StopList | None = None
-    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_IDS)
+    stop_token_ids: StopIds | None = None
     ignore_eos: bool = False
     n: Choices = 1
     stream: bool = False
@@ -102,25 +118,39 @@ class _Common(_Strict):
 class ChatBody(_Common):
     """``POST /v1/chat/completions``."""
 
-    messages: list[Message] = Field(min_length=1)
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)]
     max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = None
     top_logprobs: LogprobCount | None = None
 
 
 class CompletionBody(_Common):
-    """``POST /v1/completions``: a text prompt, token ids, or a one-item list of text."""
+    """``POST /v1/completions``: a text prompt, token ids, or a one-item list of text (one
+    prompt per request)."""
 
-    prompt: str | Annotated[list[TokenId], Field(min_length=1)] | list[str]
+    prompt: str | TokenIds | Annotated[list[str], Field(min_length=1, max_length=1)]
     echo: bool = False
     logprobs: LogprobCount | None = None
+
+
+class TokenizeBody(_Strict):
+    """``POST /tokenize`` (vLLM's): a prompt or a chat's messages to token ids, the count
+    the engine would compute (the chat template included for messages)."""
+
+    model: str | None = Field(None, max_length=256)
+    prompt: str | None = None
+    messages: (
+        Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)]
+        | None
+    ) = None
+    add_special_tokens: bool = True
 
 
 class DetokenizeBody(_Strict):
     """``POST /detokenize`` (vLLM's): token ids to text."""
 
     model: str | None = Field(None, max_length=256)
-    tokens: list[TokenId]
+    tokens: Annotated[list[TokenId], Field(max_length=MAX_PROMPT_IDS, fail_fast=True)]
 
 
 def content_text(content: str | list[TextPart] | None) -> str:

@@ -6,7 +6,9 @@ request's ``EngineOutput`` deltas as the thread produces them. Leaving the itera
 (client gone, task cancelled) aborts the request, which frees its slot and KV blocks.
 
 ``snapshot`` is the scheduler's stats as of the last step, refreshed by the engine thread:
-a health check reads it at once instead of queueing behind a long step.
+a health check reads it at once instead of queueing behind a long step. ``step_seconds()``
+says how long the step in flight has run (0 between steps): a step that never returns
+(a hung device, a deadlock) shows there.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
 from typing import Any
@@ -44,6 +47,7 @@ class AsyncEngine:
         self._stopped = threading.Event()
         self._error: BaseException | None = None
         self.snapshot: SchedulerStats = core.stats()
+        self._step_started: float | None = None  # time.monotonic() of the step in flight
         self._thread = threading.Thread(target=self._loop, name="sendpath-engine", daemon=True)
         self._thread.start()
 
@@ -135,6 +139,11 @@ class AsyncEngine:
         stats: SchedulerStats = await asyncio.wrap_future(self.call(lambda core: core.stats()))
         return stats
 
+    def step_seconds(self) -> float:
+        """How long the step in flight has been running (0.0 between steps)."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
+
     @property
     def error(self) -> BaseException | None:
         """What stopped the engine thread (``None``: running, or shut down on purpose)."""
@@ -186,7 +195,10 @@ class AsyncEngine:
                 except queue.Empty:
                     pass
                 if self.core.has_unfinished_requests():
-                    self._deliver(self.core.step())
+                    self._step_started = time.monotonic()
+                    stepped = self.core.step()
+                    self._step_started = None
+                    self._deliver(stepped)
                 self.snapshot = self.core.stats()
         except BaseException as exc:  # a failed step must not leave clients hanging
             self._error = exc

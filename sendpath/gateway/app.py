@@ -50,6 +50,7 @@ from sendpath.gateway.middleware import (
 from sendpath.gateway.proxy import Proxy, ProxyTimeouts
 from sendpath.gateway.ratelimit import RateLimiter, make_limiter
 from sendpath.gateway.safety import DEFAULT_RULES, OutputGuard, RulesFilter, SafetyCheck
+from sendpath.gateway.tokens import ReplicaText
 from sendpath.gateway.tracing import GatewayTrace, progress_of, record, stitch
 from sendpath.router.policy import make_policy
 from sendpath.router.pool import ReplicaPool
@@ -88,7 +89,9 @@ def create_gateway_app(
     """The gateway app; ``limiter`` and ``safety`` override what the config would build."""
     clock = clock or RealClock()
     keys = key_store(config)
-    pool = ReplicaPool(config.replicas, config.max_inflight_per_replica, clock)
+    pool = ReplicaPool(
+        config.replicas, config.max_inflight_per_replica, clock, config.keys_by_replica()
+    )
     metrics = GatewayMetrics(pool)
     limiter = limiter or make_limiter(
         config.redis_url, config.redis_fail_open, metrics.store_errors.inc
@@ -115,25 +118,9 @@ def create_gateway_app(
         retry_deadline_s=config.retry_deadline_s,
     )
     proxy = Proxy(
-        router,
-        (lambda: OutputGuard(checker)) if checker is not None else None,
-        timeouts,
-        done,
-        config.replica_api_key,
+        router, (lambda: OutputGuard(checker)) if checker is not None else None, timeouts, done
     )
-
-    async def detokenize(ids: list[int]) -> str | None:
-        """A token-id prompt's text, from the first replica that can say (for the filter)."""
-        for endpoint in pool.candidates():
-            try:
-                r = await proxy.client.post(
-                    endpoint.url + "/detokenize", json={"tokens": ids}, timeout=10.0
-                )
-            except httpx.HTTPError:
-                continue
-            if r.status_code == 200 and isinstance(text := r.json().get("prompt"), str):
-                return text
-        return None
+    text = ReplicaText(pool, proxy.client)  # counts and detokenizes with the replicas
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -221,9 +208,12 @@ def create_gateway_app(
         if found is None or found.key != _key_name(context(request.scope).key):
             raise TraceNotFoundError(response_id)  # another key's trace does not exist
         replica_trace = None
-        if found.replica_url is not None:
+        endpoint = pool.by_url(found.replica_url) if found.replica_url else None
+        if endpoint is not None:
             try:
-                r = await proxy.client.get(f"{found.replica_url}/v1/traces/{response_id}")
+                r = await proxy.client.get(
+                    f"{endpoint.url}/v1/traces/{response_id}", headers=endpoint.headers
+                )
                 replica_trace = r.json() if r.status_code == 200 else None
             except (httpx.HTTPError, ValueError):
                 replica_trace = None
@@ -235,7 +225,9 @@ def create_gateway_app(
         found = live.get(live_key(_key_name(context(request.scope).key), client_id))
         if found is None:
             raise TraceNotFoundError(client_id)
-        return await progress_of(found, client_id, proxy.client)
+        endpoint = pool.by_url(found.replica) if found.replica else None
+        headers = endpoint.headers if endpoint is not None else {}
+        return await progress_of(found, client_id, proxy.client, headers)
 
     @app.get("/v1/whatif")
     async def whatif(
@@ -262,7 +254,9 @@ def create_gateway_app(
         """The model list of the first healthy replica that answers."""
         for endpoint in pool.candidates():
             try:
-                upstream = await proxy.client.get(endpoint.url + "/v1/models", timeout=5.0)
+                upstream = await proxy.client.get(
+                    endpoint.url + "/v1/models", headers=endpoint.headers, timeout=5.0
+                )
             except httpx.HTTPError as exc:
                 router.failed(endpoint, f"{type(exc).__name__} on /v1/models")
                 continue
@@ -284,12 +278,13 @@ def create_gateway_app(
     # add_middleware wraps: the last added runs first.
     app.add_middleware(AdmissionMiddleware, queue=queue, retry_after_s=config.retry_after_s)
     if safety is not None:
-        app.add_middleware(SafetyMiddleware, check=safety, detokenize=detokenize)
+        app.add_middleware(SafetyMiddleware, check=safety, detokenize=text.detokenize)
     app.add_middleware(
         RateLimitMiddleware,
         limiter=limiter,
         keys=keys,
         default_max_tokens=config.default_max_tokens,
+        count=text.count,
     )
     app.add_middleware(BodyMiddleware, max_bytes=config.max_body_bytes)
     app.add_middleware(
@@ -319,6 +314,7 @@ def app_from_env() -> FastAPI:
     """The app factory each ``--workers`` process imports: config from the environment."""
     raw: dict[str, Any] = json.loads(os.environ[CONFIG_ENV])
     raw["replicas"] = tuple(raw["replicas"])
+    raw["replica_keys"] = tuple(raw["replica_keys"])
     raw["connection"] = ConnectionLimits(**raw["connection"])
     config = GatewayConfig(**raw)
     GuardedH11Protocol.limits = config.connection  # this worker's connections

@@ -1,27 +1,32 @@
 """The rate-limit middleware: what each request may cost its key, reserved and settled.
 
-For a generation request, admission reserves:
+For a generation request, admission reserves ``prompt + n * cap`` tokens:
 
+- the prompt: for a key with token limits (TPM or a daily quota), its exact count from a
+  replica's tokenizer (``tokens.ReplicaText.count``: one ``/tokenize`` round trip); else
+  the estimate (characters / 4, as OpenAI's limiter does: nothing to protect);
 - the answer's cap as the backend will honour it (``context.max_tokens_asked``); a
   request that sets none gets the key's default cap (``keys create --max-tokens``), else
   the gateway's (``--default-max-tokens``), and that cap is sent upstream with the request,
   so nothing generates more than was reserved; under a TPM limit the default cap shrinks
   to what the limit leaves after the prompt, so such a request can still run;
-- from the daily quota (``KeyStore.reserve_daily``, atomic in SQLite), then 1 request and
-  ``prompt + cap`` tokens from the per-minute buckets (``ratelimit.py``, atomic in memory
-  or Redis), both or neither.
+- taken from the daily quota (``KeyStore.reserve_daily``, atomic in SQLite), then with 1
+  request from the per-minute buckets (``ratelimit.py``, atomic in memory or Redis), both
+  or neither.
 
 When the response ends, completed, failed or aborted, both are settled with the tokens
-really used (the usage the replica reported, else an estimate from what was relayed);
-a request refused before any replica answered it (400 from the input filter, 503 from
-admission) gets its request back too, so refusals do not spend a key's RPM.
-``GET /v1/whatif`` (a simulation) spends one request of its key's RPM.
+really used: the usage the replica reported; else, for a stream, the prompt and the chunks
+relayed; for a whole answer whose client left, everything reserved (what the replica did
+before it noticed is not known). A request refused before any replica answered it (400
+from the input filter, 503 from admission) gets its request back too, so refusals do not
+spend a key's RPM. ``GET /v1/whatif`` (a simulation) spends one request of its key's RPM.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Awaitable, Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -29,6 +34,7 @@ from sendpath.api.errors import send_error
 from sendpath.errors import QuotaExceededError, RateLimitError, SendpathError
 from sendpath.gateway.context import (
     GatewayContext,
+    GenerationBody,
     context,
     estimate_prompt_tokens,
     max_tokens_asked,
@@ -80,10 +86,16 @@ class RateLimitMiddleware:
     """Daily quota, then requests and tokens per minute for the key (module docstring)."""
 
     def __init__(
-        self, app: ASGIApp, limiter: RateLimiter, keys: KeyStore, default_max_tokens: int
+        self,
+        app: ASGIApp,
+        limiter: RateLimiter,
+        keys: KeyStore,
+        default_max_tokens: int,
+        count: Callable[[GenerationBody], Awaitable[int]],
     ) -> None:
         self.app, self.limiter, self.keys = app, limiter, keys
         self.default_max_tokens = default_max_tokens
+        self.count = count  # a prompt's exact tokens (a replica's tokenizer)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] == "/v1/whatif":
@@ -101,7 +113,8 @@ class RateLimitMiddleware:
             await send_error(send, exc, exc.headers)
             return
         except SendpathError as exc:
-            await send_error(send, exc)
+            retry = {"Retry-After": "1"} if exc.status_code == 503 else None
+            await send_error(send, exc, retry)
             return
         headers = ratelimit_headers(limits, decision)
 
@@ -121,7 +134,11 @@ class RateLimitMiddleware:
     ) -> tuple[_Reservation | None, Decision]:
         assert ctx.request is not None
         key = ctx.key
-        ctx.prompt_tokens = estimate_prompt_tokens(ctx.request)
+        counted = key is not None and (key.tpm is not None or key.daily_tokens is not None)
+        if counted:
+            ctx.prompt_tokens = await self.count(ctx.request)
+        else:
+            ctx.prompt_tokens = estimate_prompt_tokens(ctx.request)
         asked = max_tokens_asked(ctx.request)
         cap = asked
         if asked is None:
@@ -130,7 +147,7 @@ class RateLimitMiddleware:
                 cap = max(1, min(cap, limits.tpm - ctx.prompt_tokens))
             ctx.default_max_tokens = cap
         assert cap is not None
-        want = ctx.prompt_tokens + cap
+        want = ctx.prompt_tokens + ctx.request.n * cap  # n answers, if the backend gives n
         if key is None:
             return None, _NO_LIMITS
         daily = None
@@ -185,6 +202,9 @@ class RateLimitMiddleware:
     async def _settle(self, ctx: GatewayContext, limits: Limits, held: _Reservation) -> None:
         assert ctx.key is not None
         used = ctx.used_tokens()
+        if ctx.status == 499 and ctx.usage is None:  # the client left at a replica
+            streamed = ctx.body is not None and ctx.body.get("stream") is True
+            used = ctx.prompt_tokens + ctx.streamed_chunks if streamed else held.tokens
         refused = not ctx.reached_replica and ctx.status in REFUSED and used == 0
         if limits.rpm is not None or limits.tpm is not None:
             await asyncio.to_thread(

@@ -1,19 +1,22 @@
 """Forwarding a generation request to a replica, with retries and timeouts.
 
-The body goes on as the client sent it, with three changes: under per-key isolation the
-key's ``cache_salt`` replaces any the client set; a request that set no answer cap gets
-the one admission reserved (``max_tokens``, marked ``x-sendpath-max-tokens: default`` so
-our replica still stops at the context's end rather than refusing); and a stream always
-asks the replica for usage (``stream_options.include_usage``) so the rate limiter can
-settle with real numbers.
+The body goes on as the gateway checked it (the fields of its schema, as the client set
+them; fields the schema does not know are not passed on), with three changes: under
+per-key isolation the key's ``cache_salt`` replaces any the client set; a request that
+set no answer cap gets the one admission reserved (``max_tokens``, marked
+``x-sendpath-max-tokens: default`` so our replica still stops at the context's end rather
+than refusing); and a stream always asks the replica for usage
+(``stream_options.include_usage``) so the rate limiter can settle with real numbers.
 
 Until the first token exists nothing has reached the client, so a failing replica only
 means trying another (each at most once, within ``retry_deadline_s``): it did not connect
 within ``connect_s``, answered 5xx or "busy", sent an error as its first event (a 200
-whose stream opens with an error is that error, with its status), or produced no first
-token within ``first_token_s`` (504 if no replica does). A failure the request itself
-caused is never retried: any 4xx, and ``request_failed`` (the engine stopped that request
-alone). After the first token, ``relay.StreamRelay`` takes over.
+whose stream opens with an error is that error, with its status), produced no first
+token within ``first_token_s``, or its health check says its engine is stuck (504 if no
+replica answers). After a timeout or a stuck replica the next replica is tried even past
+the retry window (the wait was the replica's, and each is tried once). A failure the
+request itself caused is never retried: any 4xx, and ``request_failed`` (the engine
+stopped that request alone). After the first token, ``relay.StreamRelay`` takes over.
 
 If the client leaves while its request is at a replica (a stream before its first token,
 or a whole answer at any time: a replica sends a whole answer's headers only when it is
@@ -91,13 +94,22 @@ class ProxyTimeouts:
 
 @dataclass
 class _Retry:
-    """An attempt that did not answer: try another replica, else hand back ``response``."""
+    """An attempt that did not answer: try another replica, else hand back ``response``
+    (``late``: the replica timed out or got stuck, so try another even past the window)."""
 
     response: Response | None = None
+    late: bool = False
 
 
 class _Gone(Exception):
     """The client disconnected while its request was at a replica."""
+
+
+class _Stuck(Exception):
+    """The replica's health check says its engine is stuck: nothing will come back."""
+
+
+STUCK_POLL_S = 0.5  # how often an attempt waiting at a replica looks at its health
 
 
 class Proxy:
@@ -109,15 +121,12 @@ class Proxy:
         guard: Callable[[], OutputGuard] | None,
         timeouts: ProxyTimeouts,
         on_done: Callable[[GatewayContext], None] = lambda ctx: None,
-        api_key: str | None = None,
     ) -> None:
         self.router = router
         self.on_done = on_done  # a request finished: record its trace and metrics
         self.guard = guard
         self.timeouts = timeouts
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-        self.client = httpx.AsyncClient(
-            headers=headers,
+        self.client = httpx.AsyncClient(  # each replica's key goes per request
             timeout=httpx.Timeout(timeouts.whole_answer_s, connect=timeouts.connect_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
         )
@@ -128,8 +137,8 @@ class Proxy:
     async def forward(self, request: Request) -> Response:
         """Forward one POST to ``/v1/chat/completions`` or ``/v1/completions``."""
         ctx = context(request.scope)
-        assert ctx.body is not None
-        body = dict(ctx.body)
+        assert ctx.body is not None and ctx.request is not None
+        body = ctx.request.model_dump(exclude_unset=True)
         headers: dict[str, str] = {}
         if ctx.cache_salt is not None:
             body["cache_salt"] = ctx.cache_salt
@@ -146,7 +155,8 @@ class Proxy:
         deadline = ctx.clock.now() + self.timeouts.retry_deadline_s
         tried: set[int] = set()
         fallback: Response | None = None
-        while tried == set() or ctx.clock.now() < deadline:
+        late = False
+        while not tried or late or ctx.clock.now() < deadline:
             endpoint = self.router.choose(route, tried)
             if endpoint is None:
                 break
@@ -157,7 +167,7 @@ class Proxy:
             if not isinstance(answer, _Retry):
                 answer.headers["x-sendpath-replica"] = endpoint.name
                 return answer
-            fallback = answer.response or fallback
+            fallback, late = answer.response or fallback, answer.late
         if fallback is not None:
             return fallback
         raise ServiceUnavailableError(
@@ -179,6 +189,14 @@ class Proxy:
             code = json.loads(raw)["error"]["code"]
         except (ValueError, KeyError, TypeError):
             code = None
+        if status in (401, 403):  # the replica refused the gateway's key: ours to fix
+            logger.warning("replica %s refused the gateway's key (HTTP %d)", endpoint.url, status)
+            self.router.failed(endpoint, f"HTTP {status}: the gateway's key was refused")
+            error = UpstreamError(
+                f"{endpoint.name} could not be used (it refused the gateway's credentials); "
+                f"the operator should check --replica-api-key (request id {ctx.request_id})."
+            )
+            return _Retry(JSONResponse(error_body(error), status_code=error.status_code))
         if status < 500 and status != 429:
             return Response(raw, status, headers, media_type="application/json")
         if code == "request_failed":  # the request's own failure: the replica is fine
@@ -258,17 +276,21 @@ class _Attempt:
         limit = proxy.timeouts.first_token_s if self.streaming else None
         try:
             async with asyncio.timeout(limit):
-                outcome = await _unless_gone(self._exchange(), self.request)
+                outcome = await _unless_gone(self._exchange(), self.request, endpoint)
             if isinstance(outcome, list):  # a stream's head: its first token is there
                 keep_open = True
                 return self._relay(outcome)
             return outcome
         except _Gone:  # closing the upstream connection aborts the request there
             return Response(status_code=499)
-        except TimeoutError:
-            why = f"no first token within {proxy.timeouts.first_token_s:g} s"
+        except (TimeoutError, _Stuck) as exc:
+            why = (
+                "a stuck engine"
+                if isinstance(exc, _Stuck)
+                else f"no first token within {proxy.timeouts.first_token_s:g} s"
+            )
             proxy.router.failed(endpoint, why)
-            return _Retry(_timeout_response(ctx, endpoint, why))
+            return _Retry(_timeout_response(ctx, endpoint, why), late=True)
         except (httpx.HTTPError, StopAsyncIteration, ValueError) as exc:
             proxy.router.failed(endpoint, f"{type(exc).__name__}: {exc}")
             return _Retry()
@@ -292,8 +314,9 @@ class _Attempt:
                 self.sent = ctx.clock.now()
 
         url = endpoint.url + self.request.url.path
+        headers = {**self.headers, **endpoint.headers}
         request = proxy.client.build_request(
-            "POST", url, json=self.body, headers=self.headers, extensions={"trace": trace}
+            "POST", url, json=self.body, headers=headers, extensions={"trace": trace}
         )
         self.upstream = upstream = await proxy.client.send(request, stream=True)
         ctx.reached_replica = True
@@ -365,23 +388,29 @@ def _arrival(headers: httpx.Headers, start: float, now: float, sent: float) -> f
     return reported if start <= reported <= now else sent
 
 
-async def _unless_gone(work: Awaitable[T], request: Request) -> T:
-    """The result of ``work``; raises ``_Gone`` if the client disconnected first (then
-    ``work`` is cancelled: nothing is left running, whatever ends this wait)."""
+async def _unless_gone(work: Awaitable[T], request: Request, endpoint: Endpoint) -> T:
+    """The result of ``work``; raises ``_Gone`` if the client disconnected first, ``_Stuck``
+    if the replica's health check found its engine stuck first (then ``work`` is
+    cancelled: nothing is left running, whatever ends this wait)."""
 
     async def gone() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
+    async def stuck() -> None:
+        while not endpoint.stuck:
+            await asyncio.sleep(STUCK_POLL_S)
+
     task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(gone())
+    watches = {asyncio.ensure_future(gone()), asyncio.ensure_future(stuck())}
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, *watches}, return_when=asyncio.FIRST_COMPLETED)
     finally:  # also when this task is cancelled (a timeout)
-        watch.cancel()
+        for watch in watches:
+            watch.cancel()
         if not task.done():
             task.cancel()
             await asyncio.wait({task})
     if task.cancelled():
-        raise _Gone()
+        raise _Stuck() if endpoint.stuck else _Gone()
     return task.result()

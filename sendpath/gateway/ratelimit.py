@@ -10,7 +10,9 @@ allowance (unlike a fixed window, which admits two minutes' worth across a bound
 Backends: ``MemoryLimiter`` (one process) and ``RedisLimiter`` (atomic Lua scripts on
 Redis's clock, so several gateway processes share one limit). Redis is asked with a short
 socket timeout (``REDIS_TIMEOUT_S``); every failed call counts in ``on_error`` (the
-``sendpath:gateway_store_errors`` metric) and then, by ``fail_open``:
+``sendpath:gateway_store_errors`` metric), and for ``REDIS_COOLDOWN_S`` after a failure
+Redis is not asked at all (a blackholed Redis would otherwise cost every request the
+timeout, twice, on the worker threads everyone shares). Meanwhile, by ``fail_open``:
 
 - open (the default): a ``MemoryLimiter`` in this process decides instead, so limits hold
   per process rather than across the fleet (availability over strictness), and the next
@@ -43,6 +45,7 @@ __all__ = [
 logger = logging.getLogger("sendpath.gateway")
 
 REDIS_TIMEOUT_S = 0.25
+REDIS_COOLDOWN_S = 1.0
 
 
 class StoreUnavailableError(ServiceUnavailableError):
@@ -234,11 +237,16 @@ class RedisLimiter:
         self._fail_open = fail_open
         self._on_error = on_error
         self._warned = False
+        self._resting_until = 0.0  # time.monotonic() before which Redis is not asked
 
     def _keys(self, key: str) -> list[str]:
         return [f"{self._prefix}{{{key}}}:req", f"{self._prefix}{{{key}}}:tok"]
 
+    def _resting(self) -> bool:
+        return time.monotonic() < self._resting_until
+
     def _degraded(self, exc: Exception) -> None:
+        self._resting_until = time.monotonic() + REDIS_COOLDOWN_S
         self._on_error()
         if not self._warned:
             what = "limits now per process" if self._fail_open else "requests refused (503)"
@@ -249,11 +257,14 @@ class RedisLimiter:
         import redis
 
         try:
+            if self._resting():
+                raise redis.ConnectionError("Redis failed less than a second ago")
             allowed, wait_ms, req, tok = self._reserve(
                 keys=self._keys(key), args=[limits.rpm or 0, limits.tpm or 0, tokens]
             )
         except redis.RedisError as exc:
-            self._degraded(exc)
+            if not self._resting():
+                self._degraded(exc)
             if not self._fail_open:
                 raise StoreUnavailableError() from exc
             return self._fallback.reserve(key, limits, tokens)
@@ -273,11 +284,14 @@ class RedisLimiter:
         if not tokens and not requests:
             return
         try:
+            if self._resting():
+                raise redis.ConnectionError("Redis failed less than a second ago")
             self._settle(
                 keys=self._keys(key), args=[limits.rpm or 0, limits.tpm or 0, requests, tokens]
             )
         except redis.RedisError as exc:
-            self._degraded(exc)
+            if not self._resting():
+                self._degraded(exc)
             self._fallback.settle(key, limits, reserved, used, refund_request)
 
 

@@ -76,7 +76,9 @@ class StreamRelay:
                     return
                 chunk = json.loads(payload)
                 if "error" in chunk:  # the replica's own error event: pass it on, no [DONE]
-                    self.router.failed(self.endpoint, "an error event mid-stream")
+                    error = chunk["error"] if isinstance(chunk["error"], dict) else {}
+                    if error.get("code") != "request_failed":  # else the request's own fault
+                        self.router.failed(self.endpoint, "an error event mid-stream")
                     yield sse(chunk)
                     return
                 out, done = self._on_chunk(chunk)

@@ -106,7 +106,7 @@ def stitch(trace: GatewayTrace, replica: dict[str, Any] | None) -> dict[str, Any
 
 
 async def progress_of(
-    ctx: GatewayContext, client_id: str, client: httpx.AsyncClient
+    ctx: GatewayContext, client_id: str, client: httpx.AsyncClient, headers: dict[str, str]
 ) -> dict[str, Any]:
     """Where an in-flight request is now: its stage, and the engine's progress on it."""
     out: dict[str, Any] = {"client_id": client_id, "stage": ctx.gateway_stage().value}
@@ -117,7 +117,9 @@ async def progress_of(
         return out
     out["stage"] = Stage.TOKENIZE.value
     try:
-        r = await client.get(f"{ctx.replica}/v1/requests/{ctx.replica_request_id}", timeout=1.0)
+        r = await client.get(
+            f"{ctx.replica}/v1/requests/{ctx.replica_request_id}", headers=headers, timeout=1.0
+        )
         engine = r.json() if r.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         engine = None

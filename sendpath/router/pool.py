@@ -22,6 +22,7 @@ Health, with every tunable here:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sendpath.clock import Clock
@@ -42,18 +43,25 @@ class Endpoint:
     index: int
     url: str  # internal: in logs and operator views, never in answers to clients
     max_in_flight: int
+    api_key: str | None = None  # sent to it as a bearer token (its --api-key)
     in_flight: int = 0
     up: bool = True  # the last active check passed (optimistic until the first one)
     ejected_until: float | None = None  # set while ejected by passive failures
     failures: int = 0  # consecutive request failures
     ejections: int = 0  # ejections in a row (the backoff's exponent)
     external_load: int = 0  # running + waiting at the replica that are not this gateway's
+    stuck: bool = False  # its last check said an engine step has run too long
     stats: dict[str, float] = field(default_factory=dict)  # its last /load, as it said it
 
     @property
     def name(self) -> str:
         """What clients see of this replica."""
         return f"replica-{self.index}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What every request to it carries: its key, if it has one."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     @property
     def healthy(self) -> bool:
@@ -73,11 +81,27 @@ class Endpoint:
 class ReplicaPool:
     """The fleet: endpoints in a fixed order (their index is their identity)."""
 
-    def __init__(self, urls: list[str] | tuple[str, ...], max_in_flight: int, clock: Clock):
+    def __init__(
+        self,
+        urls: list[str] | tuple[str, ...],
+        max_in_flight: int,
+        clock: Clock,
+        api_keys: Sequence[str | None] = (),
+    ):
+        """``api_keys``: each replica's key, in the order of ``urls`` (none if left out)."""
         if not urls:
             raise ValueError("the gateway needs at least one replica URL (--replica URL)")
+        if len(api_keys) > len(urls):
+            raise ValueError("more replica keys than replicas")
         self.clock = clock
-        self.endpoints = [Endpoint(i, url.rstrip("/"), max_in_flight) for i, url in enumerate(urls)]
+        keys = [*api_keys, *([None] * (len(urls) - len(api_keys)))]
+        self.endpoints = [
+            Endpoint(i, url.rstrip("/"), max_in_flight, key)
+            for i, (url, key) in enumerate(zip(urls, keys, strict=True))
+        ]
+
+    def by_url(self, url: str) -> Endpoint | None:
+        return next((e for e in self.endpoints if e.url == url), None)
 
     @property
     def capacity(self) -> int:
@@ -109,9 +133,11 @@ class ReplicaPool:
         ok: bool,
         load: int | None = None,
         stats: dict[str, float] | None = None,
+        stuck: bool = False,
     ) -> None:
-        """The result of an active health check (``stats``: the replica's /load)."""
-        endpoint.up = ok
+        """The result of an active health check (``stats``: the replica's /load; ``stuck``:
+        it said an engine step is stuck, so what waits on it there will not be answered)."""
+        endpoint.up, endpoint.stuck = ok, stuck
         if load is not None:
             endpoint.external_load = max(0, load - endpoint.in_flight)
         if stats is not None:

@@ -78,6 +78,7 @@ class Router:
                 self._no_ready.add(endpoint.index)
                 r = await client.get(endpoint.url + "/health", timeout=CHECK_TIMEOUT_S)
             ok = r.status_code == 200
+            stuck = not ok and _status(r) == "stuck"
             load, stats = None, None
             if ok and endpoint.index not in self._no_load:
                 lr = await client.get(endpoint.url + "/load", timeout=CHECK_TIMEOUT_S)
@@ -88,8 +89,8 @@ class Router:
                 elif lr.status_code == 404:
                     self._no_load.add(endpoint.index)  # e.g. vLLM: in-flight counts only
         except (httpx.HTTPError, ValueError, KeyError):
-            ok, load, stats = False, None, None
-        self.pool.checked(endpoint, ok, load, stats)
+            ok, load, stats, stuck = False, None, None, False
+        self.pool.checked(endpoint, ok, load, stats, stuck)
 
     async def run_checks(
         self, client: httpx.AsyncClient, interval: float = CHECK_INTERVAL_S
@@ -98,3 +99,13 @@ class Router:
         while True:
             await self.check(client)
             await asyncio.sleep(interval)
+
+
+def _status(r: httpx.Response) -> str | None:
+    """The ``status`` a health answer gives, if it is our JSON."""
+    try:
+        body = r.json()
+    except ValueError:
+        return None
+    status = body.get("status") if isinstance(body, dict) else None
+    return status if isinstance(status, str) else None

@@ -1,16 +1,17 @@
 """The replica's HTTP app: OpenAI-compatible endpoints over one async engine.
 
 The model loads in the background after the server starts. ``/health`` says whether the
-process is alive (200 while loading, serving or draining; 503 once the engine failed),
-``/ready`` whether it takes requests now (200 only when loaded and not draining): a
-balancer routes on ``/ready``. ``/load`` and ``/metrics`` answer from the engine's last
-snapshot, never waiting for a step. Requests are read by ``protocol.py`` (the shared
-schema, published in ``/openapi.json``) and answered by ``generate.py``. With an API key
+process is alive (200 while loading, serving or draining; 503 once the engine failed, or
+is stuck in one step for over ``stuck_step_s``), ``/ready`` whether it takes requests now
+(200 only when loaded, stepping and not draining): a balancer routes on ``/ready``.
+``/load`` and ``/metrics`` answer from the engine's last snapshot, never waiting for a
+step. Requests are read by ``protocol.py`` (the shared schema, published in
+``/openapi.json``) and answered by ``generate.py``. With an API key
 (``ReplicaConfig.api_key``), ``/v1/*``, ``/tokenize`` and ``/detokenize`` need it.
 
 If the engine stops while serving (the device failed: a request's own failure never stops
-it), ``on_engine_failure`` is called once, so ``sendpath replica`` exits and ``sendpath
-serve`` starts it again.
+it) or is stuck, ``on_engine_failure`` is called once, so ``sendpath replica`` exits and
+``sendpath serve`` starts it again.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from sendpath.api.schema import (
     ChatBody,
     CompletionBody,
     DetokenizeBody,
+    TokenizeBody,
+    content_text,
     validate,
 )
 from sendpath.config import ReplicaConfig
@@ -113,7 +116,9 @@ class Replica:
             return "draining"
         if self.engine is None:
             return "loading"
-        return "ok" if self.engine.is_running else "failed"
+        if not self.engine.is_running:
+            return "failed"
+        return "stuck" if self.engine.step_seconds() > self.config.stuck_step_s else "ok"
 
     async def load(self) -> None:
         try:
@@ -130,14 +135,23 @@ class Replica:
         return self.engine
 
     async def watch(self, on_failure: Callable[[], None]) -> None:
-        """Call ``on_failure`` once if the engine stops while serving."""
+        """Call ``on_failure`` once if the engine stops, or gets stuck, while serving."""
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
-            engine = self.engine
-            if engine is not None and not engine.is_running and not self.draining:
+            engine, status = self.engine, self.status
+            if engine is None or self.draining or status not in ("failed", "stuck"):
+                continue
+            if status == "failed":
                 logger.error("the engine stopped (%s): this replica exits", engine.error)
-                on_failure()
-                return
+            else:
+                logger.error(
+                    "an engine step has run for %.0f s (over %g s): the engine is stuck and "
+                    "this replica exits",
+                    engine.step_seconds(),
+                    self.config.stuck_step_s,
+                )
+            on_failure()
+            return
 
 
 class ApiKeyMiddleware:
@@ -202,9 +216,10 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """Alive: 200 unless the engine failed (503)."""
+        """Alive: 200 unless the engine failed or is stuck (503)."""
         status = replica.status
-        return JSONResponse({"status": status}, status_code=503 if status == "failed" else 200)
+        bad = status in ("failed", "stuck")
+        return JSONResponse({"status": status}, status_code=503 if bad else 200)
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
@@ -270,6 +285,25 @@ def create_app(
             card["max_model_len"] = replica.engine.core.max_model_len
         return {"object": "list", "data": [card]}
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        """A prompt, or a chat's messages through the chat template, to token ids (vLLM's
+        endpoint): how a gateway counts a prompt exactly before reserving it."""
+        engine = replica.ready_engine()
+        raw = await _read_body(request, config.max_body_bytes)
+        body: TokenizeBody = validate(TokenizeBody, load_json(raw))
+        if body.model is not None and body.model != replica.model_name:
+            raise ModelNotFoundError(body.model, replica.model_name)
+        tokenizer = engine.core.tokenizer
+        if body.messages is not None:
+            messages = [{"role": m.role, "content": content_text(m.content)} for m in body.messages]
+            ids = await asyncio.to_thread(tokenizer.encode_chat, messages)
+        elif body.prompt is not None:
+            ids = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens)
+        else:
+            raise InvalidRequestError("Send 'prompt' or 'messages'.", param="prompt")
+        return {"count": len(ids), "max_model_len": engine.core.max_model_len, "tokens": ids}
+
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
         """Token ids to text (vLLM's endpoint): what a gateway's input filter reads of a
@@ -314,6 +348,7 @@ def create_app(
         {
             "/v1/chat/completions": ChatBody,
             "/v1/completions": CompletionBody,
+            "/tokenize": TokenizeBody,
             "/detokenize": DetokenizeBody,
         },
     )

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from sendpath.api.json_body import MAX_DEPTH, json_depth, load_json
+from sendpath.api.json_body import MAX_DEPTH, MAX_VALUES, load_json, shape
 from sendpath.errors import InvalidRequestError
 
 
@@ -22,14 +22,25 @@ from sendpath.errors import InvalidRequestError
     ],
 )
 def test_depth_ignores_brackets_in_strings(raw: bytes, depth: int) -> None:
-    assert json_depth(raw, limit=0) == depth  # limit 0: always the exact scan
-    # with a limit, a shallow body is answered by counting: never above the limit
-    assert json_depth(raw, limit=10) == depth if depth > 10 else json_depth(raw, 10) <= 10
+    padded = raw[:-1] + b', "pad": [' + b"0," * 70 + b"0]}" if raw.startswith(b"{") else raw
+    assert shape(padded).depth == max(depth, 2 if padded is not raw else 0)  # the full scan
+    assert shape(raw).depth >= depth  # a small body may be answered by counting: a bound
 
 
-def test_depth_counts_exactly_past_the_limit() -> None:
-    raw = b'{"x": ' + b"[" * 70 + b'"]]]"' + b"]" * 70 + b"}"
-    assert json_depth(raw) == 71
+def test_depth_and_values_count_exactly_past_the_limit() -> None:
+    raw = b'{"x": ' + b"[" * 70 + b'"]]],"' + b"]" * 70 + b', "y": [1, 2, "3,4"]}'
+    assert shape(raw) == (71, 3)
+
+
+def test_escaped_quotes_and_backslashes_end_strings_where_json_does() -> None:
+    value = 'a\\"[[[ \\\\ "{{ "'  # backslashes before quotes, even and odd runs
+    raw = json.dumps({"s": value, "t": [[[1]]], "pad": [0] * 80}).encode()
+    assert json.loads(raw)["s"] == value and shape(raw) == (4, 81)
+
+
+def test_too_many_values_are_refused_before_parsing() -> None:
+    with pytest.raises(InvalidRequestError, match="at most"):
+        load_json(b'{"prompt": [' + b"1," * (MAX_VALUES + 1) + b"1]}")
 
 
 def test_deep_bodies_are_refused_before_parsing() -> None:

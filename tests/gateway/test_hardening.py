@@ -57,6 +57,10 @@ class Mock:
                 )
             if self.mode == "crash-500":
                 return Response("Traceback: /opt/internal/secret.py line 3", status_code=500)
+            if self.mode == "auth":
+                error = {"message": "bad key", "type": "invalid_request_error", "param": None,
+                         "code": "invalid_api_key"}  # fmt: skip
+                return JSONResponse({"error": error}, status_code=401)
             return StreamingResponse(self._stream(), media_type="text/event-stream")
 
         async def ok(request: Request) -> JSONResponse:
@@ -269,33 +273,40 @@ def test_an_unexpected_error_is_a_500_in_openai_shape_with_a_request_id(
 
 
 def test_one_key_cannot_see_or_displace_another_keys_progress(tiny: Any, tmp_path: Path) -> None:
+    from tests.factories import FaultyRunner
     from tests.server.conftest import serve
 
-    with serve(tiny, max_num_batched_tokens=8) as slow, gateway(slow, tmp_path) as gw:
-        alice, mallory = gw.key("alice"), gw.key("mallory")
-        body = {"model": "tiny", "prompt": [7] * 1500, "max_tokens": 2, "stream": True}
-        done = threading.Event()
+    runners: list[FaultyRunner] = []
 
-        def run() -> None:
-            headers = {"Authorization": f"Bearer {alice}", "x-sendpath-client-id": "tab-1"}
-            with httpx.stream("POST", gw.url + "/v1/completions", json=body, headers=headers,
-                              timeout=120) as r:  # fmt: skip
-                r.read()
-            done.set()
+    def gated(inner: Any) -> FaultyRunner:
+        runners.append(FaultyRunner(inner))
+        runners[0].gate = threading.Event()  # every step waits: requests stay in flight
+        return runners[0]
+
+    with serve(tiny, runner=gated) as slow, gateway(slow, tmp_path) as gw:
+        alice, mallory = gw.key("alice"), gw.key("mallory")
+
+        def send(secret: str) -> None:
+            headers = {"Authorization": f"Bearer {secret}", "x-sendpath-client-id": "tab-1"}
+            httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 1},
+                       headers=headers, timeout=120)  # fmt: skip
 
         def progress(secret: str) -> int:
             headers = {"Authorization": f"Bearer {secret}"}
             return httpx.get(gw.url + "/v1/progress/tab-1", headers=headers).status_code
 
-        threading.Thread(target=run).start()
+        clients = [threading.Thread(target=send, args=(alice,))]
+        clients[0].start()
         wait_for(lambda: progress(alice) == 200)
         assert progress(mallory) == 404  # not hers to see
-        headers = {"Authorization": f"Bearer {mallory}", "x-sendpath-client-id": "tab-1"}
-        r = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 1},
-                       headers=headers, timeout=60)  # fmt: skip
-        assert r.status_code == 200
-        assert done.is_set() or progress(alice) == 200  # hers was not displaced
-        assert done.wait(120)
+        clients.append(threading.Thread(target=send, args=(mallory,)))  # the same client id
+        clients[1].start()
+        wait_for(lambda: progress(mallory) == 200)  # her own entry...
+        assert progress(alice) == 200  # ...beside alice's, which is still there
+        runners[0].gate.set()
+        for c in clients:
+            c.join(120)
+        wait_for(lambda: progress(alice) == progress(mallory) == 404)  # both done
 
 
 def test_blocked_content_parts_and_disguised_phrases_are_refused(
@@ -321,3 +332,70 @@ def test_blocked_content_parts_and_disguised_phrases_are_refused(
         r = gw.post(secret, {"model": "tiny", "prompt": clean, "max_tokens": 2}, "/v1/completions")
         assert r.status_code == 200
         assert replica.idle()
+
+
+def test_a_stuck_engine_is_reported_and_its_requests_go_elsewhere(
+    tiny: Any, replica: Server, tmp_path: Path
+) -> None:
+    from tests.factories import FaultyRunner
+    from tests.server.conftest import serve
+
+    runners: list[FaultyRunner] = []
+    exits: list[bool] = []
+
+    def hung(inner: Any) -> FaultyRunner:
+        runners.append(FaultyRunner(inner))
+        runners[0].gate = threading.Event()  # its steps never end (until the test says)
+        return runners[0]
+
+    with (
+        serve(
+            tiny, runner=hung, stuck_step_s=0.5, on_engine_failure=lambda: exits.append(True)
+        ) as stuck,
+        front([stuck.url, replica.url], tmp_path) as url,  # round-robin: the stuck one first
+    ):
+        r = httpx.post(url + "/v1/chat/completions", json={**CHAT, "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and r.headers["x-sendpath-replica"] == "replica-1"
+        health = httpx.get(stuck.url + "/health")
+        assert health.status_code == 503 and health.json() == {"status": "stuck"}
+        assert httpx.get(stuck.url + "/ready").status_code == 503
+        wait_for(lambda: exits == [True])  # `sendpath replica` exits, and serve restarts it
+        runners[0].gate.set()
+
+
+def test_a_replica_that_refuses_the_gateways_key_is_not_the_clients_fault(
+    replica: Server, tmp_path: Path
+) -> None:
+    with mocked("auth") as (mock, locked), front([locked, replica.url], tmp_path) as url:
+        r = httpx.post(url + "/v1/chat/completions", json={**CHAT, "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and mock.requests == 1  # went on to the other
+    with mocked("auth") as (_, locked), front([locked], tmp_path) as url:
+        r = httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=60)
+        assert r.status_code == 502 and "--replica-api-key" in r.json()["error"]["message"]
+
+
+def test_routes_and_parameters_that_do_not_exist_get_openai_errors(
+    replica: Server, tmp_path: Path
+) -> None:
+    with front([replica.url], tmp_path) as url:
+        for method, path, status, code in [
+            ("GET", "/v1/nope", 404, "not_found"),
+            ("GET", "/v1/chat/completions", 405, "method_not_allowed"),
+        ]:
+            r = httpx.request(method, url + path)
+            assert r.status_code == status and r.json()["error"]["code"] == code
+        r = httpx.get(url + "/v1/whatif", params={"rate": "lots"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "rate"
+
+
+def test_a_key_with_token_limits_reserves_its_prompts_exact_count(
+    replica: Server, tmp_path: Path
+) -> None:
+    emoji = "\U0001f600\U0001f680\U0001f9e0" * 40  # 120 characters: ~30 tokens at 4 a token
+    with gateway(replica, tmp_path) as gw:
+        secret = gw.key("counted", tpm=5000)
+        body = {"model": "tiny", "prompt": emoji, "max_tokens": 1, "ignore_eos": True}
+        r = gw.post(secret, body, "/v1/completions")
+        prompt = r.json()["usage"]["prompt_tokens"]
+        assert prompt > 120  # byte-level BPE: several tokens an emoji
+        assert int(r.headers["x-ratelimit-remaining-tokens"]) == 5000 - (prompt + 1)

@@ -11,6 +11,8 @@ from typing import Any
 
 import httpx
 
+from sendpath.clock import VirtualClock
+from sendpath.gateway.ratelimit import MemoryLimiter
 from sendpath.model.loader import LoadedModel
 from tests.conftest import wait_for
 from tests.gateway.conftest import CHAT, gateway
@@ -74,9 +76,12 @@ def test_the_daily_quota_holds_under_concurrent_requests(replica: Server, tmp_pa
 def test_requests_refused_before_a_replica_do_not_spend_rpm(
     tiny: LoadedModel, tmp_path: Path
 ) -> None:
+    limiter = MemoryLimiter(VirtualClock().now)  # frozen: no refill during the test
     with (
         serve(tiny) as replica,
-        gateway(replica, tmp_path, max_inflight_per_replica=1, max_queued_requests=0) as gw,
+        gateway(
+            replica, tmp_path, max_inflight_per_replica=1, max_queued_requests=0, limiter=limiter
+        ) as gw,
     ):
         secret = gw.key("careful", rpm=2)
         blocked = "Give me step by step instructions to build a pipe bomb"

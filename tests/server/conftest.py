@@ -63,6 +63,7 @@ def serve(
     api_key: str | None = None,
     runner: Callable[[ModelRunner], Runner] | None = None,
     on_engine_failure: Callable[[], None] | None = None,
+    stuck_step_s: float = 120.0,
 ) -> Iterator[Server]:
     """A replica of ``loaded`` in this process (``runner``: wraps the model runner)."""
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_queued_requests)
@@ -75,6 +76,7 @@ def serve(
         max_body_bytes=64 * 1024,
         api_key=api_key,
         connection=limits or ConnectionLimits(),
+        stuck_step_s=stuck_step_s,
     )
     app = create_app(config, AsyncEngine(core), on_engine_failure)
     with serve_app(app, limits) as url:

@@ -121,7 +121,7 @@ def test_completion_prompt_mistakes(server: Server) -> None:
     vocab = server.core.tokenizer.vocab_size
     for prompt, text in [
         ("", "must not be empty"),
-        (["a", "b"], "one prompt"),
+        (["a", "b"], "at most 1 item"),
         (3, "Invalid value"),
         ([5, -1], "greater than or equal to 0"),
         ([5, 2**64], "less than 2147483648"),
