@@ -285,15 +285,19 @@ def create_app(
             card["max_model_len"] = replica.engine.core.max_model_len
         return {"object": "list", "data": [card]}
 
+    async def tokens_body(request: Request, schema: type[TokenizeBody | DetokenizeBody]) -> Any:
+        """A /tokenize or /detokenize body, checked, for this replica's model."""
+        body = validate(schema, load_json(await _read_body(request, config.max_body_bytes)))
+        if body.model is not None and body.model != replica.model_name:
+            raise ModelNotFoundError(body.model, replica.model_name)
+        return body
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         """A prompt, or a chat's messages through the chat template, to token ids (vLLM's
         endpoint): how a gateway counts a prompt exactly before reserving it."""
         engine = replica.ready_engine()
-        raw = await _read_body(request, config.max_body_bytes)
-        body: TokenizeBody = validate(TokenizeBody, load_json(raw))
-        if body.model is not None and body.model != replica.model_name:
-            raise ModelNotFoundError(body.model, replica.model_name)
+        body: TokenizeBody = await tokens_body(request, TokenizeBody)
         tokenizer = engine.core.tokenizer
         if body.messages is not None:
             messages = [{"role": m.role, "content": content_text(m.content)} for m in body.messages]
@@ -309,10 +313,7 @@ def create_app(
         """Token ids to text (vLLM's endpoint): what a gateway's input filter reads of a
         token-id prompt. Ids outside the vocabulary are refused (400)."""
         engine = replica.ready_engine()
-        raw = await _read_body(request, config.max_body_bytes)
-        body: DetokenizeBody = validate(DetokenizeBody, load_json(raw))
-        if body.model is not None and body.model != replica.model_name:
-            raise ModelNotFoundError(body.model, replica.model_name)
+        body: DetokenizeBody = await tokens_body(request, DetokenizeBody)
         tokenizer = engine.core.tokenizer
         vocab = tokenizer.vocab_size
         if bad := [t for t in body.tokens if t >= vocab]:

@@ -303,6 +303,7 @@ def test_one_key_cannot_see_or_displace_another_keys_progress(tiny: Any, tmp_pat
         clients[1].start()
         wait_for(lambda: progress(mallory) == 200)  # her own entry...
         assert progress(alice) == 200  # ...beside alice's, which is still there
+        assert runners[0].gate is not None
         runners[0].gate.set()
         for c in clients:
             c.join(120)
@@ -360,6 +361,7 @@ def test_a_stuck_engine_is_reported_and_its_requests_go_elsewhere(
         assert health.status_code == 503 and health.json() == {"status": "stuck"}
         assert httpx.get(stuck.url + "/ready").status_code == 503
         wait_for(lambda: exits == [True])  # `sendpath replica` exits, and serve restarts it
+        assert runners[0].gate is not None
         runners[0].gate.set()
 
 
