@@ -39,9 +39,12 @@ logger = logging.getLogger("sendpath.http")
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a request timeout and a write-stall timeout."""
+    """uvicorn's h11 protocol with a request timeout and a write-stall timeout.
 
-    limits = ConnectionLimits()  # set per process by ``run`` / ``uvicorn_config``
+    ``limits`` is a class attribute: ``uvicorn_config`` makes a subclass per server with its
+    own, and a ``--workers`` process sets it from its config before serving."""
+
+    limits = ConnectionLimits()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -111,12 +114,12 @@ def uvicorn_config(
     app: Any, host: str, port: int, limits: ConnectionLimits, **options: Any
 ) -> uvicorn.Config:
     """A uvicorn config with the guarded protocol (``options``: uvicorn's own)."""
-    GuardedH11Protocol.limits = limits
+    protocol = type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits})
     return uvicorn.Config(
         app,
         host=host,
         port=port,
-        http=GuardedH11Protocol,
+        http=protocol,
         timeout_keep_alive=max(1, round(limits.keep_alive_s)),
         log_level="warning",
         **options,

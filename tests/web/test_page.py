@@ -119,6 +119,15 @@ def test_a_message_streams_and_every_stage_shows_in_the_waterfall(
         page.close()
 
 
+def finished(page: Any) -> None:
+    """Wait for the answer to finish; if it does not, say what the page shows instead."""
+    try:
+        page.wait_for_selector("#status:has-text('finished')")
+    except Exception as exc:
+        shown = {s: page.inner_text(s) for s in ("#status", "#error", "#answer")}
+        raise AssertionError(f"the answer did not finish; the page shows {shown}") from exc
+
+
 def test_errors_read_as_a_person_needs_them(browser: Any, gw: Gateway) -> None:
     page = open_page(browser, gw)
     send(page, "sk-sp-not-a-real-key", "hi")
@@ -126,7 +135,7 @@ def test_errors_read_as_a_person_needs_them(browser: Any, gw: Gateway) -> None:
     assert "API key was not accepted" in page.inner_text("#error")
     limited = gw.key("once", rpm=1)
     send(page, limited, "hi", 2)
-    page.wait_for_selector("#status:has-text('finished')")
+    finished(page)
     send(page, limited, "hi again", 2)
     page.wait_for_selector("#error:not([hidden])")
     assert re.search(r"Rate limited: .* Try again in \d+ s\.", page.inner_text("#error"))
