@@ -1,12 +1,14 @@
 """The engine under load, in-process, beside transformers' generate on the same weights.
 
 Workloads (random prompt tokens, ignore_eos, greedy): 128 in / 128 out at concurrency 1, 8
-and 32, and 1024 in / 32 out at concurrency 4. sendpath runs its async engine with C
+and 32, and 1024 in / 32 out at concurrency 4. The engine runs what `sendpath serve` runs
+(``--dtype auto --quantization auto``) unless told otherwise. sendpath runs its async engine with C
 concurrent clients (a new request starts when one finishes); transformers runs one request
 at a time (batch 1) and static batches of C. Reported: output tokens/s, requests/s, TTFT and
 TPOT percentiles (TPOT = (e2e - ttft) / (output tokens - 1), as vllm bench serve defines it).
 
     .venv/bin/python benchmarks/engine.py [--only sendpath] [--workloads 128x128@32 ...]
+        [--dtype float32 --quantization none]
 """
 
 from __future__ import annotations
@@ -151,10 +153,13 @@ def run_transformers(model: Any, w: Workload, batch: int) -> dict[str, Any]:
     return row
 
 
-def bench_config(max_num_batched_tokens: int = 512) -> EngineConfig:
-    """The engine every benchmark here runs: float32 on the CPU, no prefix caching."""
+def bench_config(
+    max_num_batched_tokens: int = 512, dtype: str = "auto", quantization: str = "auto"
+) -> EngineConfig:
+    """The engine every benchmark here runs: on the CPU, no prefix caching."""
     return EngineConfig(
-        dtype="float32",
+        dtype=dtype,
+        quantization=quantization,
         device="cpu",
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens),
         cache=CacheConfig(kv_cache_memory_gib=2.0, enable_prefix_caching=False),
@@ -162,10 +167,14 @@ def bench_config(max_num_batched_tokens: int = 512) -> EngineConfig:
 
 
 def run_in_process(
-    workloads: list[Workload], max_num_batched_tokens: int = 512
+    workloads: list[Workload],
+    max_num_batched_tokens: int = 512,
+    dtype: str = "auto",
+    quantization: str = "auto",
 ) -> list[dict[str, Any]]:
     """Each workload through the async engine in this process, after a warm-up."""
-    engine = AsyncEngine(EngineCore.from_config(bench_config(max_num_batched_tokens)))
+    config = bench_config(max_num_batched_tokens, dtype, quantization)
+    engine = AsyncEngine.build(lambda: EngineCore.from_config(config))  # on its own thread
     rows = []
     asyncio.run(run_sendpath(engine, Workload(16, 4, 2, 2)))  # warm-up
     for w in workloads:
@@ -180,6 +189,8 @@ def main() -> None:
     parser.add_argument("--only", choices=["sendpath", "transformers"], default=None)
     parser.add_argument("--workloads", nargs="*", default=None, help="e.g. 128x128@32")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--dtype", default="auto", help="auto: what `sendpath serve` runs")
+    parser.add_argument("--quantization", default="auto")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
     workloads = DEFAULT
@@ -187,7 +198,9 @@ def main() -> None:
         workloads = [w for w in DEFAULT if w.name in args.workloads]
     rows: list[dict[str, Any]] = []
     if args.only != "transformers":
-        rows += run_in_process(workloads, args.max_num_batched_tokens)
+        rows += run_in_process(
+            workloads, args.max_num_batched_tokens, args.dtype, args.quantization
+        )
     if args.only != "sendpath":
         from transformers import AutoModelForCausalLM
 
@@ -211,7 +224,9 @@ def main() -> None:
                     print(json.dumps(rows[-1]), flush=True)
     result = {
         "benchmark": "engine",
-        "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized), float32, CPU",
+        "model": "SmolLM2-135M-Instruct (GGUF Q4_1), CPU",
+        "dtype": args.dtype,
+        "quantization": args.quantization,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
         "torch": torch.__version__,
         "sendpath_engine": {

@@ -96,8 +96,6 @@ def main() -> None:
         "replica",
         "--port",
         str(port),
-        "--dtype",
-        "float32",
         "--device",
         "cpu",
         "--max-num-batched-tokens",
@@ -130,7 +128,7 @@ def main() -> None:
         ratios[w.name] = round(http["output_throughput"] / local["output_throughput"], 3)
     result = {
         "benchmark": "http",
-        "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized), float32, CPU",
+        "model": "SmolLM2-135M-Instruct (GGUF Q4_1), --dtype auto --quantization auto, CPU",
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
         "http_over_in_process_output_throughput": ratios,
         "rows": rows,

@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="GGUF file or HF directory (default: built-in SmolLM2-135M-Instruct)",
     )
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    gen.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"])
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     gen.add_argument("--max-tokens", type=int, default=256)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
@@ -253,7 +254,7 @@ def _generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
     )
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, device=args.device)
     if args.raw:
         print(args.message, end="", flush=True)
         print(llm.generate(args.message, params)[0].outputs[0].text)

@@ -73,6 +73,7 @@ class EngineConfig:
 
     model: str | None = None  # None: the built-in SmolLM2-135M-Instruct
     dtype: str = "auto"
+    quantization: str = "auto"  # auto, none, int8, int4 (vLLM's name)
     device: str | None = None
     max_model_len: int | None = None  # None: the model's context window
     scheduler: SchedulerConfig = SchedulerConfig()

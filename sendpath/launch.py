@@ -40,7 +40,24 @@ __all__ = [
 ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--model", {"help": "GGUF file or HF directory (default: built-in SmolLM2-135M-Instruct)"}),
     ("--served-model-name", {"help": "the model id clients send (default: from the path)"}),
-    ("--dtype", {"default": "auto", "choices": ["auto", "float32", "bfloat16", "float16"]}),
+    (
+        "--dtype",
+        {
+            "default": "auto",
+            "choices": ["auto", "float32", "bfloat16", "float16"],
+            "help": "activations and dense weights (auto: bfloat16 on CUDA and on CPUs that "
+            "compute it natively, else float32)",
+        },
+    ),
+    (
+        "--quantization",
+        {
+            "default": "auto",
+            "choices": ["auto", "none", "int8", "int4"],
+            "help": "low-precision weights for small steps (auto: the model's own four-bit "
+            "weights on a CPU with bfloat16, where the file ships them)",
+        },
+    ),
     ("--device", {"help": "cpu or cuda (default: cuda if available)"}),
     ("--max-model-len", {"type": int, "help": "context window (default: the model's)"}),
     ("--max-num-seqs", {"type": int, "default": 64, "help": "most requests in one batch"}),
@@ -350,6 +367,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         max_model_len=args.max_model_len,
         scheduler=SchedulerConfig(

@@ -21,9 +21,11 @@ __all__ = ["LLM"]
 class LLM:
     """Loads a model once and generates for prompts or conversations in this process.
 
-    ``model=None`` is the built-in SmolLM2-135M-Instruct. ``dtype`` is ``"auto"`` (float32
-    on CPU, bfloat16 on CUDA), ``"float32"``, ``"bfloat16"`` or ``"float16"``. The engine
-    options (``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``,
+    ``model=None`` is the built-in SmolLM2-135M-Instruct. ``dtype`` is ``"auto"`` (bfloat16
+    on CUDA and on CPUs that compute it natively, else float32), ``"float32"``,
+    ``"bfloat16"`` or ``"float16"``; ``quantization`` is ``"auto"`` (the model's own
+    four-bit weights for small steps on such a CPU), ``"none"``, ``"int8"`` or ``"int4"``.
+    The engine options (``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``,
     ``kv_cache_memory_gib``, ``num_blocks``, ``enable_prefix_caching``) are vLLM's.
     """
 
@@ -32,6 +34,7 @@ class LLM:
         model: str | Path | None = None,
         *,
         dtype: str = "auto",
+        quantization: str = "auto",
         device: str | None = None,
         max_model_len: int | None = None,
         max_num_seqs: int = 64,
@@ -44,6 +47,7 @@ class LLM:
         config = EngineConfig(
             model=None if model is None else str(model),
             dtype=dtype,
+            quantization=quantization,
             device=device,
             max_model_len=max_model_len,
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),

@@ -38,16 +38,47 @@ _Item = EngineOutput | BaseException
 
 
 class AsyncEngine:
-    """Runs an ``EngineCore`` in a background thread; thread-safe to call from asyncio."""
+    """Runs an ``EngineCore`` in a background thread; thread-safe to call from asyncio.
+
+    All of the model's torch work should happen on that one thread: on CPU, torch's OpenMP
+    pool runs a step about twice as slowly when a second thread has also run torch ops (a
+    model loaded on one thread and stepped on another: measured 20 vs 35-40 ms a decode
+    step here). ``build(factory)`` therefore makes the core on the engine's own thread;
+    passing a ready ``core`` (tests, the offline API) works too.
+    """
 
     def __init__(self, core: EngineCore) -> None:
-        self.core = core
+        self._start(core)
+
+    @classmethod
+    def build(cls, factory: Callable[[], EngineCore]) -> AsyncEngine:
+        """Make the core with ``factory`` on the engine's thread, then run it there; blocks
+        until it is made (raises what ``factory`` raised)."""
+        engine = cls.__new__(cls)
+        made: Future[EngineCore] = Future()
+
+        def make() -> EngineCore:
+            try:
+                core = factory()
+            except BaseException as exc:
+                made.set_exception(exc)
+                raise
+            made.set_result(core)
+            return core
+
+        engine._start(None, make)
+        made.result()
+        return engine
+
+    def _start(self, core: EngineCore | None, make: Callable[[], EngineCore] | None = None) -> None:
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[_Item]]] = {}
         self._stopped = threading.Event()
         self._error: BaseException | None = None
-        self.snapshot: SchedulerStats = core.stats()
         self._step_started: float | None = None  # time.monotonic() of the step in flight
+        if core is not None:
+            self.core, self.snapshot = core, core.stats()
+        self._make = make
         self._thread = threading.Thread(target=self._loop, name="sendpath-engine", daemon=True)
         self._thread.start()
 
@@ -184,6 +215,13 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_put_all, batch)
 
     def _loop(self) -> None:
+        if self._make is not None:
+            try:
+                self.core = self._make()
+            except BaseException:
+                self._stopped.set()
+                return
+            self.snapshot = self.core.stats()
         try:
             while not self._stopped.is_set():
                 block = not self.core.has_unfinished_requests()

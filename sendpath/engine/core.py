@@ -91,7 +91,9 @@ class EngineCore:
         from sendpath.model.loader import load_model
         from sendpath.runner.model_runner import ModelRunner, kv_bytes_per_token
 
-        loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+        loaded = load_model(
+            config.model, config.dtype, config.device, quantization=config.quantization
+        )
         limit = loaded.max_model_len
         max_len = config.max_model_len or limit
         if not 1 < max_len <= limit:

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+if TYPE_CHECKING:
+    from sendpath.model.quant import Int4Weights, Int8Weights
 
 __all__ = ["AttentionBackend", "LlamaConfig", "LlamaModel", "RopeScaling"]
 
@@ -116,12 +119,21 @@ class Linear(nn.Module):
     gemm: on CPU in float32 this makes batch-1 decode's one-row products ~1.6x faster and
     costs nothing at larger batches. (In bfloat16 on CPU the same layout is ~20x slower,
     so it is used for float32 only.)
+
+    ``use_quantized(weights, max_rows)`` adds the weight in a low-precision form
+    (``quant.py``: the model's own four-bit codes, or int8): a product of at most
+    ``max_rows`` rows uses it, a larger one the dense weight, whichever is faster there.
     """
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.transposed = False
+        self.quantized: Int4Weights | Int8Weights | None = None
+        self.quantized_rows = 0
+
+    def use_quantized(self, weights: Int4Weights | Int8Weights, max_rows: int) -> None:
+        self.quantized, self.quantized_rows = weights, max_rows
 
     def use_transposed_layout(self) -> None:
         if not self.transposed:
@@ -134,6 +146,8 @@ class Linear(nn.Module):
         return self.weight.t() if self.transposed else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None and x.shape[0] <= self.quantized_rows:
+            return self.quantized.matmul(x)
         return x @ self.weight if self.transposed else F.linear(x, self.weight)
 
 

@@ -6,8 +6,10 @@ head ([L, Hkv, S, Dh]); a token at position p of a request lives in slot
 
 1. flattens every scheduled request's new tokens into one [T] batch with positions and slots;
 2. runs the model once; each layer writes the new K/V to their slots, then attends:
-   all decodes together (their block tables gathered into one padded [B, Hkv, L, Dh] batch
-   with a padding mask), each prefill chunk on its own (causal over cache + chunk);
+   all decodes together, each prefill chunk on its own (causal over cache + chunk). On the
+   CPU the decodes read their blocks in place (``kernels/paged_attention.cpp``); elsewhere,
+   or where that kernel cannot be built, their block tables are gathered into one padded
+   [B, Hkv, L, Dh] batch with a padding mask;
 3. computes logits only for requests whose plan says ``sample``, and samples each with its
    own parameters and generator; a row that cannot be sampled is reported in ``failed``.
 
@@ -30,6 +32,7 @@ from sendpath.model.llama import LlamaConfig
 from sendpath.model.loader import LoadedModel
 from sendpath.model.sampler import make_generator, sample
 from sendpath.request import SamplingParams
+from sendpath.runner.kernels import paged_attention
 
 __all__ = ["ModelRunner", "PagedAttention", "describe_device", "kv_bytes_per_token"]
 
@@ -51,6 +54,7 @@ class _Prefill:
 class _Decodes:
     rows: torch.Tensor  # [B] rows of the decode tokens in the flat batch
     blocks: torch.Tensor  # [B, nb] block tables, padded with block 0
+    lens: torch.Tensor  # [B] context lengths (the new token included)
     mask: torch.Tensor  # [B, 1, 1, nb * block_size] True where a real context token is
 
 
@@ -63,9 +67,16 @@ class PagedAttention:
     by folding each KV head's query heads into the query-length axis: [B, Hkv, group, Dh].
     """
 
-    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int) -> None:
+    def __init__(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_size: int,
+        kernel: Any | None = None,
+    ) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache  # [L, Hkv, S, Dh]
         self.block_size = block_size
+        self.kernel = kernel  # kernels.paged_attention(), or None: gather and SDPA
         self.slot_mapping = torch.empty(0, dtype=torch.long)
         self.prefills: list[_Prefill] = []
         self.decodes: _Decodes | None = None
@@ -105,6 +116,7 @@ class PagedAttention:
             self.decodes = _Decodes(
                 rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
                 blocks=torch.tensor(tables, dtype=torch.long, device=device),
+                lens=lens,
                 mask=mask[:, None, None, :],
             )
 
@@ -128,7 +140,11 @@ class PagedAttention:
                 is_causal=p.mask is None,
             )  # [1, H, n, Dh]
             out[p.rows] = o[0].transpose(0, 1)
-        if (d := self.decodes) is not None:
+        if (d := self.decodes) is not None and self.kernel is not None:
+            out[d.rows] = self.kernel.paged_decode_attention(
+                q[d.rows], k_cache, v_cache, d.blocks, d.lens, self.block_size, dh**-0.5
+            )  # [B, H, Dh], read in place
+        elif d is not None:
             b = d.blocks.shape[0]
             paged = (num_kv, -1, self.block_size, dh)
             keys = k_cache.view(paged)[:, d.blocks].view(num_kv, b, -1, dh).transpose(0, 1)
@@ -158,19 +174,26 @@ class ModelRunner:
         return {
             "device": describe_device(self.model.device),
             "dtype": str(self.model.dtype).removeprefix("torch."),
+            "quantization": self.precision.quantization,
+            "decode_attention": "paged kernel" if self.attention.kernel else "torch gather",
+            "precision_reason": self.precision.reason,
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
         }
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
         self.model = loaded.model
+        self.precision = loaded.precision
         self.block_size = block_size
         cfg = loaded.config
         shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks * block_size, cfg.head_dim)
         dtype, device = self.model.dtype, self.model.device
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.attention = PagedAttention(self.k_cache, self.v_cache, block_size)
+        kernel = None
+        if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+            kernel = paged_attention()
+        self.attention = PagedAttention(self.k_cache, self.v_cache, block_size, kernel)
         self._params: dict[str, SamplingParams] = {}
         self._generators: dict[str, torch.Generator | None] = {}
 

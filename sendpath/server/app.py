@@ -121,13 +121,32 @@ class Replica:
         return "stuck" if self.engine.step_seconds() > self.config.stuck_step_s else "ok"
 
     async def load(self) -> None:
-        try:
-            core = await asyncio.to_thread(EngineCore.from_config, self.config.engine)
+        config = self.config.engine
+        try:  # the model is made on the engine's own thread, where it will run
+            engine = await asyncio.to_thread(
+                AsyncEngine.build, lambda: EngineCore.from_config(config)
+            )
         except BaseException as exc:
             self.load_error = exc
             logger.error("the model could not be loaded, /health says 'failed': %s", exc)
             return
-        self.engine = AsyncEngine(core)
+        self.engine = engine
+        runs = self.runs_on()
+        logger.info(
+            "%s loaded: %s, %s weights, quantization %s (%s); decode attention: %s",
+            self.model_name,
+            runs.get("device"),
+            runs.get("dtype"),
+            runs.get("quantization"),
+            runs.get("precision_reason"),
+            runs.get("decode_attention"),
+        )
+
+    def runs_on(self) -> dict[str, Any]:
+        """What the engine runs on and in (the model runner's ``describe()``)."""
+        describe = getattr(self.engine.core.runner, "describe", None) if self.engine else None
+        found: dict[str, Any] = describe() if describe is not None else {}
+        return found
 
     def ready_engine(self) -> AsyncEngine:
         if self.engine is None or self.status != "ok":
@@ -231,12 +250,17 @@ def create_app(
     async def load() -> dict[str, Any]:
         """Running, waiting and KV usage as of the engine's last step."""
         stats = replica.ready_engine().snapshot
+        runs = replica.runs_on()
         return {
             "num_requests_running": stats.num_running,
             "num_requests_waiting": stats.num_waiting,
             "kv_cache_usage": stats.kv_cache_usage,
             "prefix_cache_queries": stats.prefix_cache_queries,
             "prefix_cache_hits": stats.prefix_cache_hits,
+            "precision": {
+                k: runs.get(k)
+                for k in ("dtype", "quantization", "precision_reason", "decode_attention")
+            },
         }
 
     @app.get("/metrics")
@@ -367,6 +391,8 @@ def _steps(core: EngineCore, after: int) -> dict[str, Any]:
         "engine": {
             "device": runs_on.get("device", "unknown device"),
             "dtype": runs_on.get("dtype"),
+            "quantization": runs_on.get("quantization"),
+            "decode_attention": runs_on.get("decode_attention"),
             "max_num_seqs": sched.config.max_num_seqs,
             "max_num_batched_tokens": sched.config.max_num_batched_tokens,
             "block_size": kv.block_size,

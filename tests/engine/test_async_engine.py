@@ -12,7 +12,7 @@ from sendpath.config import SchedulerConfig
 from sendpath.engine.async_engine import AsyncEngine, EngineDeadError
 from sendpath.engine.core import EngineCore
 from sendpath.engine.outputs import EngineOutput
-from sendpath.errors import PromptTooLongError, QueueFullError
+from sendpath.errors import ModelLoadError, PromptTooLongError, QueueFullError
 from sendpath.kvcache.manager import KVCacheManager
 from sendpath.model.loader import LoadedModel
 from sendpath.request import SamplingParams
@@ -170,3 +170,27 @@ def test_a_request_is_tokenized_off_the_engine_thread_and_queues_behind_the_step
     stages = tl.stages()
     assert stages[Stage.ENGINE_QUEUE] >= released - tl.first(EventType.QUEUED)
     assert stages[Stage.TOKENIZE] < stages[Stage.ENGINE_QUEUE]
+
+
+def test_build_makes_the_core_on_the_engines_own_thread(tiny: LoadedModel) -> None:
+    """All torch work on one thread: the model is made where it will run."""
+    made_on: list[str] = []
+
+    def factory() -> EngineCore:
+        made_on.append(threading.current_thread().name)
+        kv = KVCacheManager(BLOCKS, BLOCK)
+        return EngineCore(
+            ModelRunner(tiny, BLOCKS, BLOCK), tiny.tokenizer, kv, SchedulerConfig(), 512
+        )
+
+    engine = AsyncEngine.build(factory)
+    try:
+        assert made_on == ["sendpath-engine"] and engine.is_running
+    finally:
+        engine.shutdown()
+
+    def broken() -> EngineCore:
+        raise ModelLoadError("no such model")
+
+    with pytest.raises(ModelLoadError, match="no such model"):
+        AsyncEngine.build(broken)

@@ -161,4 +161,6 @@ def test_models_health_load(server: Server) -> None:
         "kv_cache_usage",
         "prefix_cache_queries",
         "prefix_cache_hits",
+        "precision",
     }
+    assert load["precision"]["dtype"] == "float32"  # the tiny test model's, as asked

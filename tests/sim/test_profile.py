@@ -192,7 +192,8 @@ def test_profile_command_writes_a_file_sim_can_load(
     tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "p.json"
-    argv = ["profile", "--quick", "--model", str(tiny_llama_dir), "--kv-cache-memory-gib",
+    argv = ["profile", "--quick", "--model", str(tiny_llama_dir), "--dtype", "float32",
+            "--kv-cache-memory-gib",
             "0.001", "--out", str(out)]  # fmt: skip
     assert main(argv) == 0
     printed = capsys.readouterr().out

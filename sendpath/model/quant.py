@@ -1,0 +1,157 @@
+"""Weights kept in the precision the model ships, multiplied by kernels made for them.
+
+A GGUF ``Q4_1`` tensor holds, for every 32 consecutive inputs of a row, a scale ``d`` and a
+minimum ``m`` (float16) and 32 four-bit codes ``q``: ``w = d * q + m``. torch's CPU int4
+kernel (``aten._weight_int4pack_mm_for_cpu``) multiplies by groups of four-bit codes with a
+scale and a zero per group, ``w = (q - 8) * scale + zero``: the same weights when
+``scale = d`` and ``zero = m + 8 d``. So ``Int4Weights.from_q4_1`` hands the kernel the
+model's own codes, not a second approximation (only ``d`` and ``zero`` are rounded to the
+activations' bfloat16).
+
+That kernel reads each weight once per row of input, so it wins where a step has few
+rows (decoding a handful of sequences: the weights' bytes dominate) and loses where it has
+many (a prompt's chunk: arithmetic dominates, and a dense bfloat16 matmul does it
+faster). ``Linear`` therefore uses it for at most ``INT4_MAX_ROWS`` rows and its dense
+weight beyond (measured on a 2-core AVX-512 BF16 host: 2.5-3.5x faster than bfloat16 at
+one row, even at about 8, 1.5-2.5x slower at 32 and more).
+
+``cpu_features()`` says what this CPU computes natively, for ``--dtype auto`` and
+``--quantization auto``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "GROUP",
+    "INT4_MAX_ROWS",
+    "Int4Weights",
+    "Int8Weights",
+    "cpu_features",
+    "int4_supported",
+    "native_bf16",
+    "q4_0_codes",
+    "q4_1_codes",
+]
+
+GROUP = 32  # inputs per scale: Q4_0 / Q4_1's block, and the kernel's group size
+INT4_MAX_ROWS = 4  # above this many rows a step's matmul is faster dense (see the docstring)
+_INNER_K_TILES = 8  # the packing's tile (ignored by the CPU kernel's own layout)
+
+
+def cpu_features() -> dict[str, bool]:
+    """Which of the CPU's features the kernels care about are present."""
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    return {
+        name: bool(caps.get(name, False))
+        for name in ("avx2", "avx512_f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+    }
+
+
+def native_bf16() -> bool:
+    """True when this CPU computes bfloat16 in hardware (AVX-512 BF16 or AMX)."""
+    found = cpu_features()
+    return found["avx512_bf16"] or found["amx_bf16"]
+
+
+def int4_supported() -> bool:
+    """True when torch has the CPU int4 kernel (and it runs here)."""
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def q4_0_codes(raw: np.ndarray[Any, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GGUF Q4_0 tensor's bytes [N, K/32 * 18] -> (codes, d, m) as ``q4_1_codes`` gives
+    them: Q4_0's ``w = d * (q - 8)`` is Q4_1 with ``m = -8 d``."""
+    n = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(n, -1, 18)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = blocks[..., 2:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, -1)
+    return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(-8 * d)
+
+
+def quantize_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A dense [N, K] weight -> (codes, d, m) by each group's min and max: an
+    approximation, for a model that does not ship four-bit weights (asked for with
+    ``--quantization int4``)."""
+    n, k = weight.shape
+    groups = weight.float().reshape(n, k // GROUP, GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    d = ((high - low) / 15).clamp(min=1e-12)
+    codes = ((groups - low[..., None]) / d[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return codes.reshape(n, k), d, low
+
+
+def q4_1_codes(raw: np.ndarray[Any, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GGUF Q4_1 tensor's bytes [N, K/32 * 20] -> (codes [N, K] uint8 in 0..15, d and m
+    [N, K/32] float32). A block is d (f16), m (f16), then 16 bytes: byte j holds code j in
+    its low nibble and code j + 16 in its high one."""
+    n = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(n, -1, 20)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = blocks[..., 4:]  # [N, K/32, 16]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, -1)  # [N, K]
+    return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m)
+
+
+@dataclass
+class Int4Weights:
+    """A [N, K] weight as the CPU int4 kernel takes it: packed codes and per-group
+    (scale, zero) pairs [K/32, N, 2] in the activations' dtype."""
+
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @classmethod
+    def from_q4_1(
+        cls, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype
+    ) -> Int4Weights:
+        """From Q4_1's codes [N, K] and its d, m [N, K/32] (``q4_1_codes``), exactly."""
+        n, k = codes.shape
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            codes.to(torch.int32).contiguous(), _INNER_K_TILES
+        )
+        pairs = torch.stack([d, m + 8 * d], dim=-1)  # [N, K/32, 2]
+        return cls(packed, pairs.transpose(0, 1).contiguous().to(dtype), n, k)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as [N, K] float32 (for checks): what the kernel multiplies by."""
+        eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype)
+        return self.matmul(eye).t().float()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] -> x W^T [T, N]."""
+        out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, self.packed, GROUP, self.scales_and_zeros
+        )
+        return out
+
+
+@dataclass
+class Int8Weights:
+    """A [N, K] weight as int8 codes [N, K] with one scale a row (the CPU kernel
+    ``aten._weight_int8pack_mm``): w = code * scale."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor, dtype: torch.dtype) -> Int8Weights:
+        """By each row's largest magnitude (an approximation of any finer format)."""
+        w = weight.float()
+        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        codes = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+        return cls(codes.contiguous(), scales.to(dtype))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] -> x W^T [T, N]."""
+        out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
+        return out

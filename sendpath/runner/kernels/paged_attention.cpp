@@ -1,0 +1,229 @@
+// Decode attention over the paged KV cache, read in place.
+//
+// Each decoding sequence b has one new query per head, q[b, h, :], and a context of
+// seq_lens[b] tokens whose keys and values live in the cache's blocks, in the order its
+// block table lists them: token p is slot block_tables[b][p / block_size] * block_size +
+// p % block_size of a layer's [kv heads, slots, head dim] cache. The torch path gathers
+// every context into a padded batch in every layer (a copy of the whole context); this
+// reads the blocks where they are.
+//
+// One task per (sequence, kv head), run on torch's thread pool: the task's G query heads
+// (grouped-query attention) are scored against one block of keys at a time, and an online
+// softmax (a running max and sum per query head) folds each block's values into float
+// accumulators, so the context is read once, whatever its length. Inputs are float32 or
+// bfloat16; arithmetic is float32. With AVX-512 and a head dim of 64 or 128 (and at most 8
+// query heads per kv head) each key and value row is loaded once into registers and used
+// by all G heads; anything else takes the portable loop.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kMaxGroup = 8;
+
+struct Shape {
+  int64_t batch, heads, kv_heads, head_dim, slots, max_blocks, block_size;
+  float scale;
+};
+
+template <typename T>
+inline float to_float(T x) {
+  return static_cast<float>(x);
+}
+
+// The softmax fold of one block's scores [group][n] for one task: rescale what came
+// before (sums and accumulators), exponentiate the block's scores in place, add their sums.
+inline void fold_block(float* scores, int64_t n, int64_t block_size, int64_t group,
+                       float* run_max, float* run_sum, float* shrink) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * block_size;
+    float block_max = sg[0];
+    for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, sg[t]);
+    const float new_max = std::max(run_max[g], block_max);
+    shrink[g] = std::exp(run_max[g] - new_max);
+    float sum = 0.f;
+    for (int64_t t = 0; t < n; ++t) {
+      sg[t] = std::exp(sg[t] - new_max);
+      sum += sg[t];
+    }
+    run_sum[g] = run_sum[g] * shrink[g] + sum;
+    run_max[g] = new_max;
+  }
+}
+
+// ------------------------------------------------------------------- portable loop
+
+template <typename scalar_t>
+void task_portable(const scalar_t* q, const scalar_t* k_head, const scalar_t* v_head,
+                   const int64_t* table, int64_t length, scalar_t* out, const Shape& s,
+                   int64_t group) {
+  const int64_t dim = s.head_dim, bs = s.block_size;
+  std::vector<float> qf(group * dim), acc(group * dim, 0.f), scores(group * bs);
+  std::vector<float> run_max(group, -std::numeric_limits<float>::infinity());
+  std::vector<float> run_sum(group, 0.f), shrink(group);
+  for (int64_t i = 0; i < group * dim; ++i) qf[i] = to_float(q[i]) * s.scale;
+  for (int64_t start = 0; start < length; start += bs) {
+    const int64_t block = table[start / bs], n = std::min(bs, length - start);
+    for (int64_t t = 0; t < n; ++t) {
+      const scalar_t* key = k_head + (block * bs + t) * dim;
+      for (int64_t g = 0; g < group; ++g) {
+        float dot = 0.f;
+        for (int64_t d = 0; d < dim; ++d) dot += qf[g * dim + d] * to_float(key[d]);
+        scores[g * bs + t] = dot;
+      }
+    }
+    fold_block(scores.data(), n, bs, group, run_max.data(), run_sum.data(), shrink.data());
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] *= shrink[g];
+    for (int64_t t = 0; t < n; ++t) {
+      const scalar_t* value = v_head + (block * bs + t) * dim;
+      for (int64_t g = 0; g < group; ++g) {
+        const float w = scores[g * bs + t];
+        for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += w * to_float(value[d]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv = run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f;
+    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = static_cast<scalar_t>(acc[g * dim + d] * inv);
+  }
+}
+
+// ------------------------------------------------------------------- AVX-512
+
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {  // bf16 is a float32's upper half
+  __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+template <int kDim, typename scalar_t>
+void task_avx512(const scalar_t* q, const scalar_t* k_head, const scalar_t* v_head,
+                 const int64_t* table, int64_t length, scalar_t* out, const Shape& s,
+                 int64_t group) {
+  constexpr int kChunks = kDim / 16;
+  const int64_t bs = s.block_size;
+  __m512 qv[kMaxGroup][kChunks];
+  __m512 acc[kMaxGroup][kChunks];
+  float scores[kMaxGroup * 64];  // block_size <= 64 (checked by the caller)
+  float run_max[kMaxGroup], run_sum[kMaxGroup], shrink[kMaxGroup];
+  const __m512 scale = _mm512_set1_ps(s.scale);
+  for (int64_t g = 0; g < group; ++g) {
+    for (int c = 0; c < kChunks; ++c) {
+      qv[g][c] = _mm512_mul_ps(load16(q + g * kDim + c * 16), scale);
+      acc[g][c] = _mm512_setzero_ps();
+    }
+    run_max[g] = -std::numeric_limits<float>::infinity();
+    run_sum[g] = 0.f;
+  }
+  for (int64_t start = 0; start < length; start += bs) {
+    const int64_t block = table[start / bs], n = std::min(bs, length - start);
+    const scalar_t* keys = k_head + block * bs * kDim;
+    for (int64_t t = 0; t < n; ++t) {  // each key row loaded once, scored by every head
+      __m512 row[kChunks];
+      for (int c = 0; c < kChunks; ++c) row[c] = load16(keys + t * kDim + c * 16);
+      for (int64_t g = 0; g < group; ++g) {
+        __m512 dot = _mm512_mul_ps(qv[g][0], row[0]);
+        for (int c = 1; c < kChunks; ++c) dot = _mm512_fmadd_ps(qv[g][c], row[c], dot);
+        scores[g * bs + t] = _mm512_reduce_add_ps(dot);
+      }
+    }
+    fold_block(scores, n, bs, group, run_max, run_sum, shrink);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 f = _mm512_set1_ps(shrink[g]);
+      for (int c = 0; c < kChunks; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], f);
+    }
+    const scalar_t* values = v_head + block * bs * kDim;
+    for (int64_t t = 0; t < n; ++t) {  // each value row loaded once, added to every head
+      __m512 row[kChunks];
+      for (int c = 0; c < kChunks; ++c) row[c] = load16(values + t * kDim + c * 16);
+      for (int64_t g = 0; g < group; ++g) {
+        const __m512 w = _mm512_set1_ps(scores[g * bs + t]);
+        for (int c = 0; c < kChunks; ++c) acc[g][c] = _mm512_fmadd_ps(w, row[c], acc[g][c]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    alignas(64) float tmp[kDim];
+    const __m512 inv = _mm512_set1_ps(run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f);
+    for (int c = 0; c < kChunks; ++c) _mm512_store_ps(tmp + c * 16, _mm512_mul_ps(acc[g][c], inv));
+    for (int d = 0; d < kDim; ++d) out[g * kDim + d] = static_cast<scalar_t>(tmp[d]);
+  }
+}
+#endif
+
+template <typename scalar_t>
+void decode_attention(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
+                      const int64_t* block_tables, const int64_t* seq_lens, scalar_t* out,
+                      const Shape& s) {
+  const int64_t group = s.heads / s.kv_heads;
+  at::parallel_for(0, s.batch * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / s.kv_heads, kvh = task % s.kv_heads;
+      const int64_t offset = (b * s.heads + kvh * group) * s.head_dim;
+      const scalar_t* k_head = k_cache + kvh * s.slots * s.head_dim;
+      const scalar_t* v_head = v_cache + kvh * s.slots * s.head_dim;
+      const int64_t* table = block_tables + b * s.max_blocks;
+      const bool fast = group <= kMaxGroup && s.block_size <= 64;
+#ifdef __AVX512F__
+      if (fast && s.head_dim == 64) {
+        task_avx512<64>(q + offset, k_head, v_head, table, seq_lens[b], out + offset, s, group);
+        continue;
+      }
+      if (fast && s.head_dim == 128) {
+        task_avx512<128>(q + offset, k_head, v_head, table, seq_lens[b], out + offset, s, group);
+        continue;
+      }
+#endif
+      (void)fast;
+      task_portable(q + offset, k_head, v_head, table, seq_lens[b], out + offset, s, group);
+    }
+  });
+}
+
+}  // namespace
+
+// q [B, H, D]; k_cache, v_cache [Hkv, S, D] (one layer); block_tables [B, max_blocks] int64;
+// seq_lens [B] int64 -> [B, H, D], each query attending to its own context.
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens,
+                                     int64_t block_size, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "bad ranks");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the cache must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong);
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type());
+  auto query = q.contiguous();
+  auto tables = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  const Shape s{query.size(0), query.size(1), k_cache.size(0), query.size(2), k_cache.size(1),
+                tables.size(1), block_size, static_cast<float>(scale)};
+  TORCH_CHECK(s.heads % s.kv_heads == 0 && k_cache.size(2) == s.head_dim);
+  auto out = torch::empty_like(query);
+  if (query.scalar_type() == at::kBFloat16) {
+    decode_attention<at::BFloat16>(query.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
+                                   v_cache.data_ptr<at::BFloat16>(), tables.data_ptr<int64_t>(),
+                                   lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), s);
+  } else {
+    TORCH_CHECK(query.scalar_type() == at::kFloat, "float32 or bfloat16 only");
+    decode_attention<float>(query.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                            tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), s);
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "decode attention over the paged KV cache, read in place");
+}

@@ -1,0 +1,79 @@
+"""The built-in model on its fast path (the file's own four-bit weights, an int8 head,
+bfloat16 activations) against float32 on the same file: the same answers where it matters,
+nearly the same next-token choices everywhere, nearly the same likelihood.
+
+Thresholds, from measurements on SmolLM2-135M (teacher-forced, one token at a time, so
+every product takes the quantized kernels): top-1 agreement with float32 was 98.1% with a
+bfloat16 head and 97.8% with the int8 head, against 95.9% for plain bfloat16 weights
+(which round the dequantized Q4_1 values again); the text's log-likelihood moved 0.2-0.5%.
+The test asks for at least plain bfloat16's agreement (95%) and 1% on the likelihood.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sendpath.llm import LLM
+from sendpath.model.loader import LoadedModel, load_model
+from sendpath.model.quant import int4_supported
+from sendpath.request import SamplingParams
+from sendpath.runner.sequence_runner import ContiguousKVCache
+
+pytestmark = pytest.mark.skipif(not int4_supported(), reason="this torch has no CPU int4 kernel")
+
+TEXT = (
+    "The Industrial Revolution began in Great Britain in the late eighteenth century and spread "
+    "to continental Europe and North America. It replaced hand production with machines, new "
+    "chemical processes and iron production, and it changed how people lived and worked."
+)
+PROMPTS = ["What is the capital of Japan?", "Explain photosynthesis briefly."]
+
+
+@pytest.fixture(scope="module")
+def fast() -> LoadedModel:
+    return load_model(None, dtype="bfloat16", quantization="int4")
+
+
+@torch.inference_mode()
+def one_at_a_time(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
+    """Logits [P, V] of each position, computed as decode steps of one token."""
+    cache = ContiguousKVCache(loaded.config, len(ids), loaded.model.dtype, loaded.model.device)
+    rows = []
+    for position, token in enumerate(ids):
+        hidden = loaded.model(torch.tensor([token]), torch.tensor([position]), cache)
+        cache.advance(1)
+        rows.append(loaded.model.compute_logits(hidden))
+    return torch.cat(rows)
+
+
+def test_the_fast_path_agrees_with_float32(builtin_llm: LLM, fast: LoadedModel) -> None:
+    reference = builtin_llm.loaded
+    tok = reference.tokenizer
+    agree = total = 0
+    for prompt in PROMPTS:
+        ids = tok.encode_chat([{"role": "user", "content": prompt}])
+        ids += tok.encode(TEXT, add_special_tokens=False)
+        a, b = one_at_a_time(reference, ids), one_at_a_time(fast, ids)
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += len(ids)
+    assert agree / total >= 0.95, f"top-1 agreement {agree / total:.3f}"
+    ids = tok.encode(TEXT)
+    target = torch.tensor(ids[1:])[:, None]
+
+    def loglik(loaded: LoadedModel) -> float:
+        logp = torch.log_softmax(one_at_a_time(loaded, ids)[:-1].float(), -1)
+        return float(logp.gather(1, target).sum())
+
+    want, got = loglik(reference), loglik(fast)
+    assert abs(got - want) <= 0.01 * abs(want), (got, want)
+
+
+def test_the_fast_path_still_says_tokyo() -> None:
+    llm = LLM(dtype="bfloat16", quantization="int4")
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of Japan?"}],
+        SamplingParams(temperature=0, max_tokens=24),
+    )
+    assert "Tokyo" in out[0].outputs[0].text
+    assert llm.loaded.precision.quantization == "int4"

@@ -1,0 +1,104 @@
+"""Low-precision weights: the GGUF four-bit codes read exactly, the CPU kernels against the
+float32 product on the same weights, and ``Linear`` choosing by the number of rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from sendpath.errors import ModelLoadError
+from sendpath.model.llama import Linear
+from sendpath.model.loader import load_model
+from sendpath.model.quant import (
+    Int4Weights,
+    Int8Weights,
+    int4_supported,
+    q4_0_codes,
+    q4_1_codes,
+    quantize_q4,
+)
+
+pytestmark = pytest.mark.skipif(not int4_supported(), reason="this torch has no CPU int4 kernel")
+
+
+def _weights(n: int = 96, k: int = 128, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(n, k)).astype(np.float32)
+
+
+@pytest.mark.parametrize(
+    ("kind", "read"),
+    [(GGMLQuantizationType.Q4_1, q4_1_codes), (GGMLQuantizationType.Q4_0, q4_0_codes)],
+)
+def test_gguf_four_bit_codes_are_read_exactly(kind: GGMLQuantizationType, read: object) -> None:
+    w = _weights()
+    raw = quantize(w, kind)
+    codes, d, m = read(raw)  # type: ignore[operator]
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
+    rebuilt = codes.float().view(96, 4, 32) * d[..., None] + m[..., None]
+    assert torch.equal(rebuilt.view(96, 128), torch.from_numpy(dequantize(raw, kind)))
+
+
+def test_the_int4_kernel_multiplies_by_the_files_own_weights() -> None:
+    w = _weights()
+    raw = quantize(w, GGMLQuantizationType.Q4_1)
+    exact = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_1))
+    int4 = Int4Weights.from_q4_1(*q4_1_codes(raw), torch.bfloat16)
+    # the only rounding is the per-group (scale, zero) to bfloat16
+    assert (int4.dequantize() - exact).abs().max() < 0.01 * exact.abs().max()
+    x = torch.randn(3, 128)
+    got = int4.matmul(x.bfloat16()).float()
+    want = x @ int4.dequantize().t()
+    assert torch.allclose(got, want, rtol=0.02, atol=0.05 * want.abs().max().item())
+
+
+def test_int8_weights_and_codes_made_here() -> None:
+    w = torch.from_numpy(_weights(64, 96))
+    int8 = Int8Weights.from_dense(w, torch.bfloat16)
+    x = torch.randn(2, 96)
+    assert torch.allclose(int8.matmul(x.bfloat16()).float(), x @ w.t(), rtol=0.05, atol=0.3)
+    codes, d, m = quantize_q4(w)  # for a model without four-bit weights: an approximation
+    rebuilt = (codes.float().view(64, 3, 32) * d[..., None] + m[..., None]).view(64, 96)
+    assert (rebuilt - w).abs().max() <= d.max() / 2 + 1e-6
+
+
+def test_linear_uses_the_quantized_weights_for_few_rows_only() -> None:
+    linear = Linear(128, 96)
+    with torch.no_grad():
+        linear.weight.copy_(torch.from_numpy(_weights()))
+    linear.weight.data = linear.weight.data.bfloat16()
+    calls: list[int] = []
+
+    class Spy(Int8Weights):
+        def matmul(self, x: torch.Tensor) -> torch.Tensor:
+            calls.append(x.shape[0])
+            return super().matmul(x)
+
+    int8 = Int8Weights.from_dense(linear.weight_out_in, torch.bfloat16)
+    linear.use_quantized(Spy(int8.codes, int8.scales), max_rows=4)
+    for rows in (1, 4, 5, 64):
+        linear(torch.randn(rows, 128).bfloat16())
+    assert calls == [1, 4]  # 5 and 64 rows: the dense weight
+
+
+def test_auto_precision_on_the_built_in_model_is_the_files_four_bits() -> None:
+    if not (
+        torch.cpu.get_capabilities().get("avx512_bf16")
+        or torch.cpu.get_capabilities().get("amx_bf16")
+    ):
+        pytest.skip("auto picks bfloat16 and int4 only on a CPU with native bfloat16")
+    loaded = load_model(None, dtype="auto", quantization="auto")
+    assert loaded.precision.dtype == "bfloat16" and loaded.precision.quantization == "int4"
+    assert "four-bit" in loaded.precision.reason
+    qkv = next(m for n, m in loaded.model.named_modules() if n.endswith("0.self_attn.qkv_proj"))
+    assert isinstance(qkv, Linear) and isinstance(qkv.quantized, Int4Weights)
+    assert isinstance(loaded.model.lm_head.quantized, Int8Weights)
+
+
+def test_quantization_is_refused_where_it_cannot_run() -> None:
+    with pytest.raises(ModelLoadError, match="bfloat16 activations"):
+        load_model(None, dtype="float32", quantization="int4")
+    with pytest.raises(ModelLoadError, match="not supported"):
+        load_model(None, quantization="int3")

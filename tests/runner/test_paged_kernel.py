@@ -1,0 +1,86 @@
+"""The paged decode-attention kernel against plain softmax attention, on both of its paths
+(AVX-512 for head dims 64 and 128, the portable loop otherwise) and in the engine, where
+it must give the tokens the torch gather path gives."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from sendpath.engine.core import EngineCore
+from sendpath.model.loader import LoadedModel
+from sendpath.request import SamplingParams
+from sendpath.runner.kernels import paged_attention
+from tests.engine.test_core import make_core
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Any:
+    built = paged_attention()
+    if built is None:
+        reason = "the paged attention kernel could not be built (no compiler here?)"
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must build it: {reason}")
+        pytest.skip(reason)
+    return built
+
+
+def reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    bs: int,
+) -> torch.Tensor:
+    """Softmax attention of each sequence's query over its context, gathered by slot."""
+    out = []
+    group = q.shape[1] // k.shape[0]
+    for b, length in enumerate(lens.tolist()):
+        slots = torch.tensor([int(tables[b, p // bs]) * bs + p % bs for p in range(length)])
+        keys = k[:, slots].float().repeat_interleave(group, 0)  # [H, L, D]
+        values = v[:, slots].float().repeat_interleave(group, 0)
+        scores = (q[b].float()[:, None, :] @ keys.transpose(1, 2))[:, 0] / math.sqrt(q.shape[2])
+        out.append(torch.softmax(scores, -1)[:, None, :] @ values)
+    return torch.stack(out)[:, :, 0]  # [B, H, D]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("head_dim", "heads", "kv_heads"), [(64, 9, 3), (128, 8, 2), (16, 4, 2)])
+def test_the_kernel_is_softmax_attention_over_each_sequences_blocks(
+    kernel: Any, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int
+) -> None:
+    torch.manual_seed(0)
+    bs, blocks = 16, 40
+    k = torch.randn(kv_heads, blocks * bs, head_dim).to(dtype)
+    v = torch.randn_like(k)
+    lens = torch.tensor([1, 16, 17, 150])
+    tables = torch.stack([torch.randperm(blocks)[:10] for _ in lens])  # scattered blocks
+    q = torch.randn(len(lens), heads, head_dim).to(dtype)
+    got = kernel.paged_decode_attention(q, k, v, tables, lens, bs, head_dim**-0.5)
+    want = reference(q, k, v, tables, lens, bs)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.dtype == dtype and torch.allclose(got.float(), want, atol=tolerance)
+
+
+def test_the_engine_gives_the_same_tokens_with_and_without_it(
+    kernel: Any, tiny: LoadedModel
+) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 6, 7], list(range(100, 160)), list(range(300, 333)), [9] * 20]
+
+    def run(core: EngineCore) -> list[list[int]]:
+        requests = [core.add_request(p, params) for p in prompts]
+        while core.has_unfinished_requests():
+            core.step()
+        return [r.output_token_ids for r in requests]
+
+    fast = make_core(tiny)
+    assert fast.runner.attention.kernel is not None  # type: ignore[attr-defined]
+    slow = make_core(tiny)
+    slow.runner.attention.kernel = None  # type: ignore[attr-defined]
+    assert run(fast) == run(slow)
