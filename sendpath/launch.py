@@ -285,7 +285,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         port=args.port,
         workers=args.workers,
         log_level="warning",
-        http=http_server.GuardedH11Protocol,
+        http=http_server.GuardedProtocol,
         timeout_keep_alive=max(1, round(config.connection.keep_alive_s)),
     )
     return 0
@@ -337,16 +337,19 @@ def run_serve(args: argparse.Namespace) -> int:
                 print(f"error: {exc}", file=sys.stderr)
                 return 1
             announce_first_key(config)
-            print(
-                f"sendpath serve: http://{args.host}:{args.port}/v1 -> "
-                f"{len(config.replicas)} replica(s), policy {config.policy} "
-                "(Ctrl-C stops everything)",
-                flush=True,
-            )
+
+            def listening() -> None:
+                print(
+                    f"sendpath serve: http://{args.host}:{args.port}/v1 -> "
+                    f"{len(config.replicas)} replica(s), policy {config.policy} "
+                    "(Ctrl-C stops everything)",
+                    flush=True,
+                )
+
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, _ignore)
             fleet.supervise()  # a replica that exits is started again
-            http_server.run(app, args.host, args.port, config.connection)
+            http_server.run(app, args.host, args.port, config.connection, listening)
     except KeyboardInterrupt:
         print("sendpath serve: interrupted while starting; replicas stopped", flush=True)
         return 130

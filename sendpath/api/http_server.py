@@ -3,7 +3,8 @@
 uvicorn closes a keep-alive connection that stays idle, but not one that sends half a
 request and stops (a hundred of those hold a hundred connections forever), nor one that
 stops reading a streamed answer (its writes wait for ever, holding the request's slot
-and KV blocks). ``GuardedH11Protocol`` adds both bounds at the connection:
+and KV blocks). ``GuardedProtocol`` adds both bounds at the connection (on uvicorn's
+httptools protocol, the fast one; with uvloop, which uvicorn picks when installed):
 
 - ``request_timeout_s``: from the moment a connection waits for a request (opened, or its
   last response done), the request's head and body must arrive within this; else the
@@ -25,21 +26,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Callable
 from typing import Any
 
-import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from sendpath.config import ConnectionLimits
 
-__all__ = ["GuardedH11Protocol", "run", "uvicorn_config"]
+__all__ = ["GuardedProtocol", "run", "uvicorn_config"]
 
 logger = logging.getLogger("sendpath.http")
 
 
-class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a request timeout and a write-stall timeout.
+class GuardedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol (llhttp, in C) with a request timeout and a
+    write-stall timeout.
 
     ``limits`` is a class attribute: ``uvicorn_config`` makes a subclass per server with its
     own, and a ``--workers`` process sets it from its config before serving."""
@@ -47,6 +49,8 @@ class GuardedH11Protocol(H11Protocol):
     limits = ConnectionLimits()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._unanswered = 0  # requests received whole whose response is not done yet
+        self._receiving = False  # a request's head or body is still arriving
         super().connection_made(transport)
         size = self.limits.send_buffer_bytes
         sock = transport.get_extra_info("socket")
@@ -63,7 +67,17 @@ class GuardedH11Protocol(H11Protocol):
                 timer.cancel()
         super().connection_lost(exc)
 
+    def on_message_begin(self) -> None:
+        self._receiving = True
+        super().on_message_begin()
+
+    def on_message_complete(self) -> None:
+        self._receiving = False
+        self._unanswered += 1
+        super().on_message_complete()
+
     def on_response_complete(self) -> None:
+        self._unanswered = max(0, self._unanswered - 1)  # an answer may go before the body
         super().on_response_complete()
         if not self.transport.is_closing():
             self._arm_request_timer()  # the next request on this connection: same bound
@@ -77,7 +91,8 @@ class GuardedH11Protocol(H11Protocol):
 
     def _request_timed_out(self) -> None:
         self._request_timer = None
-        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
+        waiting = self._receiving or self._unanswered == 0  # on the client, not on us
+        if waiting and not self.transport.is_closing():
             logger.info(
                 "client %s did not send its request within %g s: connection closed",
                 _peer(self.client),
@@ -114,7 +129,7 @@ def uvicorn_config(
     app: Any, host: str, port: int, limits: ConnectionLimits, **options: Any
 ) -> uvicorn.Config:
     """A uvicorn config with the guarded protocol (``options``: uvicorn's own)."""
-    protocol = type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits})
+    protocol = type(GuardedProtocol.__name__, (GuardedProtocol,), {"limits": limits})
     return uvicorn.Config(
         app,
         host=host,
@@ -126,6 +141,18 @@ def uvicorn_config(
     )
 
 
-def run(app: Any, host: str, port: int, limits: ConnectionLimits, **options: Any) -> None:
-    """Serve ``app`` until interrupted (uvicorn.run with the guarded protocol)."""
-    uvicorn.Server(uvicorn_config(app, host, port, limits, **options)).run()
+def run(
+    app: Any,
+    host: str,
+    port: int,
+    limits: ConnectionLimits,
+    listening: Callable[[], None] = lambda: None,
+    **options: Any,
+) -> None:
+    """Serve ``app`` until interrupted (uvicorn.run with the guarded protocol).
+    ``listening`` runs once the port is bound: a connection made after it waits in the
+    backlog until the app is up, never refused."""
+    config = uvicorn_config(app, host, port, limits, **options)
+    sock = config.bind_socket()
+    listening()
+    uvicorn.Server(config).run(sockets=[sock])

@@ -28,7 +28,7 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from sendpath.api.errors import RequestIdMiddleware, install_error_handlers
-from sendpath.api.http_server import GuardedH11Protocol
+from sendpath.api.http_server import GuardedProtocol
 from sendpath.api.openapi import publish_request_schemas
 from sendpath.api.schema import ChatBody, CompletionBody
 from sendpath.clock import Clock, RealClock
@@ -38,6 +38,7 @@ from sendpath.gateway.admission import AdmissionQueue
 from sendpath.gateway.context import GatewayContext, context
 from sendpath.gateway.input_filter import SafetyMiddleware
 from sendpath.gateway.keys import ApiKey, KeyStore, default_data_dir
+from sendpath.gateway.ledger import UsageLedger
 from sendpath.gateway.limiting import RateLimitMiddleware
 from sendpath.gateway.metrics import GatewayMetrics
 from sendpath.gateway.middleware import (
@@ -120,14 +121,19 @@ def create_gateway_app(
     proxy = Proxy(
         router, (lambda: OutputGuard(checker)) if checker is not None else None, timeouts, done
     )
-    text = ReplicaText(pool, proxy.client)  # counts and detokenizes with the replicas
+    ledger = UsageLedger(keys)  # finished requests' usage, written in batches
+    text = ReplicaText(pool, proxy.session)  # counts and detokenizes with the replicas
+    # health checks and the operator's views (not per request): httpx
+    client = httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=config.connect_timeout_s))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        checks = asyncio.create_task(router.run_checks(proxy.client, config.health_interval_s))
+        checks = asyncio.create_task(router.run_checks(client, config.health_interval_s))
         yield
         checks.cancel()
         await proxy.aclose()
+        await client.aclose()
+        await ledger.flush()
 
     app = FastAPI(title="sendpath gateway", lifespan=lifespan)
     app.state.pool, app.state.queue, app.state.keys = pool, queue, keys
@@ -211,7 +217,7 @@ def create_gateway_app(
         endpoint = pool.by_url(found.replica_url) if found.replica_url else None
         if endpoint is not None:
             try:
-                r = await proxy.client.get(
+                r = await client.get(
                     f"{endpoint.url}/v1/traces/{response_id}", headers=endpoint.headers
                 )
                 replica_trace = r.json() if r.status_code == 200 else None
@@ -227,7 +233,7 @@ def create_gateway_app(
             raise TraceNotFoundError(client_id)
         endpoint = pool.by_url(found.replica) if found.replica else None
         headers = endpoint.headers if endpoint is not None else {}
-        return await progress_of(found, client_id, proxy.client, headers)
+        return await progress_of(found, client_id, client, headers)
 
     @app.get("/v1/whatif")
     async def whatif(
@@ -254,7 +260,7 @@ def create_gateway_app(
         """The model list of the first healthy replica that answers."""
         for endpoint in pool.candidates():
             try:
-                upstream = await proxy.client.get(
+                upstream = await client.get(
                     endpoint.url + "/v1/models", headers=endpoint.headers, timeout=5.0
                 )
             except httpx.HTTPError as exc:
@@ -283,6 +289,7 @@ def create_gateway_app(
         RateLimitMiddleware,
         limiter=limiter,
         keys=keys,
+        ledger=ledger,
         default_max_tokens=config.default_max_tokens,
         count=text.count,
     )
@@ -317,5 +324,5 @@ def app_from_env() -> FastAPI:
     raw["replica_keys"] = tuple(raw["replica_keys"])
     raw["connection"] = ConnectionLimits(**raw["connection"])
     config = GatewayConfig(**raw)
-    GuardedH11Protocol.limits = config.connection  # this worker's connections
+    GuardedProtocol.limits = config.connection  # this worker's connections
     return create_gateway_app(config)

@@ -2,11 +2,76 @@
 
 from __future__ import annotations
 
+import asyncio
+import codecs
 import json
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
-__all__ = ["answer_text", "chain", "finished", "numbers", "read_head", "text_of", "with_text"]
+__all__ = [
+    "SSELines",
+    "answer_text",
+    "finished",
+    "numbers",
+    "read_head",
+    "text_of",
+    "with_text",
+]
+
+
+class SSELines:
+    """A stream's lines as they arrive, one network read at a time.
+
+    ``line()`` gives the next line; ``batch()`` every complete line already received (at
+    least one: it waits only when none is), so a relay writes what one read brought in
+    one write instead of one per event. Lines end at ``\n`` (a ``\r`` before it is
+    dropped); a last line without one is given at the end."""
+
+    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
+        self._chunks = chunks
+        self._decoder = codecs.getincrementaldecoder("utf-8")()
+        self._partial = ""
+        self._ready: deque[str] = deque()
+
+    async def _fill(self) -> bool:
+        """Read until a complete line is buffered; ``False`` at the end of the stream."""
+        while not self._ready:
+            try:
+                data = await anext(self._chunks)
+            except StopAsyncIteration:
+                if not self._partial:
+                    return False
+                self._ready.append(self._partial)
+                self._partial = ""
+                return True
+            *lines, self._partial = (self._partial + self._decoder.decode(data)).split("\n")
+            self._ready.extend(line.removesuffix("\r") for line in lines)
+        return True
+
+    async def line(self) -> str:
+        """The next line (``StopAsyncIteration`` at the end)."""
+        if not self._ready and not await self._fill():
+            raise StopAsyncIteration
+        return self._ready.popleft()
+
+    async def drain(self, within_s: float) -> None:
+        """Read what is left of a finished stream (its last chunk of the HTTP body), so the
+        connection can go back to the pool rather than be closed; give up after ``within_s``."""
+        try:
+            async with asyncio.timeout(within_s):
+                async for _ in self._chunks:
+                    pass
+        except TimeoutError:
+            pass
+
+    async def batch(self) -> list[str]:
+        """Every complete line received so far, waiting for one if none is (``[]``: the end)."""
+        if not self._ready and not await self._fill():
+            return []
+        out = list(self._ready)
+        self._ready.clear()
+        return out
 
 
 def text_of(choice: dict[str, Any]) -> str | None:
@@ -51,12 +116,16 @@ def answer_text(data: dict[str, Any]) -> str:
     return text if isinstance(text, str) else ""
 
 
-async def read_head(lines: AsyncIterator[str]) -> list[str]:
+async def read_head(lines: SSELines) -> list[str]:
     """The stream's events up to its first token (or its end), held back so the request
     can still go to another replica if this one fails before producing one. Raises
     StopAsyncIteration if the stream ends without any event."""
     head: list[str] = []
-    async for line in lines:
+    while True:
+        try:
+            line = await lines.line()
+        except StopAsyncIteration:
+            break
         if not line.startswith("data:"):
             continue
         head.append(line)
@@ -72,10 +141,3 @@ async def read_head(lines: AsyncIterator[str]) -> list[str]:
     if not head:
         raise StopAsyncIteration
     return head
-
-
-async def chain(head: list[str], rest: AsyncIterator[str]) -> AsyncIterator[str]:
-    for line in head:
-        yield line
-    async for line in rest:
-        yield line

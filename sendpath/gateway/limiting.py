@@ -19,7 +19,8 @@ really used: the usage the replica reported; else, for a stream, the prompt and 
 relayed; for a whole answer whose client left, everything reserved (what the replica did
 before it noticed is not known). A request refused before any replica answered it (400
 from the input filter, 503 from admission) gets its request back too, so refusals do not
-spend a key's RPM. ``GET /v1/whatif`` (a simulation) spends one request of its key's RPM.
+spend a key's RPM. The daily usage is written in batches (``ledger.UsageLedger``). ``GET
+/v1/whatif`` (a simulation) spends one request of its key's RPM.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -40,6 +42,7 @@ from sendpath.gateway.context import (
     max_tokens_asked,
 )
 from sendpath.gateway.keys import KeyStore
+from sendpath.gateway.ledger import UsageLedger
 from sendpath.gateway.middleware import generates, shielded
 from sendpath.gateway.ratelimit import Decision, Limits, RateLimiter
 from sendpath.trace import Stage
@@ -75,6 +78,9 @@ def ratelimit_headers(limits: Limits, d: Decision) -> list[tuple[bytes, bytes]]:
     return [(k.encode(), v.encode()) for k, v in out]
 
 
+T = TypeVar("T")
+
+
 class _Reservation:
     """What one request holds until it settles."""
 
@@ -90,10 +96,11 @@ class RateLimitMiddleware:
         app: ASGIApp,
         limiter: RateLimiter,
         keys: KeyStore,
+        ledger: UsageLedger,
         default_max_tokens: int,
         count: Callable[[GenerationBody], Awaitable[int]],
     ) -> None:
-        self.app, self.limiter, self.keys = app, limiter, keys
+        self.app, self.limiter, self.keys, self.ledger = app, limiter, keys, ledger
         self.default_max_tokens = default_max_tokens
         self.count = count  # a prompt's exact tokens (a replica's tokenizer)
 
@@ -165,7 +172,7 @@ class RateLimitMiddleware:
         if limits.rpm is None and limits.tpm is None:  # nothing to reserve: no round trip
             return _Reservation(want, daily), _NO_LIMITS
         try:
-            decision = await asyncio.to_thread(self.limiter.reserve, key.name, limits, want)
+            decision = await self._limiter(self.limiter.reserve, key.name, limits, want)
             if not decision.allowed:
                 raise self._refusal(ctx, limits, decision, want, asked)
         except BaseException:
@@ -199,6 +206,12 @@ class RateLimitMiddleware:
             {"Retry-After": retry, **headers},
         )
 
+    async def _limiter(self, call: Callable[..., T], *args: Any) -> T:
+        """A limiter call: on a worker thread when it waits on the network (Redis)."""
+        if self.limiter.blocking:
+            return await asyncio.to_thread(call, *args)
+        return call(*args)
+
     async def _settle(self, ctx: GatewayContext, limits: Limits, held: _Reservation) -> None:
         assert ctx.key is not None
         used = ctx.used_tokens()
@@ -207,13 +220,13 @@ class RateLimitMiddleware:
             used = ctx.prompt_tokens + ctx.streamed_chunks if streamed else held.tokens
         refused = not ctx.reached_replica and ctx.status in REFUSED and used == 0
         if limits.rpm is not None or limits.tpm is not None:
-            await asyncio.to_thread(
+            await self._limiter(
                 self.limiter.settle, ctx.key.name, limits, held.tokens, used, refused
             )
         if refused and held.daily is not None:
             await asyncio.to_thread(self.keys.release, held.daily)
         elif not refused:
-            await asyncio.to_thread(self.keys.record_usage, ctx.key.name, used, None, held.daily)
+            self.ledger.add(ctx.key.name, used, held.daily)
 
     async def _whatif(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A simulation costs CPU, not tokens: one request of the key's RPM."""
@@ -222,7 +235,7 @@ class RateLimitMiddleware:
             await self.app(scope, receive, send)
             return
         limits = Limits(ctx.key.rpm, None)
-        decision = await asyncio.to_thread(self.limiter.reserve, ctx.key.name, limits, 0)
+        decision = await self._limiter(self.limiter.reserve, ctx.key.name, limits, 0)
         if not decision.allowed:
             exc = self._refusal(ctx, limits, decision, 0, None)
             await send_error(send, exc, exc.headers)

@@ -163,7 +163,7 @@ class AuthMiddleware:
                 "Malformed Authorization header: expected 'Bearer sk-sp-...' with a sendpath "
                 "API key."
             )
-        key = await asyncio.to_thread(self.keys.lookup, secret)
+        key = self.keys.lookup(secret)  # one indexed read (WAL: never waits on writers)
         if key is None:
             raise AuthenticationError(
                 f"Incorrect API key provided: {secret[:10]}...{secret[-4:]}. Check the key, or "

@@ -30,19 +30,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import anyio
-import httpx
+import aiohttp
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sendpath.api.errors import error_body
 from sendpath.api.schema import DEFAULT_CAP_HEADER
 from sendpath.errors import SendpathError, ServiceUnavailableError
-from sendpath.gateway.chunks import answer_text, numbers, read_head
+from sendpath.gateway.chunks import SSELines, answer_text, numbers, read_head
 from sendpath.gateway.context import GatewayContext, context
 from sendpath.gateway.relay import StreamRelay
 from sendpath.gateway.safety import OutputGuard
@@ -112,8 +111,20 @@ class _Stuck(Exception):
 STUCK_POLL_S = 0.5  # how often an attempt waiting at a replica looks at its health
 
 
+async def _body_sent(
+    session: aiohttp.ClientSession, trace: Any, params: aiohttp.TraceRequestChunkSentParams
+) -> None:
+    """aiohttp's trace hook: the attempt's request body went out now."""
+    attempt = trace.trace_request_ctx
+    if isinstance(attempt, _Attempt):
+        attempt.sent = attempt.ctx.clock.now()
+
+
 class Proxy:
-    """Sends requests to replicas over one pooled HTTP client (module docstring)."""
+    """Sends requests to replicas over one pooled HTTP client (module docstring).
+
+    The client is aiohttp's (its C parser and pool cost a fraction of httpx's per request:
+    ``benchmarks/gateway_overhead.py``), made on first use inside the running loop."""
 
     def __init__(
         self,
@@ -126,13 +137,23 @@ class Proxy:
         self.on_done = on_done  # a request finished: record its trace and metrics
         self.guard = guard
         self.timeouts = timeouts
-        self.client = httpx.AsyncClient(  # each replica's key goes per request
-            timeout=httpx.Timeout(timeouts.whole_answer_s, connect=timeouts.connect_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-        )
+        self._session: aiohttp.ClientSession | None = None
+
+    def session(self) -> aiohttp.ClientSession:
+        """The pooled client (each replica's key goes per request)."""
+        if self._session is None:
+            trace = aiohttp.TraceConfig()
+            trace.on_request_chunk_sent.append(_body_sent)
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+                timeout=aiohttp.ClientTimeout(sock_connect=self.timeouts.connect_s),
+                trace_configs=[trace],
+            )
+        return self._session
 
     async def aclose(self) -> None:
-        await self.client.aclose()
+        if self._session is not None:
+            await self._session.close()
 
     async def forward(self, request: Request) -> Response:
         """Forward one POST to ``/v1/chat/completions`` or ``/v1/completions``."""
@@ -255,11 +276,11 @@ class _Attempt:
 
     def __post_init__(self) -> None:
         self.held = False
-        self.upstream: httpx.Response | None = None
+        self.upstream: aiohttp.ClientResponse | None = None
         self.streaming = self.body.get("stream") is True
-        self.sent = 0.0  # when the request body went out (httpx's trace hook)
+        self.sent = 0.0  # when the request body went out (``_body_sent``)
         self.passed: dict[str, str] = {}  # the replica's headers the client gets
-        self.lines: AsyncIterator[str] | None = None
+        self.lines: SSELines | None = None
 
     def release(self) -> None:
         """Give the endpoint's in-flight slot back (once)."""
@@ -284,21 +305,21 @@ class _Attempt:
         except _Gone:  # closing the upstream connection aborts the request there
             return Response(status_code=499)
         except (TimeoutError, _Stuck) as exc:
-            why = (
-                "a stuck engine"
-                if isinstance(exc, _Stuck)
-                else f"no first token within {proxy.timeouts.first_token_s:g} s"
-            )
+            if isinstance(exc, _Stuck):
+                why = "a stuck engine"
+            elif self.streaming:
+                why = f"no first token within {proxy.timeouts.first_token_s:g} s"
+            else:
+                why = f"no answer within {proxy.timeouts.whole_answer_s:g} s"
             proxy.router.failed(endpoint, why)
             return _Retry(_timeout_response(ctx, endpoint, why), late=True)
-        except (httpx.HTTPError, StopAsyncIteration, ValueError) as exc:
+        except (aiohttp.ClientError, StopAsyncIteration, ValueError) as exc:
             proxy.router.failed(endpoint, f"{type(exc).__name__}: {exc}")
             return _Retry()
         finally:
             if not keep_open:
                 if self.upstream is not None:
-                    with anyio.CancelScope(shield=True):
-                        await self.upstream.aclose()
+                    self.upstream.release()  # to the pool if read whole, else closed
                 self.release()
 
     async def _exchange(self) -> Response | _Retry | list[str]:
@@ -308,31 +329,32 @@ class _Attempt:
         # falls inside this attempt (same host, same monotonic clock); otherwise the moment
         # the request body was sent.
         t0 = self.sent = ctx.clock.now()
-
-        async def trace(event: str, info: dict[str, Any]) -> None:
-            if event.endswith("send_request_body.complete"):
-                self.sent = ctx.clock.now()
-
         url = endpoint.url + self.request.url.path
-        headers = {**self.headers, **endpoint.headers}
-        request = proxy.client.build_request(
-            "POST", url, json=self.body, headers=headers, extensions={"trace": trace}
+        headers = {**self.headers, **endpoint.headers, "content-type": "application/json"}
+        self.upstream = upstream = await proxy.session().post(
+            url,
+            data=json.dumps(self.body).encode(),
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(
+                total=None if self.streaming else proxy.timeouts.whole_answer_s,
+                sock_connect=proxy.timeouts.connect_s,
+            ),
+            trace_request_ctx=self,
         )
-        self.upstream = upstream = await proxy.client.send(request, stream=True)
         ctx.reached_replica = True
         self.passed = {k: v for k, v in upstream.headers.items() if k.lower() in _PASS_HEADERS}
         ctx.replica_arrival = _arrival(upstream.headers, t0, ctx.clock.now(), self.sent)
         ctx.replica_request_id = upstream.headers.get("x-request-id")
-        if upstream.status_code != 200:
-            raw = await upstream.aread()
-            return proxy.refused(ctx, endpoint, upstream.status_code, raw, self.passed)
+        if upstream.status != 200:
+            raw = await upstream.read()
+            return proxy.refused(ctx, endpoint, upstream.status, raw, self.passed)
         if not self.streaming:
-            data = json.loads(await upstream.aread())
+            data = json.loads(await upstream.read())
             ctx.end = ctx.clock.now()
             proxy.router.succeeded(endpoint)
             proxy.router.answered(self.route, endpoint, answer_text(data))
             return proxy.answer(ctx, data, self.passed)
-        self.lines = upstream.aiter_lines()
+        self.lines = SSELines(upstream.content.iter_any())
         head = await read_head(self.lines)
         if (error := _error_event(head)) is not None:  # a 200 that opens with an error
             status, raw = error
@@ -379,7 +401,7 @@ def _timeout_response(ctx: GatewayContext, endpoint: Endpoint, why: str) -> Resp
     return JSONResponse(error_body(error), status_code=error.status_code)
 
 
-def _arrival(headers: httpx.Headers, start: float, now: float, sent: float) -> float:
+def _arrival(headers: Mapping[str, str], start: float, now: float, sent: float) -> float:
     """When the replica got the request, on this process's clock."""
     try:
         reported = float(headers.get("x-sendpath-clock", "nan"))

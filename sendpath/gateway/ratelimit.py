@@ -79,6 +79,8 @@ class Decision:
 
 
 class RateLimiter(Protocol):
+    blocking: bool  # its calls wait on the network: the gateway makes them on a worker thread
+
     def reserve(self, key: str, limits: Limits, tokens: int) -> Decision:
         """Take 1 request and ``tokens`` tokens, both or neither."""
         ...
@@ -97,6 +99,8 @@ def _refill(level: float, stamp: float, now: float, capacity: int) -> float:
 
 class MemoryLimiter:
     """Token buckets in this process (thread-safe)."""
+
+    blocking = False
 
     def __init__(self, clock: Any = time.monotonic) -> None:
         self._clock = clock
@@ -217,6 +221,8 @@ return 1
 
 class RedisLimiter:
     """The same buckets in Redis, shared by every gateway process that points at it."""
+
+    blocking = True
 
     def __init__(
         self,

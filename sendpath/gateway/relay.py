@@ -1,4 +1,8 @@
-"""Relaying one replica's stream to the client, event by event, once its first token exists.
+"""Relaying one replica's stream to the client, once its first token exists.
+
+Events go on as they arrive: what one network read from the replica brought becomes one
+write to the client (a token at a time when the replica streams them one by one; a burst
+in one write when several are already there).
 
 Text goes through the output guard, which holds back only what could still become a
 blocked phrase; a blocked stream ends with finish_reason ``content_filter`` (the replica
@@ -22,12 +26,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
-import httpx
+import aiohttp
 
 from sendpath.api.errors import error_body
 from sendpath.errors import ServiceUnavailableError
-from sendpath.gateway.chunks import chain, finished, numbers, text_of, with_text
+from sendpath.gateway.chunks import SSELines, finished, numbers, text_of, with_text
 from sendpath.gateway.context import GatewayContext
 from sendpath.gateway.safety import OutputGuard
 from sendpath.router.policy import RouteRequest
@@ -39,6 +42,8 @@ __all__ = ["StreamRelay"]
 
 logger = logging.getLogger("sendpath.gateway")
 
+DRAIN_S = 0.5  # after [DONE], how long the end of the replica's HTTP body may take
+
 
 @dataclass
 class StreamRelay:
@@ -48,8 +53,8 @@ class StreamRelay:
     router: Router
     endpoint: Endpoint
     route: RouteRequest
-    upstream: httpx.Response
-    lines: AsyncIterator[str]
+    upstream: aiohttp.ClientResponse
+    lines: SSELines
     head: list[str]
     guard: OutputGuard | None
     wants_usage: bool
@@ -63,59 +68,69 @@ class StreamRelay:
         self.answer: list[str] = []  # what the replica generated (and now has cached)
 
     async def events(self) -> AsyncIterator[str]:
+        """The client's body: what each network read from the replica brought, as one write."""
         why = "the replica closed the stream before [DONE]"
+        out: list[str] = []
         try:
-            async for line in self._lines():
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    self.router.answered(self.route, self.endpoint, "".join(self.answer))
-                    for event in self._finish():
-                        yield event
-                    return
-                chunk = json.loads(payload)
-                if "error" in chunk:  # the replica's own error event: pass it on, no [DONE]
-                    error = chunk["error"] if isinstance(chunk["error"], dict) else {}
-                    if error.get("code") != "request_failed":  # else the request's own fault
-                        self.router.failed(self.endpoint, "an error event mid-stream")
-                    yield sse(chunk)
-                    return
-                out, done = self._on_chunk(chunk)
-                for event in out:
-                    yield event
-                if done:
-                    return
+            async for lines in self._batches():
+                for line in lines:
+                    if self._on_line(line, out):
+                        yield "".join(out)
+                        await self.lines.drain(DRAIN_S)  # keeps the connection for reuse
+                        return
+                if out:
+                    yield "".join(out)
+                    out.clear()
         except TimeoutError:
             why = f"it sent nothing for {self.between_tokens_s:g} s"
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             why = f"the connection failed ({type(exc).__name__})"
         except ValueError:
             why = "it sent an event that is not JSON"
         finally:
-            with anyio.CancelScope(shield=True):
-                await self.upstream.aclose()
+            self.upstream.release()  # to the pool if read whole, else closed (aborts it there)
             self.release()
         logger.warning("replica %s broke a stream: %s", self.endpoint.url, why)
         self.router.failed(self.endpoint, why)
-        yield sse(self._broken(why))
+        yield "".join(out) + sse(self._broken(why))  # what came before the break, then why
 
-    async def _lines(self) -> AsyncIterator[str]:
-        """The head, then each further line within ``between_tokens_s`` of the last."""
-        lines = chain(self.head, self.lines)
+    async def _batches(self) -> AsyncIterator[list[str]]:
+        """The head, then the lines of each further read, each within ``between_tokens_s``."""
+        yield self.head
         while True:
-            try:
-                async with asyncio.timeout(self.between_tokens_s):
-                    line = await anext(lines)
-            except StopAsyncIteration:
+            async with asyncio.timeout(self.between_tokens_s):
+                lines = await self.lines.batch()
+            if not lines:
                 return
-            yield line
+            yield lines
 
-    def _on_chunk(self, chunk: dict[str, Any]) -> tuple[list[str], bool]:
-        """The events one upstream chunk becomes, and whether the stream ends here."""
+    def _on_line(self, line: str, out: list[str]) -> bool:
+        """Add the events one upstream line becomes to ``out``; ``True``: the stream ends."""
+        if not line.startswith("data:"):
+            return False
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            self.router.answered(self.route, self.endpoint, "".join(self.answer))
+            out.extend(self._finish())
+            return True
+        chunk = json.loads(payload)
+        if "error" in chunk:  # the replica's own error event: pass it on, no [DONE]
+            error = chunk["error"] if isinstance(chunk["error"], dict) else {}
+            if error.get("code") != "request_failed":  # else the request's own fault
+                self.router.failed(self.endpoint, "an error event mid-stream")
+            out.append(sse(chunk))
+            return True
+        events, done = self._on_chunk(chunk, payload)
+        out.extend(events)
+        return done
+
+    def _on_chunk(self, chunk: dict[str, Any], raw: str) -> tuple[list[str], bool]:
+        """The events one upstream chunk (``raw``: as it came) becomes, and whether the
+        stream ends here. A chunk that goes on unchanged goes as it came (not re-encoded)."""
         ctx, guard = self.ctx, self.guard
         ctx.response_id = ctx.response_id or chunk.get("id")
-        self.upstream_timings = chunk.pop("timings", None) or self.upstream_timings
+        timings = chunk.pop("timings", None)
+        self.upstream_timings = timings or self.upstream_timings
         if chunk.get("usage"):
             u = chunk["usage"]
             ctx.usage = (int(u["prompt_tokens"]), int(u["completion_tokens"]))
@@ -134,7 +149,9 @@ class StreamRelay:
                 if self.wants_usage and ctx.usage is None:
                     self.tail.append(self._estimated_usage(chunk))
                 return self._finish(), True
-            if released:
+            if released == text and reason is None:
+                out.append(chunk)
+            elif released:
                 out.append(with_text(chunk, released))
         if reason is not None:
             rest = guard.flush() if guard is not None else ""
@@ -150,7 +167,8 @@ class StreamRelay:
                     ctx.first_token_at = ctx.relayed[-1]
                     if guard is not None:
                         ctx.first_token_held = ctx.streamed_chunks - 1
-        return [sse(c) for c in out], False
+        as_came = f"data: {raw}\n\n" if timings is None else None
+        return [as_came if c is chunk and as_came else sse(c) for c in out], False
 
     def _finish(self) -> list[str]:
         ctx = self.ctx

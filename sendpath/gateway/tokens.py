@@ -18,9 +18,11 @@ first answer.
 from __future__ import annotations
 
 import itertools
+import json
+from collections.abc import Callable
 from typing import Any
 
-import httpx
+import aiohttp
 
 from sendpath.api.schema import ChatBody, CompletionBody, content_text
 from sendpath.router.pool import ReplicaPool
@@ -48,8 +50,8 @@ def byte_bound(request: ChatBody | CompletionBody) -> int:
 class ReplicaText:
     """Token questions for the replicas behind one gateway."""
 
-    def __init__(self, pool: ReplicaPool, client: httpx.AsyncClient) -> None:
-        self.pool, self.client = pool, client
+    def __init__(self, pool: ReplicaPool, session: Callable[[], aiohttp.ClientSession]) -> None:
+        self.pool, self.session = pool, session  # the proxy's pooled client
         self._turn = itertools.count()
 
     async def count(self, request: ChatBody | CompletionBody) -> int:
@@ -86,11 +88,14 @@ class ReplicaText:
         start = next(self._turn) % len(candidates)
         for endpoint in candidates[start:] + candidates[:start]:
             try:
-                r = await self.client.post(
-                    endpoint.url + path, json=body, headers=endpoint.headers, timeout=ASK_TIMEOUT_S
-                )
-                if r.status_code == 200 and isinstance(found := r.json(), dict):
-                    return found
-            except (httpx.HTTPError, ValueError):
+                async with self.session().post(
+                    endpoint.url + path,
+                    data=json.dumps(body).encode(),
+                    headers={**endpoint.headers, "content-type": "application/json"},
+                    timeout=aiohttp.ClientTimeout(total=ASK_TIMEOUT_S),
+                ) as r:
+                    if r.status == 200 and isinstance(found := json.loads(await r.read()), dict):
+                        return found
+            except (aiohttp.ClientError, TimeoutError, ValueError):
                 continue
         return None

@@ -133,10 +133,8 @@ def test_progress_follows_a_request_through_prefill(tiny: LoadedModel, tmp_path:
             time.sleep(0.02)
         prefill = [p for p in seen if p["stage"] == "prefill"]
         assert prefill, [p["stage"] for p in seen]
-        assert (
-            0 < prefill[0]["prefill_done"] < 1 and prefill[0]["engine"]["num_prompt_tokens"] == 1500
-        )
-        fractions = [p["prefill_done"] for p in prefill]
-        assert fractions == sorted(fractions)
+        assert prefill[0]["engine"]["num_prompt_tokens"] == 1500
+        fractions = [p["prefill_done"] for p in prefill]  # 0 when seen before its first chunk
+        assert fractions == sorted(fractions) and any(0 < f < 1 for f in fractions), fractions
         r = httpx.get(gw.url + "/v1/progress/c-1", headers={"Authorization": f"Bearer {other}"})
         assert r.status_code == 404  # finished (and never another key's)

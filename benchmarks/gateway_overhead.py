@@ -1,0 +1,311 @@
+"""What the gateway itself costs a request: a mock upstream, the gateway, and the load, in one run.
+
+The question: with keys, rate limits, the input and output filters and admission all on,
+how much latency and CPU does one gateway worker add to a streamed chat request, and how
+many requests a second can one worker core carry? The model is taken out of the picture:
+the upstream is a mock replica that answers every request at once with a 16-chunk stream
+in OpenAI's shape (role, 14 text chunks, finish, usage, ``[DONE]``).
+
+Three processes on the same machine: the mock upstream (a bare asyncio server, so its own
+cost is small), ``sendpath gateway`` (one worker, a key with limits, safety on), and this
+script's load generator (a bare asyncio HTTP/1.1 client, closed loop, keep-alive). Each
+measurement runs twice, direct to the mock and through the gateway, at concurrency 1 (the
+latency a request sees) and at concurrency 16 (throughput); the gateway's CPU time over a
+window, read from ``/proc``, gives its CPU per request and so requests/s per worker core.
+
+    .venv/bin/python benchmarks/gateway_overhead.py            # about a minute
+    .venv/bin/python benchmarks/gateway_overhead.py --seconds 20
+
+Aims (issue 21): at most 1 ms added at p50; at least 1,000 requests/s per worker core.
+Results: ``benchmarks/results/gateway_overhead.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results" / "gateway_overhead.json"
+WORDS = [
+    "Tokyo",
+    " is",
+    " the",
+    " capital",
+    " of",
+    " Japan",
+    ",",
+    " a",
+    " city",
+    " of",
+    " fourteen",
+    " million",
+    " people",
+    ".",
+]
+PROMPT = "What is the capital of Japan? Answer in one sentence."
+
+
+def mock_events() -> bytes:
+    """The whole streamed answer, as one chunked HTTP body (sent at once)."""
+    base = {"id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": 0, "model": "mock"}
+    chunks: list[dict[str, Any]] = [
+        {**base, "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
+    ]
+    for word in WORDS:
+        delta = {"index": 0, "delta": {"content": word}, "finish_reason": None}
+        chunks.append({**base, "choices": [delta]})
+    chunks.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    usage = {"prompt_tokens": 12, "completion_tokens": len(WORDS), "total_tokens": 26}
+    chunks.append({**base, "choices": [], "usage": usage})
+    text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    data = text.encode()
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n0\r\n\r\n"
+
+
+def mock_json(body: dict[str, Any]) -> bytes:
+    data = json.dumps(body).encode()
+    head = f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(data)}\r\n"
+    return head.encode() + b"\r\n" + data
+
+
+class MockReplica(asyncio.Protocol):
+    """Just enough of a replica for the gateway: /ready, /health, /load, /tokenize (a key
+    with token limits has its prompt counted there), and the stream."""
+
+    STREAM = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+        b"transfer-encoding: chunked\r\n\r\n" + mock_events()
+    )
+    LOAD = mock_json({"num_requests_running": 0, "num_requests_waiting": 0})
+    OK = mock_json({"status": "ok"})
+    TOKENS = mock_json({"count": 20, "max_model_len": 8192})
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport, self.buffer = transport, b""
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while True:
+            end = self.buffer.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.buffer[:end].decode("latin-1")
+            length = 0
+            for line in head.split("\r\n")[1:]:
+                name, _, value = line.partition(":")
+                if name.strip().lower() == "content-length":
+                    length = int(value)
+            if len(self.buffer) < end + 4 + length:
+                return
+            self.buffer = self.buffer[end + 4 + length :]
+            path = head.split(" ", 2)[1]
+            if path.startswith("/v1/"):
+                self.transport.write(self.STREAM)
+            elif path == "/load":
+                self.transport.write(self.LOAD)
+            elif path == "/tokenize":
+                self.transport.write(self.TOKENS)
+            else:
+                self.transport.write(self.OK)
+
+
+def run_mock(port: int) -> None:
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_server(MockReplica, "127.0.0.1", port)
+        async with server:
+            await server.serve_forever()
+
+    with contextlib.suppress(KeyboardInterrupt):  # how the benchmark stops it
+        asyncio.run(main())
+
+
+@dataclass
+class Load:
+    """A closed-loop client: ``concurrency`` keep-alive connections, each one request at a time."""
+
+    port: int
+    body: bytes
+    headers: str
+
+    async def one_connection(self, until: float, latencies: list[float]) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        request = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n{self.headers}"
+            f"content-type: application/json\r\ncontent-length: {len(self.body)}\r\n\r\n"
+        ).encode() + self.body
+        try:
+            while time.perf_counter() < until:
+                start = time.perf_counter()
+                writer.write(request)
+                head = await reader.readuntil(b"\r\n\r\n")
+                if not head.startswith(b"HTTP/1.1 200"):
+                    raise RuntimeError(f"not a 200: {head[:200]!r}")
+                body = await reader.readuntil(b"\r\n0\r\n\r\n")  # the last chunk
+                if b"data: [DONE]" not in body:
+                    raise RuntimeError(f"the stream did not finish: {body[-300:]!r}")
+                latencies.append(time.perf_counter() - start)
+        finally:
+            writer.close()
+
+    async def run(self, concurrency: int, seconds: float) -> list[float]:
+        latencies: list[float] = []
+        until = time.perf_counter() + seconds
+        await asyncio.gather(*(self.one_connection(until, latencies) for _ in range(concurrency)))
+        return latencies
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(load: Load, concurrency: int, seconds: float, pid: int | None) -> dict[str, Any]:
+    asyncio.run(load.run(concurrency, min(2.0, seconds / 4)))  # warm: connections, caches
+    cpu0 = cpu_seconds(pid) if pid else 0.0
+    start = time.perf_counter()
+    latencies = asyncio.run(load.run(concurrency, seconds))
+    wall = time.perf_counter() - start
+    cpu = cpu_seconds(pid) - cpu0 if pid else None
+    latencies.sort()
+    out: dict[str, Any] = {
+        "concurrency": concurrency,
+        "requests": len(latencies),
+        "requests_per_s": round(len(latencies) / wall, 1),
+        "p50_ms": round(statistics.median(latencies) * 1e3, 3),
+        "p99_ms": round(latencies[int(len(latencies) * 0.99)] * 1e3, 3),
+    }
+    if cpu is not None:
+        out["gateway_cpu_ms_per_request"] = round(cpu / len(latencies) * 1e3, 3)
+        out["requests_per_s_per_gateway_core"] = round(len(latencies) / cpu, 1)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_ready(port: int, path: str, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                s.sendall(f"GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n".encode())
+                if s.recv(64).startswith(b"HTTP/1.1 200"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"nothing answered on port {port}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=10.0, help="per measurement (10)")
+    parser.add_argument("--concurrency", type=int, default=16, help="for throughput (16)")
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from sendpath.gateway.keys import KeyStore
+
+    mock_port, gateway_port = free_port(), free_port()
+    body = json.dumps(
+        {
+            "model": "mock",
+            "stream": True,
+            "max_tokens": 32,
+            "messages": [{"role": "user", "content": PROMPT}],
+        }
+    ).encode()
+    with tempfile.TemporaryDirectory() as data_dir:
+        store = KeyStore(Path(data_dir))
+        secrets = {  # a key without limits; one with all three (its prompts counted exactly)
+            "open": store.create("open")[1],
+            "limited": store.create("limited", rpm=10**9, tpm=10**12, daily_tokens=10**12)[1],
+        }
+        mock = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                f"from benchmarks.gateway_overhead import run_mock; run_mock({mock_port})",
+            ],
+            cwd=ROOT,
+        )
+        gateway = subprocess.Popen(
+            [
+                str(Path(sys.executable).parent / "sendpath"),
+                "gateway",
+                "--port",
+                str(gateway_port),
+                "--replica",
+                f"http://127.0.0.1:{mock_port}",
+                "--data-dir",
+                data_dir,
+                "--max-inflight-per-replica",
+                "64",
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            wait_ready(mock_port, "/health", mock)
+            wait_ready(gateway_port, "/health", gateway)
+            direct = Load(mock_port, body, "")
+            rows = {}
+            for concurrency in (1, args.concurrency):
+                rows[f"direct_c{concurrency}"] = measure(direct, concurrency, args.seconds, None)
+                for kind, secret in secrets.items():
+                    through = Load(gateway_port, body, f"authorization: Bearer {secret}\r\n")
+                    rows[f"{kind}_key_c{concurrency}"] = measure(
+                        through, concurrency, args.seconds, gateway.pid
+                    )
+        finally:
+            for proc in (gateway, mock):
+                proc.send_signal(signal.SIGINT)
+                proc.wait(10)
+    c = args.concurrency
+    summary = {
+        f"{kind}_key": {
+            "added_p50_ms_at_c1": round(
+                rows[f"{kind}_key_c1"]["p50_ms"] - rows["direct_c1"]["p50_ms"], 3
+            ),
+            "requests_per_s_per_gateway_core": rows[f"{kind}_key_c{c}"][
+                "requests_per_s_per_gateway_core"
+            ],
+            "throughput_ratio_to_direct": round(
+                rows[f"{kind}_key_c{c}"]["requests_per_s"] / rows[f"direct_c{c}"]["requests_per_s"],
+                3,
+            ),
+        }
+        for kind in secrets
+    }
+    result = {"cpu_count": os.cpu_count(), "seconds": args.seconds, "summary": summary, **rows}
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{'run':<18}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'gw CPU ms/req':>15}")
+    for name, row in rows.items():
+        cpu = row.get("gateway_cpu_ms_per_request", "")
+        print(f"{name:<18}{row['requests_per_s']:>9}{row['p50_ms']:>9}{row['p99_ms']:>9}{cpu:>15}")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

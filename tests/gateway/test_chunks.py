@@ -1,0 +1,40 @@
+"""Reading a replica's SSE stream: lines as they arrive, a network read at a time."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from sendpath.gateway.chunks import SSELines, read_head
+
+
+async def reads(*parts: bytes) -> AsyncIterator[bytes]:
+    for part in parts:
+        yield part
+
+
+def test_lines_split_across_reads_and_characters_split_across_reads() -> None:
+    snowman = "☃".encode()
+
+    async def run() -> list[list[str]]:
+        lines = SSELines(
+            reads(b"data: a\r\n\r\ndata: b", b"c\n\ndata: " + snowman[:1], snowman[1:])
+        )
+        return [await lines.batch(), await lines.batch(), await lines.batch(), await lines.batch()]
+
+    # each read's complete lines at once; a last line without a newline at the end
+    assert asyncio.run(run()) == [["data: a", ""], ["data: bc", ""], ["data: ☃"], []]
+
+
+def test_the_head_stops_at_the_first_token_and_leaves_the_rest() -> None:
+    role = 'data: {"choices":[{"delta":{"role":"assistant"}}]}'
+    token = 'data: {"choices":[{"delta":{"content":"Hi"}}]}'
+    body = f"{role}\n\n{token}\n\ndata: [DONE]\n\n".encode()
+
+    async def run() -> tuple[list[str], list[str]]:
+        lines = SSELines(reads(body))
+        return await read_head(lines), await lines.batch()
+
+    head, rest = asyncio.run(run())
+    assert head == [role, token]
+    assert rest == ["", "data: [DONE]", ""]

@@ -1,0 +1,70 @@
+"""The usage ledger writes what finishes within its interval in one transaction, and
+whatever is left at shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sendpath.gateway.keys import KeyStore
+from sendpath.gateway.ledger import UsageLedger
+
+
+class CountingStore(KeyStore):
+    def __init__(self, data_dir: Path) -> None:
+        super().__init__(data_dir)
+        self.writes: list[int] = []
+        self.fail_next = False
+
+    def record_usages(self, entries: Any, day: str | None = None) -> None:
+        if self.fail_next:
+            self.fail_next = False
+            raise sqlite3.OperationalError("database or disk is full")
+        self.writes.append(len(entries))
+        super().record_usages(entries, day)
+
+
+def test_requests_finished_together_are_written_in_one_transaction(tmp_path: Path) -> None:
+    store = CountingStore(tmp_path)
+    store.create("a", daily_tokens=1000)
+    reservation, _ = store.reserve_daily("a", 100, 1000)
+
+    async def run() -> None:
+        ledger = UsageLedger(store, every_s=60)  # only flush() writes
+        for tokens in (10, 20, 30):
+            ledger.add("a", tokens, None)
+        ledger.add("a", 40, reservation)
+        assert store.writes == [] and store.usage("a") == {}
+        await ledger.flush()
+
+    asyncio.run(run())
+    assert store.writes == [4]
+    assert store.usage("a") == {"a": (100, 4)}
+    assert store.reserve_daily("a", 900, 1000)[0] is not None  # the reservation was dropped
+
+
+def test_a_batch_written_after_its_interval_and_kept_when_the_write_fails(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = CountingStore(tmp_path)
+    store.create("a")
+
+    async def run() -> None:
+        ledger = UsageLedger(store, every_s=0.01)
+        store.fail_next = True
+        ledger.add("a", 5, None)
+        while not caplog.records:  # the failed write was logged
+            await asyncio.sleep(0.01)
+        ledger.add("a", 7, None)
+        while store.usage("a") == {}:  # the next interval writes both
+            await asyncio.sleep(0.01)
+        await ledger.flush()
+
+    asyncio.run(run())
+    assert store.usage("a") == {"a": (12, 2)}
+    assert store.writes == [2]
+    assert "could not write 1 requests' usage" in caplog.text
