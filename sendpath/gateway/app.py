@@ -45,6 +45,7 @@ from sendpath.gateway.middleware import (
     AdmissionMiddleware,
     AuthMiddleware,
     BodyMiddleware,
+    ForwardMiddleware,
     TraceMiddleware,
     live_key,
 )
@@ -270,6 +271,7 @@ def create_gateway_app(
                 return Response(upstream.content, 200, media_type="application/json")
         raise ServiceUnavailableError("No healthy replica to ask; retry in a moment.")
 
+    # ForwardMiddleware answers these two first; the routes publish their schema
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await proxy.forward(request)
@@ -282,6 +284,7 @@ def create_gateway_app(
         app, {"/v1/chat/completions": ChatBody, "/v1/completions": CompletionBody}
     )
     # add_middleware wraps: the last added runs first.
+    app.add_middleware(ForwardMiddleware, forward=proxy.forward, retry_after_s=config.retry_after_s)
     app.add_middleware(AdmissionMiddleware, queue=queue, retry_after_s=config.retry_after_s)
     if safety is not None:
         app.add_middleware(SafetyMiddleware, check=safety, detokenize=text.detokenize)

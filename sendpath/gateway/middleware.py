@@ -4,7 +4,7 @@
 -> ``BodyMiddleware`` (read the body once, check it against its endpoint's schema) ->
 ``RateLimitMiddleware`` (quota, requests and tokens per minute; settles when the response
 ends; ``limiting.py``) -> ``SafetyMiddleware`` (the input filter; ``input_filter.py``) ->
-``AdmissionMiddleware`` (wait for a slot) -> the proxy.
+``AdmissionMiddleware`` (wait for a slot) -> ``ForwardMiddleware`` (the proxy).
 
 Each one answers with OpenAI's error body itself, before the inner app runs, and each
 times its own stage on the context. Only ``/v1/*`` is guarded; ``/health`` is open.
@@ -15,12 +15,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from sendpath.api.errors import request_id, send_error
+from sendpath.api.errors import error_response, request_id, send_error
 from sendpath.api.json_body import load_json
 from sendpath.api.schema import ChatBody, CompletionBody, validate
 from sendpath.clock import Clock
@@ -34,6 +36,7 @@ __all__ = [
     "AdmissionMiddleware",
     "AuthMiddleware",
     "BodyMiddleware",
+    "ForwardMiddleware",
     "TraceMiddleware",
     "cache_salt",
     "generates",
@@ -254,3 +257,27 @@ class AdmissionMiddleware:
             await self.app(scope, receive, send)
         finally:
             self.queue.release()
+
+
+class ForwardMiddleware:
+    """The innermost layer: a generation request goes straight to the proxy, without the
+    app's routing and its per-request wrappers (the app's routes for the two paths are
+    there to publish their schema). Errors as the app's handlers would write them."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        forward: Callable[[Request], Awaitable[Response]],
+        retry_after_s: int,
+    ) -> None:
+        self.app, self.forward, self.retry_after_s = app, forward, retry_after_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not generates(scope):
+            await self.app(scope, receive, send)
+            return
+        try:
+            response = await self.forward(Request(scope, receive))
+        except SendpathError as exc:
+            response = error_response(exc, self.retry_after_s)
+        await response(scope, receive, send)

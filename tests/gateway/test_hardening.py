@@ -226,7 +226,7 @@ class Blocking:
             self.release.wait(30)
         return None
 
-    def hold_from(self, text: str) -> int:
+    def hold_from(self, text: str, start: int = 0) -> int:
         return len(text)
 
 
@@ -256,7 +256,7 @@ class Exploding:
     def check(self, text: str) -> str | None:
         raise RuntimeError("filter failed reading /etc/sendpath/secret-rules.toml")
 
-    def hold_from(self, text: str) -> int:
+    def hold_from(self, text: str, start: int = 0) -> int:
         return len(text)
 
 
