@@ -159,7 +159,15 @@ def load_model(
     model = _materialize(model, weights, DTYPES[dtype], dev)
     precision = _choose(quantization, dtype, dev, bool(codes))
     _quantize(model, precision.quantization, codes, DTYPES[dtype])
+    if dev.type == "cpu" and dtype == "bfloat16" and native_bf16() and mkldnn_available():
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.use_packed_layout()  # after _quantize, which reads the dense weights
     return LoadedModel(model, tokenizer, config, name, model_path, precision)
+
+
+def mkldnn_available() -> bool:
+    return bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
 
 
 def _choose(asked: str, dtype: str, dev: torch.device, ships_q4: bool) -> Precision:

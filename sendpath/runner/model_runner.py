@@ -108,6 +108,7 @@ class PagedAttention:
             row += item.num_tokens
         self.slot_mapping = torch.tensor(slots_all, dtype=torch.long, device=device)
         self.decodes = None
+        self.decodes_only = not self.prefills  # then the decodes are rows 0..B-1, in order
         if decode_rows:
             nb = max(len(t) for t in decode_tables)
             tables = [t + [0] * (nb - len(t)) for t in decode_tables]
@@ -128,6 +129,11 @@ class PagedAttention:
         v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
         num_kv, dh = k.shape[1], k.shape[2]
         group = q.shape[1] // num_kv
+        d = self.decodes
+        if self.decodes_only and d is not None and self.kernel is not None:
+            return self.kernel.paged_decode_attention(  # type: ignore[no-any-return]
+                q, k_cache, v_cache, d.blocks, d.lens, self.block_size, dh**-0.5
+            )  # [B, H, Dh], read in place: the whole output
         out = torch.empty_like(q)  # [T, H, Dh]
         for p in self.prefills:
             keys = k_cache[:, p.slots].repeat_interleave(group, 0)  # [H, ctx, Dh]
@@ -140,7 +146,7 @@ class PagedAttention:
                 is_causal=p.mask is None,
             )  # [1, H, n, Dh]
             out[p.rows] = o[0].transpose(0, 1)
-        if (d := self.decodes) is not None and self.kernel is not None:
+        if d is not None and self.kernel is not None:
             out[d.rows] = self.kernel.paged_decode_attention(
                 q[d.rows], k_cache, v_cache, d.blocks, d.lens, self.block_size, dh**-0.5
             )  # [B, H, Dh], read in place

@@ -1,0 +1,130 @@
+"""Where a decode step's time goes, by kind of work, at a few batch sizes.
+
+The built-in model in the configuration ``make serve`` runs (``--dtype auto
+--quantization auto``), B requests decoding with ~190-token contexts (random prompt
+tokens), profiled over 10 steps with torch's profiler. Each aten op's own CPU time is put
+in one bucket: low-precision matmuls (torch's int4 / int8 weight kernels), dense matmuls,
+attention (the paged decode kernel or torch's SDPA), and the rest (norms, RoPE, sampling,
+the cache writes, and the Python and dispatch between them: the step's wall time less the
+three buckets). Compare with ``--dtype float32 --quantization none``.
+
+    .venv/bin/python benchmarks/step_profile.py [--batches 1 8 32]       # about a minute
+    .venv/bin/python benchmarks/step_profile.py --dtype float32 --quantization none \
+        --output benchmarks/results/step_profile_float32.json
+
+Results: ``benchmarks/results/step_profile.json`` (and the float32 one beside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from sendpath.config import CacheConfig, EngineConfig, SchedulerConfig
+from sendpath.engine.core import EngineCore
+from sendpath.request import SamplingParams
+
+RESULTS = Path(__file__).resolve().parent / "results" / "step_profile.json"
+STEPS = 10
+BUCKETS = {
+    "low-precision matmul": ("_weight_int4pack_mm", "_weight_int8pack_mm"),
+    "dense matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "_linear_pointwise"),
+    "attention": ("paged_attention", "scaled_dot_product", "_flash_attention"),
+}
+
+
+def bucket(name: str) -> str | None:
+    for label, keys in BUCKETS.items():
+        if any(k in name for k in keys):
+            return label
+    return None
+
+
+def decoding(core: EngineCore, batch: int) -> None:
+    """Start ``batch`` requests and step until every one of them decodes."""
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    for _ in range(batch):
+        core.add_request([rng.randrange(100, 40_000) for _ in range(180)], params)
+    while core.stats().num_waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running
+    ):
+        core.step()
+    for _ in range(8):  # a few decode steps first: warm caches, ~190-token contexts
+        core.step()
+
+
+class _Named:
+    """The paged kernel's module with its call named for the profiler (a pybind function
+    is invisible to it otherwise)."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+
+    def paged_decode_attention(self, *args: Any) -> torch.Tensor:
+        with record_function("paged_attention"):
+            out: torch.Tensor = self.module.paged_decode_attention(*args)
+        return out
+
+
+def profile_batch(core: EngineCore, batch: int) -> dict[str, Any]:
+    decoding(core, batch)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(STEPS):
+            core.step()
+        wall_ms = (time.perf_counter() - start) * 1e3 / STEPS
+    spent = dict.fromkeys(BUCKETS, 0.0)
+    for event in prof.key_averages():
+        label = bucket(event.key)
+        if label is not None:
+            spent[label] += event.self_cpu_time_total / 1e3 / STEPS
+    row = {"batch": batch, "step_ms": round(wall_ms, 2)}
+    row |= {k: round(v, 2) for k, v in spent.items()}
+    row["the rest"] = round(wall_ms - sum(spent.values()), 2)
+    for request in list(core.scheduler.running):
+        core.abort(request.request_id)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="auto")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    config = EngineConfig(
+        dtype=args.dtype,
+        quantization=args.quantization,
+        device="cpu",
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512),
+        cache=CacheConfig(kv_cache_memory_gib=1.0, enable_prefix_caching=False),
+    )
+    core = EngineCore.from_config(config)
+    attention = core.runner.attention  # type: ignore[attr-defined]
+    if attention.kernel is not None:
+        attention.kernel = _Named(attention.kernel)
+    rows = [profile_batch(core, b) for b in args.batches]
+    print("| batch | step ms | " + " | ".join(BUCKETS) + " | the rest |")
+    for row in rows:
+        print("| " + " | ".join(str(v) for v in row.values()) + " |")
+    result = {
+        "dtype": args.dtype,
+        "quantization": args.quantization,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "rows": rows,
+    }
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
