@@ -50,7 +50,6 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._unanswered = 0  # requests received whole whose response is not done yet
-        self._receiving = False  # a request's head or body is still arriving
         super().connection_made(transport)
         size = self.limits.send_buffer_bytes
         sock = transport.get_extra_info("socket")
@@ -67,17 +66,13 @@ class GuardedProtocol(HttpToolsProtocol):
                 timer.cancel()
         super().connection_lost(exc)
 
-    def on_message_begin(self) -> None:
-        self._receiving = True
-        super().on_message_begin()
-
     def on_message_complete(self) -> None:
-        self._receiving = False
-        self._unanswered += 1
+        if not self.cycle.response_complete:  # else answered before its body was in (a 401)
+            self._unanswered += 1
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
-        self._unanswered = max(0, self._unanswered - 1)  # an answer may go before the body
+        self._unanswered = max(0, self._unanswered - 1)
         super().on_response_complete()
         if not self.transport.is_closing():
             self._arm_request_timer()  # the next request on this connection: same bound
@@ -91,8 +86,9 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def _request_timed_out(self) -> None:
         self._request_timer = None
-        waiting = self._receiving or self._unanswered == 0  # on the client, not on us
-        if waiting and not self.transport.is_closing():
+        # nothing to answer: the connection waits on the client (a request's head or body,
+        # or a next request); a pipelined request waits on us while its predecessor runs
+        if self._unanswered == 0 and not self.transport.is_closing():
             logger.info(
                 "client %s did not send its request within %g s: connection closed",
                 _peer(self.client),

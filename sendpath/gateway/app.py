@@ -130,11 +130,13 @@ def create_gateway_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         checks = asyncio.create_task(router.run_checks(client, config.health_interval_s))
-        yield
-        checks.cancel()
-        await proxy.aclose()
-        await client.aclose()
-        await ledger.flush()
+        try:
+            yield
+        finally:
+            checks.cancel()
+            await ledger.flush()
+            await proxy.aclose()
+            await client.aclose()
 
     app = FastAPI(title="sendpath gateway", lifespan=lifespan)
     app.state.pool, app.state.queue, app.state.keys = pool, queue, keys

@@ -20,13 +20,18 @@ __all__ = [
 ]
 
 
+def _split(text: str) -> list[str]:
+    """Lines ended by \\n, \\r\\n or \\r (SSE's three), the last one unended."""
+    return text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+
+
 class SSELines:
     """A stream's lines as they arrive, one network read at a time.
 
     ``line()`` gives the next line; ``batch()`` every complete line already received (at
     least one: it waits only when none is), so a relay writes what one read brought in
-    one write instead of one per event. Lines end at ``\n`` (a ``\r`` before it is
-    dropped); a last line without one is given at the end."""
+    one write instead of one per event. Lines end at ``\n``, ``\r\n`` or ``\r`` (SSE's
+    three); a last line without one is given at the end."""
 
     def __init__(self, chunks: AsyncIterator[bytes]) -> None:
         self._chunks = chunks
@@ -40,13 +45,17 @@ class SSELines:
             try:
                 data = await anext(self._chunks)
             except StopAsyncIteration:
-                if not self._partial:
-                    return False
-                self._ready.append(self._partial)
+                rest = (self._partial + self._decoder.decode(b"", final=True)).rstrip("\r")
                 self._partial = ""
+                if not rest:
+                    return False
+                self._ready.extend(_split(rest))
                 return True
-            *lines, self._partial = (self._partial + self._decoder.decode(data)).split("\n")
-            self._ready.extend(line.removesuffix("\r") for line in lines)
+            text = self._partial + self._decoder.decode(data)
+            held = text.endswith("\r")  # maybe the first half of a \r\n
+            *lines, self._partial = _split(text[:-1] if held else text)
+            self._partial += "\r" if held else ""
+            self._ready.extend(lines)
         return True
 
     async def line(self) -> str:
@@ -62,7 +71,7 @@ class SSELines:
             async with asyncio.timeout(within_s):
                 async for _ in self._chunks:
                     pass
-        except TimeoutError:
+        except Exception:  # best effort: the answer is already out; else it is closed
             pass
 
     async def batch(self) -> list[str]:

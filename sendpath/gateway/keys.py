@@ -35,6 +35,7 @@ __all__ = ["ApiKey", "KeyStore", "KeyStoreError", "default_data_dir"]
 
 PREFIX = "sk-sp-"
 RESERVATION_TTL_S = 2 * 3600.0
+BUSY_TIMEOUT_S = 30  # how long a write waits for another process's
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS keys (
     name TEXT PRIMARY KEY,
@@ -112,7 +113,7 @@ class KeyStore:
         """This thread's connection (used as ``with``: a failed transaction rolls back)."""
         db: sqlite3.Connection | None = getattr(self._local, "db", None)
         if db is None:
-            db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+            db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
             self._local.db = db
@@ -158,13 +159,21 @@ class KeyStore:
         key = self.lookup(secret)
         return key if key is not None and key.active else None
 
-    def lookup(self, secret: str) -> ApiKey | None:
-        """The key this secret belongs to, revoked or not, or ``None``."""
+    def lookup(self, secret: str, wait: bool = True) -> ApiKey | None:
+        """The key this secret belongs to, revoked or not, or ``None``. ``wait=False``:
+        raise ``sqlite3.OperationalError`` rather than wait for a lock (a read in WAL mode
+        all but never meets one), for a caller on the event loop."""
         digest = _hash(secret)
         with self._connect() as db:
-            row = db.execute(
-                f"SELECT key_hash, {_KEY_COLUMNS} FROM keys WHERE key_hash = ?", (digest,)
-            ).fetchone()
+            if not wait:
+                db.execute("PRAGMA busy_timeout = 0")
+            try:
+                row = db.execute(
+                    f"SELECT key_hash, {_KEY_COLUMNS} FROM keys WHERE key_hash = ?", (digest,)
+                ).fetchone()
+            finally:
+                if not wait:
+                    db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_S * 1000}")
         if row is None or not hmac.compare_digest(row[0], digest):
             return None
         return ApiKey(*row[1:])

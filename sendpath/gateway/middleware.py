@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import sqlite3
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -166,7 +167,10 @@ class AuthMiddleware:
                 "Malformed Authorization header: expected 'Bearer sk-sp-...' with a sendpath "
                 "API key."
             )
-        key = self.keys.lookup(secret)  # one indexed read (WAL: never waits on writers)
+        try:  # one indexed read, on the loop: a WAL read does not wait on writers
+            key = self.keys.lookup(secret, wait=False)
+        except sqlite3.OperationalError:  # locked all the same (a checkpoint): wait off it
+            key = await asyncio.to_thread(self.keys.lookup, secret)
         if key is None:
             raise AuthenticationError(
                 f"Incorrect API key provided: {secret[:10]}...{secret[-4:]}. Check the key, or "

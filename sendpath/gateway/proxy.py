@@ -109,6 +109,9 @@ class _Stuck(Exception):
 
 
 STUCK_POLL_S = 0.5  # how often an attempt waiting at a replica looks at its health
+# An idle pooled connection is dropped after this: before the replica's own keep-alive
+# bound (uvicorn's 5 s) closes it under a request (aiohttp does not resend a POST)
+KEEPALIVE_S = 4.0
 
 
 async def _body_sent(
@@ -145,7 +148,7 @@ class Proxy:
             trace = aiohttp.TraceConfig()
             trace.on_request_chunk_sent.append(_body_sent)
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
                 timeout=aiohttp.ClientTimeout(sock_connect=self.timeouts.connect_s),
                 trace_configs=[trace],
             )
@@ -154,6 +157,7 @@ class Proxy:
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
+            self._session = None
 
     async def forward(self, request: Request) -> Response:
         """Forward one POST to ``/v1/chat/completions`` or ``/v1/completions``."""
@@ -304,6 +308,9 @@ class _Attempt:
             return outcome
         except _Gone:  # closing the upstream connection aborts the request there
             return Response(status_code=499)
+        except aiohttp.ServerTimeoutError as exc:  # connect (a TimeoutError too): next one
+            proxy.router.failed(endpoint, f"{type(exc).__name__}: {exc}")
+            return _Retry()
         except (TimeoutError, _Stuck) as exc:
             if isinstance(exc, _Stuck):
                 why = "a stuck engine"

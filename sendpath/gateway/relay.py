@@ -66,6 +66,7 @@ class StreamRelay:
         self.tail: list[dict[str, Any]] = []  # the finish and usage chunks, held for timings
         self.upstream_timings: dict[str, Any] | None = None
         self.answer: list[str] = []  # what the replica generated (and now has cached)
+        self.done = False  # the replica sent [DONE]
 
     async def events(self) -> AsyncIterator[str]:
         """The client's body: what each network read from the replica brought, as one write."""
@@ -75,8 +76,11 @@ class StreamRelay:
             async for lines in self._batches():
                 for line in lines:
                     if self._on_line(line, out):
-                        yield "".join(out)
-                        await self.lines.drain(DRAIN_S)  # keeps the connection for reuse
+                        last = "".join(out)
+                        out.clear()
+                        yield last
+                        if self.done:  # the whole answer: its connection can be reused
+                            await self.lines.drain(DRAIN_S)
                         return
                 if out:
                     yield "".join(out)
@@ -110,6 +114,7 @@ class StreamRelay:
             return False
         payload = line[5:].strip()
         if payload == "[DONE]":
+            self.done = True
             self.router.answered(self.route, self.endpoint, "".join(self.answer))
             out.extend(self._finish())
             return True

@@ -63,7 +63,7 @@ class SafetyCheck(Protocol):
 
 # What keeps a pattern from joining the others in one alternation: a backreference (group
 # numbers shift), or inline flags (they would apply to every pattern)
-_NOT_JOINABLE = regex.compile(r"\\[1-9]|\(\?P=|\(\?[a-zA-Z]+[):]|\\g<")
+_NOT_JOINABLE = regex.compile(r"\\[1-9]|\(\?P=|\(\?[a-zA-Z]+[):]|\\g<|\(\?[+-]?\d|\(\?\(\d")
 _FLAGS = regex.IGNORECASE | regex.DOTALL
 
 
@@ -141,6 +141,7 @@ class OutputGuard:
     window: int = 256
     _seen: str = ""  # released text's tail: context for lookbehinds and word boundaries
     _pending: str = ""
+    _forced: bool = False  # the window released text a match might still have started in
     blocked: str | None = None
 
     def push(self, delta: str) -> str:
@@ -152,10 +153,12 @@ class OutputGuard:
         if (category := self.check.check(text)) is not None:
             self.blocked, self._pending = category, ""
             return ""
-        # a match cannot start in released text: it would have been a partial match there,
-        # and held back (so only the pending text is searched, the released is context)
-        held = self.check.hold_from(text, len(self._seen))
+        # a match cannot start in released text (it would have been a partial match there,
+        # and held back), so only the pending text is searched and the released is context;
+        # unless the window forced text out: from then on all of it is searched
+        held = self.check.hold_from(text, 0 if self._forced else len(self._seen))
         hold = max(held - len(self._seen), len(self._pending) - self.window)
+        self._forced |= hold > held - len(self._seen)
         cut = min(len(self._pending), max(0, hold))
         out, self._pending = self._pending[:cut], self._pending[cut:]
         self._seen = (self._seen + out)[-self.window :]

@@ -47,7 +47,7 @@ def sample(
 ) -> list[int | None]:
     """logits [N, V] float32 -> one token id per row (``None``: the row cannot be sampled)."""
     out: list[int | None] = [int(t) for t in logits.argmax(dim=-1).tolist()]
-    nan_rows = torch.isnan(logits).any(dim=-1)
+    nan_rows = torch.isnan(logits.sum(dim=-1))  # any NaN makes the sum NaN (one pass)
     if bool(nan_rows.any()):
         for i in nan_rows.nonzero().flatten().tolist():
             out[i] = None

@@ -46,7 +46,16 @@ def server(events: Events) -> Iterator[int]:
     async def echo(request: Request) -> PlainTextResponse:
         return PlainTextResponse(str(len(await request.body())))
 
-    app = Starlette(routes=[Route("/stream", endless), Route("/echo", echo, methods=["POST"])])
+    async def refuse(request: Request) -> PlainTextResponse:  # answers before the body
+        return PlainTextResponse("no", status_code=401)
+
+    app = Starlette(
+        routes=[
+            Route("/stream", endless),
+            Route("/echo", echo, methods=["POST"]),
+            Route("/refuse", refuse, methods=["POST"]),
+        ]
+    )
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     srv = uvicorn.Server(uvicorn_config(app, "127.0.0.1", 0, LIMITS))
@@ -83,6 +92,15 @@ def test_half_sent_requests_are_cut_off_and_whole_ones_answered() -> None:
         whole = socket.create_connection(("127.0.0.1", port))
         whole.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
         assert whole.recv(4096).startswith(b"HTTP/1.1 200 OK")
+
+
+def test_a_body_sent_after_its_answer_does_not_keep_the_connection_open() -> None:
+    with server(Events()) as port:
+        c = socket.create_connection(("127.0.0.1", port))
+        c.sendall(b"POST /refuse HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\n")
+        assert c.recv(4096).startswith(b"HTTP/1.1 401")
+        c.sendall(b"abc")  # the body, late: then nothing more
+        assert closed_by_server(c, within=5)  # the request timeout, not never
 
 
 def test_a_client_that_stops_reading_is_dropped_and_the_app_sees_it() -> None:

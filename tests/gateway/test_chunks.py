@@ -38,3 +38,18 @@ def test_the_head_stops_at_the_first_token_and_leaves_the_rest() -> None:
     head, rest = asyncio.run(run())
     assert head == [role, token]
     assert rest == ["", "data: [DONE]", ""]
+
+
+def test_carriage_returns_end_lines_too_and_a_failing_drain_is_quiet() -> None:
+    async def broken() -> AsyncIterator[bytes]:
+        yield b"data: a\r"
+        yield b"\ndata: b\rdata: c\r\n"
+        raise ConnectionResetError("the replica went away after [DONE]")
+
+    async def run() -> list[str]:
+        lines = SSELines(broken())
+        got = [await lines.line(), await lines.line(), await lines.line()]
+        await lines.drain(1.0)  # the answer is out: an error here is nobody's business
+        return got
+
+    assert asyncio.run(run()) == ["data: a", "data: b", "data: c"]

@@ -59,3 +59,10 @@ def test_hold_back_is_capped_by_the_window() -> None:
     guard = OutputGuard(RulesFilter({"long": ["start.{0,500}end"]}), window=16)
     out = guard.push("start" + "x" * 40)
     assert out == ("start" + "x" * 40)[:-16]
+
+
+def test_a_match_longer_than_the_window_is_still_blocked() -> None:
+    guard = OutputGuard(RulesFilter({"long": ["alpha.{0,30}omega"]}), window=24)
+    out = "".join(guard.push(part) for part in ["alpha ", "x" * 10, " y" * 5, "z" * 8, " omega"])
+    assert guard.blocked == "long"  # the window forced some of it out, not the end
+    assert "omega" not in out
