@@ -83,6 +83,23 @@ def test_linear_uses_the_quantized_weights_for_few_rows_only() -> None:
     assert calls == [1, 4]  # 5 and 64 rows: the dense weight
 
 
+def test_packed_weights_give_the_dense_products_and_replace_the_dense_copy() -> None:
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        pytest.skip("this torch has no oneDNN")
+    linear = Linear(128, 96)
+    with torch.no_grad():
+        linear.weight.copy_(torch.from_numpy(_weights()))
+    linear.weight.data = linear.weight.data.bfloat16()
+    dense = linear.weight.detach().clone()
+    x = {rows: torch.randn(rows, 128).bfloat16() for rows in (1, 8, 33)}
+    expected = {rows: torch.nn.functional.linear(v, dense) for rows, v in x.items()}
+    linear.use_packed_layout()
+    assert linear.weight.device.type == "meta" and linear.weight.shape == (96, 128)
+    assert torch.equal(linear.weight_out_in, dense)  # unpacked on demand, exactly
+    for rows, v in x.items():
+        assert torch.equal(linear(v), expected[rows])
+
+
 def test_auto_precision_on_the_built_in_model_is_the_files_four_bits() -> None:
     if not (
         torch.cpu.get_capabilities().get("avx512_bf16")
