@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 from sendpath import __version__
 from sendpath.bench.command import add_bench_args, run_bench
 from sendpath.chat import add_chat_args, run_chat
+from sendpath.engine.args import add_engine_args
 from sendpath.errors import SendpathError
 from sendpath.launch import (
     add_connection_args,
-    add_engine_args,
     add_gateway_args,
     run_gateway,
     run_replica,

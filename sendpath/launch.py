@@ -14,99 +14,20 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 from sendpath.config import (
-    CacheConfig,
     ConnectionLimits,
-    EngineConfig,
     GatewayConfig,
-    SchedulerConfig,
 )
+from sendpath.engine.args import engine_argv, engine_config
 
 __all__ = [
-    "add_engine_args",
     "add_gateway_args",
-    "engine_argv",
-    "engine_config",
     "gateway_config",
     "run_gateway",
     "run_replica",
     "run_serve",
 ]
-
-
-# The replica's engine flags: (flag, argparse options). `serve` passes them on to replicas.
-ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
-    ("--model", {"help": "GGUF file or HF directory (default: built-in SmolLM2-135M-Instruct)"}),
-    ("--served-model-name", {"help": "the model id clients send (default: from the path)"}),
-    (
-        "--dtype",
-        {
-            "default": "auto",
-            "choices": ["auto", "float32", "bfloat16", "float16"],
-            "help": "activations and dense weights (auto: bfloat16 on CUDA and on CPUs that "
-            "compute it natively, else float32)",
-        },
-    ),
-    (
-        "--quantization",
-        {
-            "default": "auto",
-            "choices": ["auto", "none", "int8", "int4"],
-            "help": "low-precision weights for small steps (auto: the model's own four-bit "
-            "weights on a CPU with bfloat16, where the file ships them)",
-        },
-    ),
-    ("--device", {"help": "cpu or cuda (default: cuda if available)"}),
-    ("--max-model-len", {"type": int, "help": "context window (default: the model's)"}),
-    ("--max-num-seqs", {"type": int, "default": 64, "help": "most requests in one batch"}),
-    (
-        "--max-num-batched-tokens",
-        {"type": int, "default": 512, "help": "token budget of one engine step"},
-    ),
-    ("--max-queued-requests", {"type": int, "help": "past this many waiting, answer 503"}),
-    (
-        "--long-prefill-token-threshold",
-        {"type": int, "help": "cap one prompt's prefill chunk per step (mixed loads)"},
-    ),
-    ("--block-size", {"type": int, "default": 16, "help": "KV cache block size in tokens"}),
-    (
-        "--kv-cache-memory-gib",
-        {"type": float, "default": 1.0, "help": "memory for the KV cache"},
-    ),
-    ("--no-prefix-caching", {"action": "store_true", "help": "turn prefix caching off"}),
-    (
-        "--scheduling-policy",
-        {"default": "fcfs", "choices": ["fcfs", "priority"], "help": "engine queue order"},
-    ),
-    (
-        "--stuck-step-timeout",
-        {
-            "type": float,
-            "default": 120.0,
-            "metavar": "S",
-            "help": "an engine step running longer than S seconds means the engine is stuck: "
-            "the replica reports it on /health and /ready and exits (120)",
-        },
-    ),
-]
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    for flag, options in ENGINE_FLAGS:
-        p.add_argument(flag, **options)
-
-
-def engine_argv(args: argparse.Namespace) -> list[str]:
-    """The engine flags of ``args`` as a replica command line (only those not at default)."""
-    out: list[str] = []
-    for flag, options in ENGINE_FLAGS:
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value is None or value == options.get("default") or value is False:
-            continue
-        out += [flag] if value is True else [flag, str(value)]
-    return out
 
 
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
@@ -363,29 +284,6 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 def _ignore(signum: int, frame: FrameType | None) -> None:
     pass
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig the engine flags describe (raises ValueError on a bad value)."""
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_queued_requests=args.max_queued_requests,
-            policy=args.scheduling_policy,
-            long_prefill_token_threshold=args.long_prefill_token_threshold,
-        ),
-        cache=CacheConfig(
-            block_size=args.block_size,
-            kv_cache_memory_gib=args.kv_cache_memory_gib,
-            enable_prefix_caching=not args.no_prefix_caching,
-        ),
-    )
 
 
 def add_connection_args(p: argparse.ArgumentParser) -> None:

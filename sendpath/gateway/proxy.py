@@ -16,7 +16,8 @@ token within ``first_token_s``, or its health check says its engine is stuck (50
 replica answers). After a timeout or a stuck replica the next replica is tried even past
 the retry window (the wait was the replica's, and each is tried once). A failure the
 request itself caused is never retried: any 4xx, and ``request_failed`` (the engine
-stopped that request alone). After the first token, ``relay.StreamRelay`` takes over.
+stopped that request alone). One try is ``attempt.Attempt``; after the first token,
+``relay.StreamRelay`` takes over.
 
 If the client leaves while its request is at a replica (a stream before its first token,
 or a whole answer at any time: a replica sends a whole answer's headers only when it is
@@ -27,25 +28,24 @@ name, and an upstream 5xx whose body is not one of our known errors is replaced 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from sendpath.api.errors import error_body
 from sendpath.api.schema import DEFAULT_CAP_HEADER
 from sendpath.errors import SendpathError, ServiceUnavailableError
-from sendpath.gateway.chunks import SSELines, answer_text, numbers, read_head
+from sendpath.gateway.attempt import Attempt, Retry, UpstreamTimeoutError, body_sent
+from sendpath.gateway.chunks import numbers
 from sendpath.gateway.context import GatewayContext, context
-from sendpath.gateway.relay import StreamRelay
 from sendpath.gateway.safety import OutputGuard
-from sendpath.router.policy import RouteRequest, route_request
+from sendpath.router.policy import route_request
 from sendpath.router.pool import Endpoint
 from sendpath.router.router import Router
 from sendpath.server.responses import server_timing
@@ -54,22 +54,11 @@ __all__ = ["Proxy", "ProxyTimeouts", "UpstreamTimeoutError"]
 
 logger = logging.getLogger("sendpath.gateway")
 
-T = TypeVar("T")
 
-# Response headers worth passing on from a replica.
-_PASS_HEADERS = ("retry-after", "x-request-id")
 # Error codes whose bodies pass through as the replica wrote them (ours: no internals).
 _KNOWN_CODES = frozenset(
     {"queue_full", "service_unavailable", "request_failed", "internal_error", "model_not_found"}
 )
-
-
-class UpstreamTimeoutError(SendpathError):
-    """No replica produced a first token in time (HTTP 504)."""
-
-    type = "timeout"
-    code = "upstream_timeout"
-    status_code = 504
 
 
 class UpstreamError(SendpathError):
@@ -91,36 +80,9 @@ class ProxyTimeouts:
     retry_deadline_s: float = 30.0  # retries (before the first token) stop after this
 
 
-@dataclass
-class _Retry:
-    """An attempt that did not answer: try another replica, else hand back ``response``
-    (``late``: the replica timed out or got stuck, so try another even past the window)."""
-
-    response: Response | None = None
-    late: bool = False
-
-
-class _Gone(Exception):
-    """The client disconnected while its request was at a replica."""
-
-
-class _Stuck(Exception):
-    """The replica's health check says its engine is stuck: nothing will come back."""
-
-
-STUCK_POLL_S = 0.5  # how often an attempt waiting at a replica looks at its health
 # An idle pooled connection is dropped after this: before the replica's own keep-alive
 # bound (uvicorn's 5 s) closes it under a request (aiohttp does not resend a POST)
 KEEPALIVE_S = 4.0
-
-
-async def _body_sent(
-    session: aiohttp.ClientSession, trace: Any, params: aiohttp.TraceRequestChunkSentParams
-) -> None:
-    """aiohttp's trace hook: the attempt's request body went out now."""
-    attempt = trace.trace_request_ctx
-    if isinstance(attempt, _Attempt):
-        attempt.sent = attempt.ctx.clock.now()
 
 
 class Proxy:
@@ -146,7 +108,7 @@ class Proxy:
         """The pooled client (each replica's key goes per request)."""
         if self._session is None:
             trace = aiohttp.TraceConfig()
-            trace.on_request_chunk_sent.append(_body_sent)
+            trace.on_request_chunk_sent.append(body_sent)
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
                 timeout=aiohttp.ClientTimeout(sock_connect=self.timeouts.connect_s),
@@ -187,9 +149,9 @@ class Proxy:
                 break
             tried.add(endpoint.index)
             ctx.replica, ctx.replica_name = endpoint.url, endpoint.name
-            attempt = _Attempt(self, ctx, request, endpoint, body, headers, wants_usage, route)
+            attempt = Attempt(self, ctx, request, endpoint, body, headers, wants_usage, route)
             answer = await attempt.run()
-            if not isinstance(answer, _Retry):
+            if not isinstance(answer, Retry):
                 answer.headers["x-sendpath-replica"] = endpoint.name
                 return answer
             fallback, late = answer.response or fallback, answer.late
@@ -208,7 +170,7 @@ class Proxy:
         status: int,
         raw: bytes,
         headers: dict[str, str],
-    ) -> Response | _Retry:
+    ) -> Response | Retry:
         """A replica's error answer: the client's fault is final; busy or broken, retry."""
         try:
             code = json.loads(raw)["error"]["code"]
@@ -221,7 +183,7 @@ class Proxy:
                 f"{endpoint.name} could not be used (it refused the gateway's credentials); "
                 f"the operator should check --replica-api-key (request id {ctx.request_id})."
             )
-            return _Retry(JSONResponse(error_body(error), status_code=error.status_code))
+            return Retry(JSONResponse(error_body(error), status_code=error.status_code))
         if status < 500 and status != 429:
             return Response(raw, status, headers, media_type="application/json")
         if code == "request_failed":  # the request's own failure: the replica is fine
@@ -236,7 +198,7 @@ class Proxy:
             status = error.status_code
         if status >= 500 and code != "queue_full":
             self.router.failed(endpoint, f"HTTP {status}")
-        return _Retry(Response(raw, status, headers, media_type="application/json"))
+        return Retry(Response(raw, status, headers, media_type="application/json"))
 
     def answer(
         self, ctx: GatewayContext, data: dict[str, Any], headers: dict[str, str]
@@ -263,183 +225,3 @@ class Proxy:
         headers["Server-Timing"] = server_timing(data["timings"])
         self.on_done(ctx)
         return JSONResponse(data, headers=headers)
-
-
-@dataclass
-class _Attempt:
-    """One try of one request on one replica."""
-
-    proxy: Proxy
-    ctx: GatewayContext
-    request: Request
-    endpoint: Endpoint
-    body: dict[str, Any]
-    headers: dict[str, str]
-    wants_usage: bool
-    route: RouteRequest
-
-    def __post_init__(self) -> None:
-        self.held = False
-        self.upstream: aiohttp.ClientResponse | None = None
-        self.streaming = self.body.get("stream") is True
-        self.sent = 0.0  # when the request body went out (``_body_sent``)
-        self.passed: dict[str, str] = {}  # the replica's headers the client gets
-        self.lines: SSELines | None = None
-
-    def release(self) -> None:
-        """Give the endpoint's in-flight slot back (once)."""
-        if self.held:
-            self.held = False
-            self.endpoint.in_flight -= 1
-
-    async def run(self) -> Response | _Retry:
-        """Send the request and read up to its first token (or its whole answer)."""
-        proxy, ctx, endpoint = self.proxy, self.ctx, self.endpoint
-        endpoint.in_flight += 1
-        self.held = True
-        keep_open = False  # only a stream that started stays open, for the relay
-        limit = proxy.timeouts.first_token_s if self.streaming else None
-        try:
-            async with asyncio.timeout(limit):
-                outcome = await _unless_gone(self._exchange(), self.request, endpoint)
-            if isinstance(outcome, list):  # a stream's head: its first token is there
-                keep_open = True
-                return self._relay(outcome)
-            return outcome
-        except _Gone:  # closing the upstream connection aborts the request there
-            return Response(status_code=499)
-        except aiohttp.ServerTimeoutError as exc:  # connect (a TimeoutError too): next one
-            proxy.router.failed(endpoint, f"{type(exc).__name__}: {exc}")
-            return _Retry()
-        except (TimeoutError, _Stuck) as exc:
-            if isinstance(exc, _Stuck):
-                why = "a stuck engine"
-            elif self.streaming:
-                why = f"no first token within {proxy.timeouts.first_token_s:g} s"
-            else:
-                why = f"no answer within {proxy.timeouts.whole_answer_s:g} s"
-            proxy.router.failed(endpoint, why)
-            return _Retry(_timeout_response(ctx, endpoint, why), late=True)
-        except (aiohttp.ClientError, StopAsyncIteration, ValueError) as exc:
-            proxy.router.failed(endpoint, f"{type(exc).__name__}: {exc}")
-            return _Retry()
-        finally:
-            if not keep_open:
-                if self.upstream is not None:
-                    self.upstream.release()  # to the pool if read whole, else closed
-                self.release()
-
-    async def _exchange(self) -> Response | _Retry | list[str]:
-        """The upstream call: a final answer, a retry, or a stream's head to relay."""
-        proxy, ctx, endpoint = self.proxy, self.ctx, self.endpoint
-        # The replica's arrival on this clock: its x-sendpath-clock header when that reading
-        # falls inside this attempt (same host, same monotonic clock); otherwise the moment
-        # the request body was sent.
-        t0 = self.sent = ctx.clock.now()
-        url = endpoint.url + self.request.url.path
-        headers = {**self.headers, **endpoint.headers, "content-type": "application/json"}
-        self.upstream = upstream = await proxy.session().post(
-            url,
-            data=json.dumps(self.body).encode(),
-            headers=headers,
-            timeout=aiohttp.ClientTimeout(
-                total=None if self.streaming else proxy.timeouts.whole_answer_s,
-                sock_connect=proxy.timeouts.connect_s,
-            ),
-            trace_request_ctx=self,
-        )
-        ctx.reached_replica = True
-        self.passed = {k: v for k, v in upstream.headers.items() if k.lower() in _PASS_HEADERS}
-        ctx.replica_arrival = _arrival(upstream.headers, t0, ctx.clock.now(), self.sent)
-        ctx.replica_request_id = upstream.headers.get("x-request-id")
-        if upstream.status != 200:
-            raw = await upstream.read()
-            return proxy.refused(ctx, endpoint, upstream.status, raw, self.passed)
-        if not self.streaming:
-            data = json.loads(await upstream.read())
-            ctx.end = ctx.clock.now()
-            proxy.router.succeeded(endpoint)
-            proxy.router.answered(self.route, endpoint, answer_text(data))
-            return proxy.answer(ctx, data, self.passed)
-        self.lines = SSELines(upstream.content.iter_any())
-        head = await read_head(self.lines)
-        if (error := _error_event(head)) is not None:  # a 200 that opens with an error
-            status, raw = error
-            return proxy.refused(ctx, endpoint, status, raw, self.passed)
-        return head
-
-    def _relay(self, head: list[str]) -> StreamingResponse:
-        proxy = self.proxy
-        assert self.upstream is not None and self.lines is not None
-        proxy.router.succeeded(self.endpoint)
-        relay = StreamRelay(
-            self.ctx, proxy.router, self.endpoint, self.route, self.upstream, self.lines, head,
-            proxy.guard() if proxy.guard is not None else None, self.wants_usage,
-            proxy.timeouts.between_tokens_s, self.release, proxy.on_done,
-        )  # fmt: skip
-        return StreamingResponse(
-            relay.events(), media_type="text/event-stream", headers=self.passed
-        )
-
-
-def _error_event(head: list[str]) -> tuple[int, bytes] | None:
-    """(status, body) when a stream's head ends in an error event instead of a token."""
-    last = head[-1][5:].strip() if head else ""
-    if not last.startswith("{"):
-        return None
-    error = json.loads(last).get("error")
-    if not isinstance(error, dict):
-        return None
-    code = error.get("code")
-    if isinstance(code, int) and 400 <= code < 600:  # vLLM puts the status here
-        status = code
-    else:
-        status = {"request_failed": 500, "queue_full": 503, "service_unavailable": 503}.get(
-            str(code), 502
-        )
-    return status, json.dumps({"error": error}).encode()
-
-
-def _timeout_response(ctx: GatewayContext, endpoint: Endpoint, why: str) -> Response:
-    error = UpstreamTimeoutError(
-        f"{endpoint.name} produced {why}; the fleet may be overloaded. Retry the request "
-        f"(request id {ctx.request_id})."
-    )
-    return JSONResponse(error_body(error), status_code=error.status_code)
-
-
-def _arrival(headers: Mapping[str, str], start: float, now: float, sent: float) -> float:
-    """When the replica got the request, on this process's clock."""
-    try:
-        reported = float(headers.get("x-sendpath-clock", "nan"))
-    except ValueError:
-        return sent
-    return reported if start <= reported <= now else sent
-
-
-async def _unless_gone(work: Awaitable[T], request: Request, endpoint: Endpoint) -> T:
-    """The result of ``work``; raises ``_Gone`` if the client disconnected first, ``_Stuck``
-    if the replica's health check found its engine stuck first (then ``work`` is
-    cancelled: nothing is left running, whatever ends this wait)."""
-
-    async def gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    async def stuck() -> None:
-        while not endpoint.stuck:
-            await asyncio.sleep(STUCK_POLL_S)
-
-    task = asyncio.ensure_future(work)
-    watches = {asyncio.ensure_future(gone()), asyncio.ensure_future(stuck())}
-    try:
-        await asyncio.wait({task, *watches}, return_when=asyncio.FIRST_COMPLETED)
-    finally:  # also when this task is cancelled (a timeout)
-        for watch in watches:
-            watch.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.wait({task})
-    if task.cancelled():
-        raise _Stuck() if endpoint.stuck else _Gone()
-    return task.result()

@@ -6,7 +6,8 @@ is stuck in one step for over ``stuck_step_s``), ``/ready`` whether it takes req
 (200 only when loaded, stepping and not draining): a balancer routes on ``/ready``.
 ``/load`` and ``/metrics`` answer from the engine's last snapshot, never waiting for a
 step. Requests are read by ``protocol.py`` (the shared schema, published in
-``/openapi.json``) and answered by ``generate.py``. With an API key
+``/openapi.json``) and answered by ``generate.py``; the replica's state (engine, status,
+traces) is ``replica.py``. With an API key
 (``ReplicaConfig.api_key``), ``/v1/*``, ``/tokenize`` and ``/detokenize`` need it.
 
 If the engine stops while serving (the device failed: a request's own failure never stops
@@ -22,7 +23,6 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -50,127 +50,19 @@ from sendpath.errors import (
     InvalidRequestError,
     ModelNotFoundError,
     RequestTooLargeError,
-    ServiceUnavailableError,
     TraceNotFoundError,
 )
-from sendpath.request import Request as EngineRequest
 from sendpath.server.generate import serve_generation
-from sendpath.server.metrics import ReplicaMetrics
 from sendpath.server.protocol import parse_chat, parse_completion
-from sendpath.server.responses import timings_ms
-from sendpath.trace import TraceStore, event_log
+from sendpath.server.replica import Replica, served_name
 
-__all__ = ["Replica", "create_app", "served_name"]
+__all__ = ["Replica", "create_app", "served_name"]  # the first and last from replica.py
 
 logger = logging.getLogger("sendpath.replica")
 
+
 PROTECTED = ("/v1/", "/tokenize", "/detokenize")  # what --api-key guards
 LARGE_BODY = 256 * 1024  # parsed on a worker thread above this, not on the event loop
-WATCH_INTERVAL_S = 0.5
-
-
-def served_name(config: ReplicaConfig) -> str:
-    """The model id clients send: the flag, else the file or directory name."""
-    if config.served_model_name:
-        return config.served_model_name
-    if config.engine.model is None:
-        return "SmolLM2-135M-Instruct"
-    path = Path(config.engine.model)
-    return path.stem if path.suffix == ".gguf" else path.name
-
-
-class Replica:
-    """The app's state: the engine once loaded, and whether it takes requests."""
-
-    def __init__(self, config: ReplicaConfig, engine: AsyncEngine | None = None) -> None:
-        self.config = config
-        self.model_name = served_name(config)
-        self.engine = engine
-        self.draining = False
-        self.load_error: BaseException | None = None
-        self.metrics = ReplicaMetrics()
-        self.traces: TraceStore[dict[str, Any]] = TraceStore()
-        self.active: TraceStore[EngineRequest] = TraceStore()  # in flight, by response id
-
-    def finished(self, response_id: str, request: EngineRequest, reason: str) -> None:
-        """Record a finished request: metrics, and its trace for ``/v1/traces/{id}``."""
-        self.metrics.observe(request)
-        self.metrics.ended.labels(reason).inc()
-        events = request.timeline.events
-        self.traces.put(
-            response_id,
-            {
-                "id": response_id,
-                "object": "replica.trace",
-                "clock": events[0].time if events else None,
-                "timings": timings_ms(request),
-                "events": event_log(request.timeline),
-            },
-        )
-
-    @property
-    def status(self) -> str:
-        if self.load_error is not None:
-            return "failed"
-        if self.draining:
-            return "draining"
-        if self.engine is None:
-            return "loading"
-        if not self.engine.is_running:
-            return "failed"
-        return "stuck" if self.engine.step_seconds() > self.config.stuck_step_s else "ok"
-
-    async def load(self) -> None:
-        config = self.config.engine
-        try:  # the model is made on the engine's own thread, where it will run
-            engine = await asyncio.to_thread(
-                AsyncEngine.build, lambda: EngineCore.from_config(config)
-            )
-        except BaseException as exc:
-            self.load_error = exc
-            logger.error("the model could not be loaded, /health says 'failed': %s", exc)
-            return
-        self.engine = engine
-        runs = self.runs_on()
-        logger.info(
-            "%s loaded: %s, %s weights, quantization %s (%s); decode attention: %s",
-            self.model_name,
-            runs.get("device"),
-            runs.get("dtype"),
-            runs.get("quantization"),
-            runs.get("precision_reason"),
-            runs.get("decode_attention"),
-        )
-
-    def runs_on(self) -> dict[str, Any]:
-        """What the engine runs on and in (the model runner's ``describe()``)."""
-        describe = getattr(self.engine.core.runner, "describe", None) if self.engine else None
-        found: dict[str, Any] = describe() if describe is not None else {}
-        return found
-
-    def ready_engine(self) -> AsyncEngine:
-        if self.engine is None or self.status != "ok":
-            raise ServiceUnavailableError(f"The server is {self.status}; retry in a moment.")
-        return self.engine
-
-    async def watch(self, on_failure: Callable[[], None]) -> None:
-        """Call ``on_failure`` once if the engine stops, or gets stuck, while serving."""
-        while True:
-            await asyncio.sleep(WATCH_INTERVAL_S)
-            engine, status = self.engine, self.status
-            if engine is None or self.draining or status not in ("failed", "stuck"):
-                continue
-            if status == "failed":
-                logger.error("the engine stopped (%s): this replica exits", engine.error)
-            else:
-                logger.error(
-                    "an engine step has run for %.0f s (over %g s): the engine is stuck and "
-                    "this replica exits",
-                    engine.step_seconds(),
-                    self.config.stuck_step_s,
-                )
-            on_failure()
-            return
 
 
 class ApiKeyMiddleware:

@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from sendpath.launch import add_engine_args, engine_config
+from sendpath.engine.args import add_engine_args, engine_config
 from sendpath.sim.cost_model import Calibrated, ProfilePoint
 from sendpath.sim.profile import DEFAULT_GRID, QUICK_GRID, profile
 from sendpath.sim.profile_served import DEFAULT_SERVED, QUICK_SERVED, profile_served

@@ -1,0 +1,253 @@
+"""One try of one request on one replica, up to its first token (or its whole answer).
+
+``Attempt.run`` sends the body over the proxy's pooled client and reads until the first
+token exists; its outcome is the client's response, a stream's head for the relay, or a
+``Retry`` (try another replica; ``proxy.py`` decides). It watches the client (a
+disconnect closes the upstream connection, which aborts the request there) and the
+replica's health (a stuck engine is given up on at once), within the first-token timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import aiohttp
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from sendpath.api.errors import error_body
+from sendpath.errors import SendpathError
+from sendpath.gateway.chunks import SSELines, answer_text, read_head
+from sendpath.gateway.context import GatewayContext
+from sendpath.gateway.relay import StreamRelay
+from sendpath.router.policy import RouteRequest
+from sendpath.router.pool import Endpoint
+
+if TYPE_CHECKING:
+    from sendpath.gateway.proxy import Proxy
+
+__all__ = ["Attempt", "Retry", "UpstreamTimeoutError", "body_sent"]
+
+T = TypeVar("T")
+PASS_HEADERS = ("retry-after", "x-request-id")  # a replica's headers the client gets
+
+
+class UpstreamTimeoutError(SendpathError):
+    """No replica produced a first token in time (HTTP 504)."""
+
+    type = "timeout"
+    code = "upstream_timeout"
+    status_code = 504
+
+
+@dataclass
+class Retry:
+    """An attempt that did not answer: try another replica, else hand back ``response``
+    (``late``: the replica timed out or got stuck, so try another even past the window)."""
+
+    response: Response | None = None
+    late: bool = False
+
+
+class _Gone(Exception):
+    """The client disconnected while its request was at a replica."""
+
+
+class _Stuck(Exception):
+    """The replica's health check says its engine is stuck: nothing will come back."""
+
+
+STUCK_POLL_S = 0.5  # how often an attempt waiting at a replica looks at its health
+
+
+async def body_sent(
+    session: aiohttp.ClientSession, trace: Any, params: aiohttp.TraceRequestChunkSentParams
+) -> None:
+    """aiohttp's trace hook: the attempt's request body went out now."""
+    attempt = trace.trace_request_ctx
+    if isinstance(attempt, Attempt):
+        attempt.sent = attempt.ctx.clock.now()
+
+
+@dataclass
+class Attempt:
+    """One try of one request on one replica."""
+
+    proxy: Proxy
+    ctx: GatewayContext
+    request: Request
+    endpoint: Endpoint
+    body: dict[str, Any]
+    headers: dict[str, str]
+    wants_usage: bool
+    route: RouteRequest
+
+    def __post_init__(self) -> None:
+        self.held = False
+        self.upstream: aiohttp.ClientResponse | None = None
+        self.streaming = self.body.get("stream") is True
+        self.sent = 0.0  # when the request body went out (``body_sent``)
+        self.passed: dict[str, str] = {}  # the replica's headers the client gets
+        self.lines: SSELines | None = None
+
+    def release(self) -> None:
+        """Give the endpoint's in-flight slot back (once)."""
+        if self.held:
+            self.held = False
+            self.endpoint.in_flight -= 1
+
+    async def run(self) -> Response | Retry:
+        """Send the request and read up to its first token (or its whole answer)."""
+        proxy, ctx, endpoint = self.proxy, self.ctx, self.endpoint
+        endpoint.in_flight += 1
+        self.held = True
+        keep_open = False  # only a stream that started stays open, for the relay
+        limit = proxy.timeouts.first_token_s if self.streaming else None
+        try:
+            async with asyncio.timeout(limit):
+                outcome = await _unless_gone(self._exchange(), self.request, endpoint)
+            if isinstance(outcome, list):  # a stream's head: its first token is there
+                keep_open = True
+                return self._relay(outcome)
+            return outcome
+        except _Gone:  # closing the upstream connection aborts the request there
+            return Response(status_code=499)
+        except aiohttp.ServerTimeoutError as exc:  # connect (a TimeoutError too): next one
+            proxy.router.failed(endpoint, f"{type(exc).__name__}: {exc}")
+            return Retry()
+        except (TimeoutError, _Stuck) as exc:
+            if isinstance(exc, _Stuck):
+                why = "a stuck engine"
+            elif self.streaming:
+                why = f"no first token within {proxy.timeouts.first_token_s:g} s"
+            else:
+                why = f"no answer within {proxy.timeouts.whole_answer_s:g} s"
+            proxy.router.failed(endpoint, why)
+            return Retry(_timeout_response(ctx, endpoint, why), late=True)
+        except (aiohttp.ClientError, StopAsyncIteration, ValueError) as exc:
+            proxy.router.failed(endpoint, f"{type(exc).__name__}: {exc}")
+            return Retry()
+        finally:
+            if not keep_open:
+                if self.upstream is not None:
+                    self.upstream.release()  # to the pool if read whole, else closed
+                self.release()
+
+    async def _exchange(self) -> Response | Retry | list[str]:
+        """The upstream call: a final answer, a retry, or a stream's head to relay."""
+        proxy, ctx, endpoint = self.proxy, self.ctx, self.endpoint
+        # The replica's arrival on this clock: its x-sendpath-clock header when that reading
+        # falls inside this attempt (same host, same monotonic clock); otherwise the moment
+        # the request body was sent.
+        t0 = self.sent = ctx.clock.now()
+        url = endpoint.url + self.request.url.path
+        headers = {**self.headers, **endpoint.headers, "content-type": "application/json"}
+        self.upstream = upstream = await proxy.session().post(
+            url,
+            data=json.dumps(self.body).encode(),
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(
+                total=None if self.streaming else proxy.timeouts.whole_answer_s,
+                sock_connect=proxy.timeouts.connect_s,
+            ),
+            trace_request_ctx=self,
+        )
+        ctx.reached_replica = True
+        self.passed = {k: v for k, v in upstream.headers.items() if k.lower() in PASS_HEADERS}
+        ctx.replica_arrival = _arrival(upstream.headers, t0, ctx.clock.now(), self.sent)
+        ctx.replica_request_id = upstream.headers.get("x-request-id")
+        if upstream.status != 200:
+            raw = await upstream.read()
+            return proxy.refused(ctx, endpoint, upstream.status, raw, self.passed)
+        if not self.streaming:
+            data = json.loads(await upstream.read())
+            ctx.end = ctx.clock.now()
+            proxy.router.succeeded(endpoint)
+            proxy.router.answered(self.route, endpoint, answer_text(data))
+            return proxy.answer(ctx, data, self.passed)
+        self.lines = SSELines(upstream.content.iter_any())
+        head = await read_head(self.lines)
+        if (error := _error_event(head)) is not None:  # a 200 that opens with an error
+            status, raw = error
+            return proxy.refused(ctx, endpoint, status, raw, self.passed)
+        return head
+
+    def _relay(self, head: list[str]) -> StreamingResponse:
+        proxy = self.proxy
+        assert self.upstream is not None and self.lines is not None
+        proxy.router.succeeded(self.endpoint)
+        relay = StreamRelay(
+            self.ctx, proxy.router, self.endpoint, self.route, self.upstream, self.lines, head,
+            proxy.guard() if proxy.guard is not None else None, self.wants_usage,
+            proxy.timeouts.between_tokens_s, self.release, proxy.on_done,
+        )  # fmt: skip
+        return StreamingResponse(
+            relay.events(), media_type="text/event-stream", headers=self.passed
+        )
+
+
+def _error_event(head: list[str]) -> tuple[int, bytes] | None:
+    """(status, body) when a stream's head ends in an error event instead of a token."""
+    last = head[-1][5:].strip() if head else ""
+    if not last.startswith("{"):
+        return None
+    error = json.loads(last).get("error")
+    if not isinstance(error, dict):
+        return None
+    code = error.get("code")
+    if isinstance(code, int) and 400 <= code < 600:  # vLLM puts the status here
+        status = code
+    else:
+        status = {"request_failed": 500, "queue_full": 503, "service_unavailable": 503}.get(
+            str(code), 502
+        )
+    return status, json.dumps({"error": error}).encode()
+
+
+def _timeout_response(ctx: GatewayContext, endpoint: Endpoint, why: str) -> Response:
+    error = UpstreamTimeoutError(
+        f"{endpoint.name} produced {why}; the fleet may be overloaded. Retry the request "
+        f"(request id {ctx.request_id})."
+    )
+    return JSONResponse(error_body(error), status_code=error.status_code)
+
+
+def _arrival(headers: Mapping[str, str], start: float, now: float, sent: float) -> float:
+    """When the replica got the request, on this process's clock."""
+    try:
+        reported = float(headers.get("x-sendpath-clock", "nan"))
+    except ValueError:
+        return sent
+    return reported if start <= reported <= now else sent
+
+
+async def _unless_gone(work: Awaitable[T], request: Request, endpoint: Endpoint) -> T:
+    """The result of ``work``; raises ``_Gone`` if the client disconnected first, ``_Stuck``
+    if the replica's health check found its engine stuck first (then ``work`` is
+    cancelled: nothing is left running, whatever ends this wait)."""
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    async def stuck() -> None:
+        while not endpoint.stuck:
+            await asyncio.sleep(STUCK_POLL_S)
+
+    task = asyncio.ensure_future(work)
+    watches = {asyncio.ensure_future(gone()), asyncio.ensure_future(stuck())}
+    try:
+        await asyncio.wait({task, *watches}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this task is cancelled (a timeout)
+        for watch in watches:
+            watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+    if task.cancelled():
+        raise _Stuck() if endpoint.stuck else _Gone()
+    return task.result()

@@ -1,0 +1,184 @@
+"""Reading a GGUF file: its config, its weights (dequantized to float32 with the ``gguf``
+package, q/k rows permuted back from llama.cpp's interleaved-RoPE layout to the Hugging
+Face one), its tokenizer, and the four-bit codes of its Q4_0 / Q4_1 tensors as they ship
+(for ``precision.py``'s int4 weights)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from sendpath.errors import ModelLoadError, UnsupportedModelError
+from sendpath.model.gguf_tokenizer import tokenizer_from_gguf
+from sendpath.model.llama import LlamaConfig, RopeScaling
+from sendpath.model.precision import Codes
+from sendpath.model.quant import q4_0_codes, q4_1_codes
+from sendpath.model.tokenizer import Tokenizer
+
+__all__ = ["read_gguf"]
+
+_GGUF_QUANTS = {
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "Q8_K",
+    "Q2_K",
+    "Q3_K",
+}
+
+
+def read_gguf(
+    path: Path,
+) -> tuple[LlamaConfig, dict[str, torch.Tensor], Tokenizer, str, dict[str, Codes]]:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:  # gguf raises ValueError/struct.error/OSError on bad files
+        raise ModelLoadError(
+            f"Could not read {str(path)!r} as a GGUF file ({type(exc).__name__}: {exc}). "
+            "Check that the file is complete and really a GGUF model."
+        ) from exc
+    meta = {
+        k: _field_value(f) for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")
+    }
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise UnsupportedModelError(
+            f"{path.name}: architecture {arch!r} is not supported; sendpath runs Llama-family "
+            "models (general.architecture = 'llama')."
+        )
+    n_heads = int(meta["llama.attention.head_count"])
+    n_kv = int(meta.get("llama.attention.head_count_kv", n_heads))
+    hidden = int(meta["llama.embedding_length"])
+    tensors: dict[str, np.ndarray[Any, Any]] = {}
+    four_bit: dict[str, Codes] = {}  # the Q4_0 / Q4_1 tensors' own codes, by GGUF name
+    for t in reader.tensors:
+        if t.tensor_type.name not in _GGUF_QUANTS:
+            raise UnsupportedModelError(
+                f"{path.name}: tensor {t.name} uses quantization {t.tensor_type.name}, "
+                f"which sendpath cannot dequantize; supported: {sorted(_GGUF_QUANTS)}."
+            )
+        tensors[t.name] = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a copy
+        if t.tensor_type.name in ("Q4_0", "Q4_1") and len(t.data.shape) == 2:
+            read = q4_1_codes if t.tensor_type.name == "Q4_1" else q4_0_codes
+            four_bit[t.name] = read(t.data)
+    vocab = int(meta.get("llama.vocab_size", tensors["token_embd.weight"].shape[0]))
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(meta["llama.feed_forward_length"]),
+        num_layers=int(meta["llama.block_count"]),
+        num_heads=n_heads,
+        num_kv_heads=n_kv,
+        head_dim=int(meta.get("llama.attention.key_length", hidden // n_heads)),
+        rms_norm_eps=float(meta["llama.attention.layer_norm_rms_epsilon"]),
+        rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(meta["llama.context_length"]),
+        tie_word_embeddings="output.weight" not in tensors,
+        rope_scaling=_gguf_rope_scaling(meta),
+    )
+
+    def unpermute(w: np.ndarray[Any, Any], heads: int) -> torch.Tensor:
+        # llama.cpp stored rows as (head, Dh/2, 2); HF's rotate-half layout is (head, 2, Dh/2).
+        rows = w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:])
+        return torch.from_numpy(np.ascontiguousarray(rows.swapaxes(1, 2)).reshape(w.shape))
+
+    weights = {
+        "embed_tokens.weight": torch.from_numpy(tensors["token_embd.weight"]),
+        "norm.weight": torch.from_numpy(tensors["output_norm.weight"]),
+    }
+    if "output.weight" in tensors:
+        weights["lm_head.weight"] = torch.from_numpy(tensors["output.weight"])
+    names = {
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_v": "self_attn.v_proj",
+    }
+    try:
+        for i in range(config.num_layers):
+            src, dst = f"blk.{i}.", f"layers.{i}."
+            weights[dst + "self_attn.q_proj.weight"] = unpermute(
+                tensors[src + "attn_q.weight"], n_heads
+            )
+            weights[dst + "self_attn.k_proj.weight"] = unpermute(
+                tensors[src + "attn_k.weight"], n_kv
+            )
+            for g, h in names.items():
+                weights[dst + h + ".weight"] = torch.from_numpy(tensors[src + g + ".weight"])
+    except KeyError as exc:
+        raise ModelLoadError(
+            f"{path.name}: missing tensor {exc.args[0]}; the file is incomplete."
+        ) from exc
+    tokenizer = tokenizer_from_gguf(reader, path.name)
+    codes = _fused_codes(four_bit, config.num_layers, n_heads, n_kv)
+    return config, weights, tokenizer, str(meta.get("general.name") or path.stem), codes
+
+
+def _fused_codes(
+    found: dict[str, Codes], layers: int, heads: int, kv_heads: int
+) -> dict[str, Codes]:
+    """The four-bit codes in our layout: q/k rows un-permuted as their weights are, q, k, v
+    and gate, up stacked as the fused projections are (only where every part has codes)."""
+
+    def rows(c: Codes, n: int) -> Codes:  # llama.cpp's (head, Dh/2, 2) rows -> (head, 2, Dh/2)
+        return tuple(  # type: ignore[return-value]
+            t.reshape(n, t.shape[0] // n // 2, 2, t.shape[1]).transpose(1, 2).reshape(t.shape)
+            for t in c
+        )
+
+    def stack(*parts: Codes | None) -> Codes | None:
+        if any(p is None for p in parts):
+            return None
+        return tuple(torch.cat([p[j] for p in parts if p is not None]) for j in range(3))  # type: ignore[return-value]
+
+    out: dict[str, Codes] = {}
+    for i in range(layers):
+        b = f"blk.{i}."
+        q, k = found.get(b + "attn_q.weight"), found.get(b + "attn_k.weight")
+        fused = {
+            "self_attn.qkv_proj": stack(
+                rows(q, heads) if q else None,
+                rows(k, kv_heads) if k else None,
+                found.get(b + "attn_v.weight"),
+            ),
+            "self_attn.o_proj": found.get(b + "attn_output.weight"),
+            "mlp.gate_up_proj": stack(
+                found.get(b + "ffn_gate.weight"), found.get(b + "ffn_up.weight")
+            ),
+            "mlp.down_proj": found.get(b + "ffn_down.weight"),
+        }
+        out.update({f"layers.{i}.{n}.weight": c for n, c in fused.items() if c is not None})
+    return out
+
+
+def _field_value(field: Any) -> Any:
+    try:
+        return field.contents()
+    except Exception:  # fields of unusual types: not needed for config
+        return None
+
+
+def _gguf_rope_scaling(meta: dict[str, Any]) -> RopeScaling | None:
+    kind = meta.get("llama.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind != "linear":
+        raise UnsupportedModelError(f"GGUF rope scaling {kind!r} is not supported (only 'linear').")
+    return RopeScaling(kind="linear", factor=float(meta["llama.rope.scaling.factor"]))

@@ -1,0 +1,120 @@
+"""What a loaded model computes in, and with which weights: chosen, then applied.
+
+``quantization`` (vLLM's name) adds low-precision weights for small steps (``quant.py``):
+``int4`` (the file's own four-bit codes where it ships Q4_0 / Q4_1, else codes made here),
+``int8`` (one scale a row), ``none``; ``auto`` takes int4 on a CPU with bfloat16
+activations when the file ships four-bit weights, else none. The output head gets int8
+with either. On a CPU that computes bfloat16 natively the dense bfloat16 weights (used
+by larger steps) go to oneDNN's blocked layout (``Linear.use_packed_layout``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sendpath.errors import ModelLoadError
+from sendpath.model.llama import Linear, LlamaModel
+from sendpath.model.quant import (
+    INT4_MAX_ROWS,
+    Int4Weights,
+    Int8Weights,
+    int4_supported,
+    native_bf16,
+    quantize_q4,
+)
+
+__all__ = [
+    "FLOAT32",
+    "QUANTIZATIONS",
+    "Codes",
+    "Precision",
+    "apply_precision",
+    "choose_precision",
+]
+
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+INT8_MAX_ROWS = 4  # int8's kernel beats dense bfloat16 up to about four rows (measured)
+# A Q4 tensor's four-bit codes and per-32 (d, m), in our layout: w = d * code + m
+Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What a model computes in, and why: shown by `sendpath replica`, /load and /metrics."""
+
+    dtype: str
+    quantization: str  # none, int8 or int4
+    reason: str
+
+
+FLOAT32 = Precision("float32", "none", "")  # a model made in tests without a reason
+
+
+def choose_precision(asked: str, dtype: str, dev: torch.device, ships_q4: bool) -> Precision:
+    """The quantization to use and why (``asked``: the flag)."""
+    if asked == "none":
+        return Precision(dtype, "none", "asked for")
+    if asked in ("int4", "int8"):
+        if dev.type != "cpu" or dtype != "bfloat16":
+            raise ModelLoadError(
+                f"quantization={asked!r} runs on the CPU with bfloat16 activations "
+                f"(here: {dev.type}, {dtype}); use --dtype bfloat16 or auto, or leave it out."
+            )
+        if asked == "int4" and not int4_supported():
+            raise ModelLoadError("this torch has no CPU int4 kernel; use --quantization int8")
+        return Precision(dtype, asked, "asked for")
+    if dev.type != "cpu":
+        return Precision(dtype, "none", f"auto: {dev.type} runs {dtype} weights")
+    if dtype != "bfloat16":
+        return Precision(
+            dtype, "none", "auto: this CPU has no native bfloat16, which int4's kernel needs"
+        )
+    if not ships_q4:
+        return Precision(dtype, "none", "auto: the model ships no four-bit weights")
+    if not int4_supported():
+        return Precision(dtype, "none", "auto: this torch has no CPU int4 kernel")
+    return Precision(
+        dtype,
+        "int4",
+        f"auto: the model's own four-bit weights (and an int8 head), for steps of up to "
+        f"{INT4_MAX_ROWS} rows; bfloat16 beyond",
+    )
+
+
+def apply_precision(
+    model: LlamaModel, precision: Precision, codes: dict[str, Codes], dev: torch.device
+) -> None:
+    """Give the model's linear layers the weights ``precision`` says (``codes``: the
+    file's own four-bit ones, by parameter name)."""
+    dtype = getattr(torch, precision.dtype)
+    _quantize(model, precision.quantization, codes, dtype)
+    if dev.type == "cpu" and dtype == torch.bfloat16 and native_bf16() and _mkldnn():
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.use_packed_layout()  # after _quantize, which reads the dense weights
+
+
+def _quantize(
+    model: LlamaModel, quantization: str, codes: dict[str, Codes], dtype: torch.dtype
+) -> None:
+    """Give each linear layer its low-precision weights (none: nothing). The output head
+    gets int8 either way: a head in four bits loses too much (teacher-forced top-1
+    agreement with float32 fell to 85% on SmolLM2, against 98% with int8)."""
+    if quantization == "none":
+        return
+    head = model.lm_head
+    head.use_quantized(Int8Weights.from_dense(head.weight_out_in, dtype), INT8_MAX_ROWS)
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or not name.startswith("layers."):
+            continue
+        if quantization == "int8":
+            module.use_quantized(Int8Weights.from_dense(module.weight_out_in, dtype), INT8_MAX_ROWS)
+            continue
+        found = codes.get(name + ".weight") or quantize_q4(module.weight_out_in)
+        module.use_quantized(Int4Weights.from_q4_1(*found, dtype), INT4_MAX_ROWS)
+
+
+def _mkldnn() -> bool:
+    return bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
