@@ -196,12 +196,6 @@ def measure(load: Load, concurrency: int, seconds: float, pid: int | None) -> di
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def wait_ready(port: int, path: str, proc: subprocess.Popen[bytes]) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -224,6 +218,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16, help="for throughput (16)")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
+    from sendpath.fleet import free_port
     from sendpath.gateway.keys import KeyStore
 
     mock_port, gateway_port = free_port(), free_port()

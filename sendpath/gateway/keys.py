@@ -102,21 +102,24 @@ class KeyStore:
     def __init__(self, data_dir: Path) -> None:
         data_dir.mkdir(parents=True, exist_ok=True)
         self.path = data_dir / "keys.sqlite3"
-        self._local = threading.local()  # this thread's open connection
+        self._local = threading.local()  # this thread's open connections
         with self._connect() as db:
             db.executescript(_SCHEMA)
             columns = {row[1] for row in db.execute("PRAGMA table_info(keys)")}
             if "max_tokens" not in columns:  # a store made before the per-key cap
                 db.execute("ALTER TABLE keys ADD COLUMN max_tokens INTEGER")
 
-    def _connect(self) -> sqlite3.Connection:
-        """This thread's connection (used as ``with``: a failed transaction rolls back)."""
-        db: sqlite3.Connection | None = getattr(self._local, "db", None)
+    def _connect(self, wait: bool = True) -> sqlite3.Connection:
+        """This thread's connection (used as ``with``: a failed transaction rolls back);
+        ``wait=False``: its second one, which raises rather than waits for a lock."""
+        name = "db" if wait else "reader"
+        db: sqlite3.Connection | None = getattr(self._local, name, None)
         if db is None:
-            db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+            timeout = BUSY_TIMEOUT_S if wait else 0
+            db = sqlite3.connect(self.path, timeout=timeout, isolation_level=None)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
-            self._local.db = db
+            setattr(self._local, name, db)
         return db
 
     def create(
@@ -164,16 +167,10 @@ class KeyStore:
         raise ``sqlite3.OperationalError`` rather than wait for a lock (a read in WAL mode
         all but never meets one), for a caller on the event loop."""
         digest = _hash(secret)
-        with self._connect() as db:
-            if not wait:
-                db.execute("PRAGMA busy_timeout = 0")
-            try:
-                row = db.execute(
-                    f"SELECT key_hash, {_KEY_COLUMNS} FROM keys WHERE key_hash = ?", (digest,)
-                ).fetchone()
-            finally:
-                if not wait:
-                    db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_S * 1000}")
+        with self._connect(wait) as db:
+            row = db.execute(
+                f"SELECT key_hash, {_KEY_COLUMNS} FROM keys WHERE key_hash = ?", (digest,)
+            ).fetchone()
         if row is None or not hmac.compare_digest(row[0], digest):
             return None
         return ApiKey(*row[1:])
