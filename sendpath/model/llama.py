@@ -5,6 +5,12 @@ continuous-batching engine feeds it) and never owns a KV cache: every attention 
 its q/k/v to an ``AttentionBackend``, which writes k/v where the cache lives (a contiguous
 buffer for one sequence, a paged pool for many) and returns the attention output.
 
+The residual stream is carried beside each layer's output, as vLLM's models carry it, so
+that "add the residual, then normalise" is one step (``RMSNorm.add_and_norm``). Every small
+operation around the matmuls has a plain torch form here; ``LlamaModel.use_kernels`` swaps
+in fused CPU kernels for them (``sendpath/runner/kernels``: the same numbers, computed in
+float32 and rounded once, in one call where torch takes several).
+
 Shapes use T = tokens in this step, D = hidden size, H / Hkv = query / key-value heads,
 Dh = head dim, F = MLP width, V = vocabulary.
 """
@@ -22,7 +28,7 @@ from torch.nn import functional as F
 if TYPE_CHECKING:
     from sendpath.model.quant import Int4Weights, Int8Weights
 
-__all__ = ["AttentionBackend", "LlamaConfig", "LlamaModel", "RopeScaling"]
+__all__ = ["AttentionBackend", "LayerKernels", "LlamaConfig", "LlamaModel", "RopeScaling"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,23 @@ class AttentionBackend(Protocol):
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor: ...
+
+
+class LayerKernels(Protocol):
+    """Fused forms of a layer's small operations (``runner/kernels/fused_ops.cpp``)."""
+
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> None:
+        """In place: residual += x, then x = rms_norm(residual) * weight."""
+
+    def rotary_(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int
+    ) -> None:
+        """In place: RoPE on the first ``heads`` heads of each row of ``qkv``."""
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up = [gate | up]."""
 
 
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
@@ -179,9 +202,20 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels: LayerKernels | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight=self.weight, eps=self.eps)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); the kernel reuses both tensors' memory."""
+        if self.kernels is not None and x.is_contiguous() and residual.is_contiguous():
+            self.kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = residual + x
+        return self(residual), residual
 
 
 class Attention(nn.Module):
@@ -196,18 +230,25 @@ class Attention(nn.Module):
         self.kv_size = config.num_kv_heads * config.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size)
         self.o_proj = Linear(self.q_size, config.hidden_size)
+        self.kernels: LayerKernels | None = None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, H*Dh + 2*Hkv*Dh]
-        heads = self.num_heads + self.num_kv_heads
-        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = qk.view(t, heads, self.head_dim)  # [T, H + Hkv, Dh]: RoPE on both at once
-        qk = qk * cos + rotate_half(qk, sin)  # cos/sin: [T, 1, Dh]
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H|Hkv, Dh]
-        v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]
+        heads = self.num_heads + self.num_kv_heads  # RoPE on queries and keys at once
+        if self.kernels is not None and qkv.is_contiguous():
+            self.kernels.rotary_(qkv, cos, sin, heads, self.head_dim)
+            q, k, v = qkv.view(t, -1, self.head_dim).split(
+                [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1
+            )  # [T, H|Hkv|Hkv, Dh]
+        else:
+            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            qk = qk.view(t, heads, self.head_dim)  # [T, H + Hkv, Dh]
+            qk = qk * cos + rotate_half(qk, sin)  # cos/sin: [T, 1, Dh]
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H|Hkv, Dh]
+            v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]
         out = attn(self.layer, q, k, v)  # [T, H, Dh]
         y: torch.Tensor = self.o_proj(out.reshape(t, self.q_size))  # [T, D]
         return y
@@ -221,15 +262,23 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.kernels: LayerKernels | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, F] each
-        y: torch.Tensor = self.down_proj(F.silu(gate) * up)  # [T, D]
+        gate_up = self.gate_up_proj(x)  # [T, 2F]
+        if self.kernels is not None and gate_up.is_contiguous():
+            hidden = self.kernels.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, F] each
+            hidden = F.silu(gate) * up
+        y: torch.Tensor = self.down_proj(hidden)  # [T, D]
         return y
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: h = s + attn(norm(s)), then h + mlp(norm(h)), for the
+    residual stream s. It takes and returns (output, stream before the output is added):
+    the add happens in the next norm."""
 
     def __init__(self, config: LlamaConfig, layer: int) -> None:
         super().__init__()
@@ -239,11 +288,20 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:  # the first layer: x is the embeddings, the stream itself
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.add_and_norm(x, residual)
+        x = self.self_attn(x, cos, sin, attn)
+        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -286,9 +344,19 @@ class LlamaModel(nn.Module):
         """input_ids, positions: [T] -> hidden states [T, D] after the final norm."""
         x = self.embed_tokens(input_ids)  # [T, D]
         cos, sin = self.rope(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return self.norm(x)  # type: ignore[no-any-return]
+            x, residual = layer(x, residual, cos, sin, attn)
+        if residual is None:  # no layers
+            return self.norm(x)  # type: ignore[no-any-return]
+        return self.norm.add_and_norm(x, residual)[0]
+
+    def use_kernels(self, kernels: LayerKernels | None) -> None:
+        """Run the small operations around the matmuls with these fused kernels (None:
+        torch's own ops again)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm | Attention | MLP):
+                module.kernels = kernels
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> logits [N, V] in float32."""

@@ -7,9 +7,10 @@ head ([L, Hkv, S, Dh]); a token at position p of a request lives in slot
 1. flattens every scheduled request's new tokens into one [T] batch with positions and slots;
 2. runs the model once; each layer writes the new K/V to their slots, then attends:
    all decodes together, each prefill chunk on its own (causal over cache + chunk). On the
-   CPU the decodes read their blocks in place (``kernels/paged_attention.cpp``); elsewhere,
-   or where that kernel cannot be built, their block tables are gathered into one padded
-   [B, Hkv, L, Dh] batch with a padding mask;
+   CPU the decodes read their blocks in place (``kernels/paged_attention.cpp``) and the
+   model's small operations run fused (``kernels/fused_ops.cpp``); elsewhere, or where
+   those kernels cannot be built, torch's ops do the same, and the decodes' block tables
+   are gathered into one padded [B, Hkv, L, Dh] batch with a padding mask;
 3. computes logits only for requests whose plan says ``sample``, and samples each with its
    own parameters and generator; a row that cannot be sampled is reported in ``failed``.
 
@@ -32,7 +33,7 @@ from sendpath.model.llama import LlamaConfig
 from sendpath.model.loader import LoadedModel
 from sendpath.model.sampler import make_generator, sample
 from sendpath.request import SamplingParams
-from sendpath.runner.kernels import paged_attention
+from sendpath.runner.kernels import cpu_kernels
 
 __all__ = ["ModelRunner", "PagedAttention", "describe_device", "kv_bytes_per_token"]
 
@@ -76,7 +77,7 @@ class PagedAttention:
     ) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache  # [L, Hkv, S, Dh]
         self.block_size = block_size
-        self.kernel = kernel  # kernels.paged_attention(), or None: gather and SDPA
+        self.kernel = kernel  # kernels.cpu_kernels(), or None: index_copy_, gather and SDPA
         self.slot_mapping = torch.empty(0, dtype=torch.long)
         self.prefills: list[_Prefill] = []
         self.decodes: _Decodes | None = None
@@ -125,8 +126,11 @@ class PagedAttention:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]  # [Hkv, S, Dh]
-        k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
-        v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
+        if self.kernel is not None:
+            self.kernel.write_kv(k, v, k_cache, v_cache, self.slot_mapping)
+        else:
+            k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
+            v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
         num_kv, dh = k.shape[1], k.shape[2]
         group = q.shape[1] // num_kv
         d = self.decodes
@@ -182,6 +186,7 @@ class ModelRunner:
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "quantization": self.precision.quantization,
             "decode_attention": "paged kernel" if self.attention.kernel else "torch gather",
+            "layer_ops": "fused kernels" if self.attention.kernel else "torch ops",
             "precision_reason": self.precision.reason,
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
@@ -196,10 +201,11 @@ class ModelRunner:
         dtype, device = self.model.dtype, self.model.device
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-        kernel = None
+        kernels = None
         if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
-            kernel = paged_attention()
-        self.attention = PagedAttention(self.k_cache, self.v_cache, block_size, kernel)
+            kernels = cpu_kernels()
+        self.model.use_kernels(kernels)
+        self.attention = PagedAttention(self.k_cache, self.v_cache, block_size, kernels)
         self._params: dict[str, SamplingParams] = {}
         self._generators: dict[str, torch.Generator | None] = {}
 

@@ -1,12 +1,17 @@
 """CPU kernels of our own, built from C++ with the machine's compiler on first use.
 
-``paged_attention.cpp``: decode attention over the paged KV cache, read in place (the torch
-path copies every decoding sequence's whole context into a padded batch in every layer).
-It is built by ``torch.utils.cpp_extension`` (ninja and gcc, ``-O3 -march=native``) into
-``$SENDPATH_CACHE_DIR/kernels`` (default ``~/.cache/sendpath/kernels``), once per machine
-and torch version: about 30 s the first time, a second after. Where it cannot be built
-(no compiler, no headers), ``paged_attention()`` is ``None`` and the runner keeps the torch
-path; the reason is logged once.
+- ``paged_attention.cpp``: decode attention over the paged KV cache, read in place (the
+  torch path copies every decoding sequence's whole context into a padded batch in every
+  layer).
+- ``fused_ops.cpp``: the small operations around a layer's matmuls (residual add + RMSNorm,
+  RoPE, the cache write, SiLU and its product), one call each instead of about six torch
+  ops each.
+
+They are one module (``bindings.cpp``), built by ``torch.utils.cpp_extension`` (ninja and
+gcc, ``-O3 -march=native``) into ``$SENDPATH_CACHE_DIR/kernels`` (default
+``~/.cache/sendpath/kernels``), once per machine and torch version: about a minute the first
+time, a second after. Where it cannot be built (no compiler, no headers), ``cpu_kernels()``
+is ``None``, the model and the runner keep their torch paths, and the reason is logged once.
 """
 
 from __future__ import annotations
@@ -21,10 +26,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["kernel_dir", "paged_attention"]
+__all__ = ["cpu_kernels", "kernel_dir"]
 
 logger = logging.getLogger("sendpath.kernels")
-_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp")
+]
 _lock = threading.Lock()
 _built: dict[str, Any] = {}
 
@@ -35,13 +43,13 @@ def kernel_dir() -> Path:
     return Path(base) / "kernels" / f"torch-{torch.__version__}"
 
 
-def paged_attention() -> Any | None:
-    """The built module (``paged_decode_attention(q, k, v, tables, lens, block_size,
-    scale)``), or ``None`` where it cannot be built."""
+def cpu_kernels() -> Any | None:
+    """The built module (its functions are listed in ``bindings.cpp``), or ``None`` where
+    it cannot be built."""
     with _lock:
-        if "paged" not in _built:
-            _built["paged"] = _build()
-        return _built["paged"]
+        if "cpu" not in _built:
+            _built["cpu"] = _build()
+        return _built["cpu"]
 
 
 def _build() -> Any | None:
@@ -54,13 +62,13 @@ def _build() -> Any | None:
     try:
         target.mkdir(parents=True, exist_ok=True)
         return load(
-            name="sendpath_paged_attention",
-            sources=[str(_SOURCE)],
+            name="sendpath_cpu_kernels",
+            sources=[str(source) for source in _SOURCES],
             build_directory=str(target),
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, no headers: the torch path stays
-        logger.warning("paged attention kernel not built (%s); decode uses the torch path", exc)
+        logger.warning("CPU kernels not built (%s); the model uses its torch paths", exc)
         return None

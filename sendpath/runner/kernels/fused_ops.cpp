@@ -1,0 +1,256 @@
+// The small operations around a decoder layer's matmuls, each fused into one pass.
+//
+// A decode step of a small model spends more time between its matmuls than in them: at
+// one row, every torch op costs its dispatch (a few microseconds) and a layer had about
+// twenty-five of them (the residual adds, the norms, RoPE's multiplies and roll, the two
+// cache writes, SiLU and its product). These four do the same work in four calls, as
+// vLLM's CPU backend does (its fused_add_rms_norm, rotary_embedding, reshape_and_cache
+// and silu_and_mul):
+//
+//   fused_add_rms_norm(x, residual, weight, eps)   residual += x; x = rms_norm(residual) * weight
+//   rotary_(qkv, cos, sin, heads, head_dim)        RoPE on the first `heads` heads of each row
+//   write_kv(k, v, k_cache, v_cache, slots)        each token's k/v into its cache slot
+//   silu_and_mul(gate_up) -> out                   silu(gate) * up, gate and up side by side
+//
+// Inputs are float32 or bfloat16; arithmetic is float32, rounded once per output (where
+// torch's ops round after each of them). Rows are split over torch's thread pool when
+// there are enough of them to pay for it.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// bfloat16 is a float32's upper half: widening is a shift, narrowing rounds to nearest even.
+inline float widen(float x) { return x; }
+inline float widen(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+template <typename T>
+inline T narrow(float x);
+template <>
+inline float narrow<float>(float x) { return x; }
+template <>
+inline at::BFloat16 narrow<at::BFloat16>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  uint16_t top = std::isnan(x) ? uint16_t{0x7FC0}
+                               : static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+  return at::BFloat16(top, at::BFloat16::from_bits());
+}
+
+// Split `rows` over the pool when a row's `width` elements make enough work in all.
+template <typename F>
+void for_rows(int64_t rows, int64_t width, const F& body) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(width, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) body(r);
+  });
+}
+
+template <typename T>
+void rotary_rows(T* qkv, int64_t row_stride, const T* cos, const T* sin, int64_t rows,
+                 int64_t heads, int64_t dim) {
+  const int64_t half = dim / 2;
+  for_rows(rows, heads * dim, [&](int64_t r) {
+    const T* c = cos + r * dim;
+    const T* s = sin + r * dim;  // first half negated: x*cos + (b, a)*sin is the rotation
+    std::vector<float> buf(dim);
+    for (int64_t h = 0; h < heads; ++h) {
+      T* x = qkv + r * row_stride + h * dim;
+      for (int64_t d = 0; d < dim; ++d) buf[d] = widen(x[d]);
+      for (int64_t d = 0; d < dim; ++d) {
+        const float partner = buf[d < half ? d + half : d - half];
+        x[d] = narrow<T>(buf[d] * widen(c[d]) + partner * widen(s[d]));
+      }
+    }
+  });
+}
+
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store16(at::BFloat16* p, __m512 x) {  // narrow() for 16 at once
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i top = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  top = _mm512_mask_mov_epi32(top, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(top));
+}
+
+// e^x for 16 floats: x = n ln2 + r with |r| <= ln2/2, e^r by its Taylor series to r^6
+// (relative error ~2e-7, float32's own), times 2^n by scalef (which saturates to 0 and inf).
+inline __m512 exp16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln2 in two parts
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+template <typename T>
+void add_rms_norm_rows(T* x, T* residual, const T* weight, int64_t rows, int64_t dim, float eps) {
+  for_rows(rows, dim, [&](int64_t r) {
+    T* xr = x + r * dim;
+    T* rr = residual + r * dim;
+    float squares = 0.f;
+    int64_t d = 0;
+#ifdef __AVX512F__
+    __m512 acc = _mm512_setzero_ps();
+    for (; d + 16 <= dim; d += 16) {  // the stream as stored (rounded), then its squares
+      store16(rr + d, _mm512_add_ps(load16(rr + d), load16(xr + d)));
+      const __m512 s = load16(rr + d);
+      acc = _mm512_fmadd_ps(s, s, acc);
+    }
+    squares = _mm512_reduce_add_ps(acc);
+#endif
+    for (; d < dim; ++d) {
+      rr[d] = narrow<T>(widen(rr[d]) + widen(xr[d]));
+      squares += widen(rr[d]) * widen(rr[d]);
+    }
+    const float inv = 1.f / std::sqrt(squares / static_cast<float>(dim) + eps);
+    d = 0;
+#ifdef __AVX512F__
+    const __m512 scale = _mm512_set1_ps(inv);
+    for (; d + 16 <= dim; d += 16)
+      store16(xr + d, _mm512_mul_ps(_mm512_mul_ps(load16(rr + d), scale), load16(weight + d)));
+#endif
+    for (; d < dim; ++d) xr[d] = narrow<T>(widen(rr[d]) * inv * widen(weight[d]));
+  });
+}
+
+template <typename T>
+void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t width) {
+  for_rows(rows, width, [&](int64_t r) {
+    const T* g = gate_up + r * 2 * width;
+    const T* u = g + width;
+    T* o = out + r * width;
+    int64_t d = 0;
+#ifdef __AVX512F__
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (; d + 16 <= width; d += 16) {
+      const __m512 a = load16(g + d);
+      const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), a))));
+      store16(o + d, _mm512_mul_ps(_mm512_mul_ps(a, sig), load16(u + d)));
+    }
+#endif
+    for (; d < width; ++d) {
+      const float a = widen(g[d]);
+      o[d] = narrow<T>(a / (1.f + std::exp(-a)) * widen(u[d]));
+    }
+  });
+}
+
+void check_floating(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16");
+}
+
+}  // namespace
+
+// x, residual [T, D] contiguous, weight [D]: residual += x, x = rms_norm(residual) * weight.
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  check_floating(x, "x");
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous());
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.dim() == 2 && weight.size(0) == x.size(1));
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type());
+  AT_DISPATCH_SWITCH(x.scalar_type(), "fused_add_rms_norm",
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        add_rms_norm_rows(x.data_ptr<float>(), residual.data_ptr<float>(), weight.data_ptr<float>(),
+                          x.size(0), x.size(1), static_cast<float>(eps));
+      })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        add_rms_norm_rows(x.data_ptr<at::BFloat16>(), residual.data_ptr<at::BFloat16>(),
+                          weight.data_ptr<at::BFloat16>(), x.size(0), x.size(1), static_cast<float>(eps));
+      }));
+}
+
+// qkv [T, N] (rows contiguous, any row stride), cos, sin [T, Dh] (or [T, 1, Dh]) contiguous: RoPE in place
+// on heads 0..heads-1 of each row (queries then keys; the values after them are left alone).
+void rotary_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim) {
+  check_floating(qkv, "qkv");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) >= heads * head_dim);
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == qkv.size(0) * head_dim);
+  TORCH_CHECK(sin.sizes() == cos.sizes() && head_dim % 2 == 0);
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type());
+  AT_DISPATCH_SWITCH(qkv.scalar_type(), "rotary_",
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        rotary_rows(qkv.data_ptr<float>(), qkv.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                    qkv.size(0), heads, head_dim);
+      })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        rotary_rows(qkv.data_ptr<at::BFloat16>(), qkv.stride(0), cos.data_ptr<at::BFloat16>(),
+                    sin.data_ptr<at::BFloat16>(), qkv.size(0), heads, head_dim);
+      }));
+}
+
+// k, v [T, Hkv, Dh] (last dim contiguous, any other strides); k_cache, v_cache [Hkv, S, Dh]
+// contiguous; slots [T] int64: cache[h, slots[t]] = k[t, h] (and v).
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slots) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1);
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3);
+  TORCH_CHECK(k_cache.size(0) == k.size(1) && k_cache.size(2) == k.size(2));
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type());
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == k.size(0));
+  auto where = slots.contiguous();
+  const int64_t tokens = k.size(0), heads = k.size(1), dim = k.size(2), capacity = k_cache.size(1);
+  const int64_t* slot = where.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "slot ", slot[t], " is outside the cache");
+  const auto bytes = k.element_size() * dim;
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  const auto* ks = static_cast<const char*>(k.data_ptr());
+  const auto* vs = static_cast<const char*>(v.data_ptr());
+  const auto es = k.element_size();
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t dst = (h * capacity + slot[t]) * bytes;
+      std::memcpy(kc + dst, ks + (t * k.stride(0) + h * k.stride(1)) * es, bytes);
+      std::memcpy(vc + dst, vs + (t * v.stride(0) + h * v.stride(1)) * es, bytes);
+    }
+  }
+}
+
+// gate_up [T, 2F] contiguous -> [T, F]: silu(gate_up[:, :F]) * gate_up[:, F:].
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  check_floating(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0);
+  const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, width}, gate_up.options());
+  AT_DISPATCH_SWITCH(gate_up.scalar_type(), "silu_and_mul",
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        silu_mul_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, width);
+      })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        silu_mul_rows(gate_up.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, width);
+      }));
+  return out;
+}
