@@ -8,7 +8,7 @@ buffer for one sequence, a paged pool for many) and returns the attention output
 The residual stream is carried beside each layer's output, as vLLM's models carry it, so
 that "add the residual, then normalise" is one step (``RMSNorm.add_and_norm``). Every small
 operation around the matmuls has a plain torch form here; ``LlamaModel.use_kernels`` swaps
-in fused CPU kernels for them (``sendpath/runner/kernels``: the same numbers, computed in
+in fused CPU kernels for them (``sendpath/kernels``: the same numbers, computed in
 float32 and rounded once, in one call where torch takes several).
 
 Shapes use T = tokens in this step, D = hidden size, H / Hkv = query / key-value heads,
@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 if TYPE_CHECKING:
-    from sendpath.model.quant import Int4Weights, Int8Weights
+    from sendpath.model.quant import BlockWeights, Int4Weights, Int8Weights
 
 __all__ = ["AttentionBackend", "LayerKernels", "LlamaConfig", "LlamaModel", "RopeScaling"]
 
@@ -90,7 +90,7 @@ class AttentionBackend(Protocol):
 
 
 class LayerKernels(Protocol):
-    """Fused forms of a layer's small operations (``runner/kernels/fused_ops.cpp``)."""
+    """Fused forms of a layer's small operations (``kernels/fused_ops.cpp``)."""
 
     def fused_add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -158,11 +158,13 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.transposed = False
-        self.quantized: Int4Weights | Int8Weights | None = None
+        self.quantized: Int4Weights | Int8Weights | BlockWeights | None = None
         self.quantized_rows = 0
         self.packed: torch.Tensor | None = None  # oneDNN's layout (use_packed_layout)
 
-    def use_quantized(self, weights: Int4Weights | Int8Weights, max_rows: int) -> None:
+    def use_quantized(
+        self, weights: Int4Weights | Int8Weights | BlockWeights, max_rows: int
+    ) -> None:
         self.quantized, self.quantized_rows = weights, max_rows
 
     def use_packed_layout(self) -> None:

@@ -15,6 +15,15 @@ faster). ``Linear`` therefore uses it for at most ``INT4_MAX_ROWS`` rows and its
 weight beyond (measured on a 2-core AVX-512 BF16 host: 2.5-3.5x faster than bfloat16 at
 one row, even at about 8, 1.5-2.5x slower at 32 and more).
 
+Where the CPU has AVX-512 VNNI, ``BlockWeights`` multiplies the same codes as llama.cpp
+does (``kernels/block_matmul.cpp``): the activations are quantized to int8 per block of 32
+as well and each block is an integer dot product, 16 output rows at a time. Measured on
+SmolLM2's layers (2-core Zen 4): 3-4x faster than torch's int4 kernel at every row count,
+4x faster than dense bfloat16 at one row, 1.4-1.6x at 8, about even from 32 to 128; the
+output head's Q8_0 codes 3x faster than torch's int8 kernel at one row. A whole decode
+step with them was 1.2-2x faster than with dense bfloat16 from 4 to 32 rows, so they serve
+steps of up to ``BLOCK_MAX_ROWS`` rows.
+
 ``cpu_features()`` says what this CPU computes natively, for ``--dtype auto`` and
 ``--quantization auto``.
 """
@@ -27,11 +36,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from sendpath.kernels import cpu_kernels
+
 __all__ = [
+    "BLOCK_MAX_ROWS",
     "GROUP",
     "INT4_MAX_ROWS",
+    "BlockWeights",
     "Int4Weights",
     "Int8Weights",
+    "block_kernels",
     "cpu_features",
     "int4_supported",
     "native_bf16",
@@ -41,6 +55,7 @@ __all__ = [
 
 GROUP = 32  # inputs per scale: Q4_0 / Q4_1's block, and the kernel's group size
 INT4_MAX_ROWS = 4  # above this many rows a step's matmul is faster dense (see the docstring)
+BLOCK_MAX_ROWS = 32  # the same for BlockWeights (measured, see the docstring)
 _INNER_K_TILES = 8  # the packing's tile (ignored by the CPU kernel's own layout)
 
 
@@ -57,6 +72,13 @@ def native_bf16() -> bool:
     """True when this CPU computes bfloat16 in hardware (AVX-512 BF16 or AMX)."""
     found = cpu_features()
     return found["avx512_bf16"] or found["amx_bf16"]
+
+
+def block_kernels() -> Any | None:
+    """The CPU kernels where ``BlockWeights`` can use them (built, and AVX-512 VNNI), else
+    None."""
+    kernels = cpu_kernels()
+    return kernels if kernels is not None and kernels.has_vnni() else None
 
 
 def int4_supported() -> bool:
@@ -154,4 +176,53 @@ class Int8Weights:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] -> x W^T [T, N]."""
         out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
+        return out
+
+
+@dataclass
+class BlockWeights:
+    """A [N, K] weight in blocks of 32 inputs, ``w = d * code + m`` per block (the file's
+    own Q4_1 or Q8_0 codes), in ``kernels/block_matmul.cpp``'s layout: multiplied with the
+    activations quantized to int8 per block, as llama.cpp multiplies them."""
+
+    kernels: Any  # block_kernels()
+    codes: torch.Tensor  # [N/16, K/32, 256 or 512] uint8
+    d: torch.Tensor  # [N/16, K/32, 16] float32
+    m: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @classmethod
+    def from_q4_1(
+        cls, kernels: Any, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor
+    ) -> BlockWeights:
+        """From Q4_1's codes [N, K] and its d, m [N, K/32] (``q4_1_codes``), exactly."""
+        packed, scales, offsets = kernels.pack_q4(codes.to(torch.uint8), d.float(), m.float())
+        return cls(kernels, packed, scales, offsets, codes.shape[0], codes.shape[1])
+
+    @classmethod
+    def q8_0(cls, kernels: Any, weight: torch.Tensor) -> BlockWeights:
+        """Eight-bit codes and a scale per block of 32, by each block's largest magnitude:
+        the codes themselves when the weight came from a Q8_0 tensor."""
+        n, k = weight.shape
+        padded = torch.zeros(n, -(-k // GROUP) * GROUP)
+        padded[:, :k] = weight.float()
+        blocks = padded.view(n, -1, GROUP)
+        d = blocks.abs().amax(-1) / 127  # [N, K/32]
+        codes = (blocks / d.clamp(min=1e-30)[..., None]).round().clamp(-127, 127)
+        packed, scales, offsets = kernels.pack_q8(
+            codes.to(torch.int8).view(n, -1)[:, :k].contiguous(), d
+        )
+        return cls(kernels, packed, scales, offsets, n, k)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as [N, K] float32 (for checks), up to the activations' own int8
+        rounding, which the identity matrix's rows do not have."""
+        return self.matmul(torch.eye(self.in_features)).t()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] (float32 or bfloat16) -> x W^T [T, N]."""
+        out: torch.Tensor = self.kernels.block_matmul(
+            x, self.codes, self.d, self.m, self.out_features
+        )
         return out

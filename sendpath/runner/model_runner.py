@@ -29,11 +29,11 @@ import torch
 from torch.nn import functional as F
 
 from sendpath.engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
+from sendpath.kernels import cpu_kernels
 from sendpath.model.llama import LlamaConfig
 from sendpath.model.loader import LoadedModel
 from sendpath.model.sampler import make_generator, sample
 from sendpath.request import SamplingParams
-from sendpath.runner.kernels import cpu_kernels
 
 __all__ = ["ModelRunner", "PagedAttention", "describe_device", "kv_bytes_per_token"]
 

@@ -13,8 +13,10 @@ from sendpath.errors import ModelLoadError
 from sendpath.model.llama import Linear
 from sendpath.model.loader import load_model
 from sendpath.model.quant import (
+    BlockWeights,
     Int4Weights,
     Int8Weights,
+    block_kernels,
     int4_supported,
     q4_0_codes,
     q4_1_codes,
@@ -110,12 +112,32 @@ def test_auto_precision_on_the_built_in_model_is_the_files_four_bits() -> None:
     assert loaded.precision.dtype == "bfloat16" and loaded.precision.quantization == "int4"
     assert "four-bit" in loaded.precision.reason
     qkv = next(m for n, m in loaded.model.named_modules() if n.endswith("0.self_attn.qkv_proj"))
-    assert isinstance(qkv, Linear) and isinstance(qkv.quantized, Int4Weights)
-    assert isinstance(loaded.model.lm_head.quantized, Int8Weights)
+    assert isinstance(qkv, Linear)
+    if block_kernels() is not None:  # AVX-512 VNNI: llama.cpp's way, the head's Q8_0 too
+        assert "VNNI" in loaded.precision.reason
+        assert isinstance(qkv.quantized, BlockWeights)
+        assert isinstance(loaded.model.lm_head.quantized, BlockWeights)
+    else:
+        assert isinstance(qkv.quantized, Int4Weights)
+        assert isinstance(loaded.model.lm_head.quantized, Int8Weights)
+
+
+def test_block_weights_are_the_files_own_codes() -> None:
+    kernels = block_kernels()
+    if kernels is None:
+        pytest.skip("no AVX-512 VNNI here (or no compiler): torch's int4 kernel runs instead")
+    raw = quantize(_weights(), GGMLQuantizationType.Q4_1)
+    exact = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_1))
+    weights = BlockWeights.from_q4_1(kernels, *q4_1_codes(raw))
+    # no rounding of the weights at all; the activations' int8 per block is the only one
+    assert torch.allclose(weights.dequantize(), exact, rtol=1e-6, atol=1e-6)
+    x = torch.randn(3, 128)
+    got, want = weights.matmul(x), x @ exact.t()
+    assert torch.allclose(got, want, rtol=0.02, atol=0.02 * float(want.abs().max()))
 
 
 def test_quantization_is_refused_where_it_cannot_run() -> None:
     with pytest.raises(ModelLoadError, match="bfloat16 activations"):
-        load_model(None, dtype="float32", quantization="int4")
+        load_model(None, dtype="float32", quantization="int8")
     with pytest.raises(ModelLoadError, match="not supported"):
         load_model(None, quantization="int3")

@@ -10,6 +10,11 @@ void rotary_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t he
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slots);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+bool has_vnni();
+std::vector<torch::Tensor> pack_q4(torch::Tensor codes, torch::Tensor d, torch::Tensor m);
+std::vector<torch::Tensor> pack_q8(torch::Tensor codes, torch::Tensor d);
+torch::Tensor block_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m,
+                           int64_t n_out, bool portable);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -19,4 +24,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "RoPE in place on the first `heads` heads of each row");
   m.def("write_kv", &write_kv, "each token's k and v into its cache slot");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("has_vnni", &has_vnni, "whether block_matmul runs on AVX-512 VNNI (else a portable loop)");
+  m.def("pack_q4", &pack_q4, "Q4_1 codes, d and m in block_matmul's layout");
+  m.def("pack_q8", &pack_q8, "Q8_0 codes and d in block_matmul's layout");
+  m.def("block_matmul", &block_matmul, "x W^T for block-quantized weights, int8 activations",
+        py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("m"), py::arg("n_out"),
+        py::arg("portable") = false);
 }

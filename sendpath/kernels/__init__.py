@@ -6,6 +6,9 @@
 - ``fused_ops.cpp``: the small operations around a layer's matmuls (residual add + RMSNorm,
   RoPE, the cache write, SiLU and its product), one call each instead of about six torch
   ops each.
+- ``block_matmul.cpp``: products with block-quantized weights (the file's Q4_1 and Q8_0
+  codes) as llama.cpp computes them, int8 activations and AVX-512 VNNI dot products
+  (``model/quant.py``'s ``BlockWeights``).
 
 They are one module (``bindings.cpp``), built by ``torch.utils.cpp_extension`` (ninja and
 gcc, ``-O3 -march=native``) into ``$SENDPATH_CACHE_DIR/kernels`` (default
@@ -31,7 +34,7 @@ __all__ = ["cpu_kernels", "kernel_dir"]
 logger = logging.getLogger("sendpath.kernels")
 _SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp")
+    for name in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp", "block_matmul.cpp")
 ]
 _lock = threading.Lock()
 _built: dict[str, Any] = {}

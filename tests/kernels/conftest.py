@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from sendpath.runner.kernels import cpu_kernels
+from sendpath.kernels import cpu_kernels
 
 
 @pytest.fixture(scope="session")

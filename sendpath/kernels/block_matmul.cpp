@@ -1,0 +1,283 @@
+// x W^T for block-quantized weights, as llama.cpp multiplies them: the activations are
+// quantized to int8 per block of 32 too, and each block's products are integer dot
+// products (AVX-512 VNNI's vpdpbusd: 64 multiply-adds of unsigned by signed bytes in one
+// instruction), scaled once per block.
+//
+// Every weight block b of an output row n is  w = d[n,b] * code + m[n,b]  with unsigned
+// codes. Q4_1 is that with 4-bit codes (m its minimum); Q8_0's signed codes c become
+// c + 128 with m = -128 d. With the activations' blocks  x = e[b] * q  (q signed, |q| <= 127):
+//
+//   sum_k x_k w_k = sum_b d[n,b] e[b] (q . code)_b  +  sum_b m[n,b] e[b] sum(q)_b
+//
+// Layout (`pack_q4` / `pack_q8`, once at load): output rows go in groups of 16, one per
+// lane of a 512-bit register, so a group's 16 results build up in one register and need no
+// horizontal sums. For group g and block b, the codes are 8 "quads" (inputs 4j..4j+3 of the
+// block) of 16 rows x 4 bytes: one vpdpbusd against the activation quad broadcast to every
+// lane. Four-bit codes keep quad j in the low nibbles and quad j + 4 in the high nibbles of
+// the same 64 bytes (256 bytes a block, 512 for eight-bit codes). d and m are [G, blocks,
+// 16] floats. Rows past N (to a multiple of 16) and inputs past K (to a multiple of 32) are
+// zero.
+//
+// Without AVX-512 VNNI a portable loop computes the same sums over the same layout;
+// `has_vnni()` says which one runs (the loader only picks these weights where it is VNNI).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define SENDPATH_VNNI 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // inputs per block (Q4_1's and Q8_0's)
+constexpr int64_t kLanes = 16;  // output rows per group
+constexpr int kRowTile = 4;     // activation rows multiplied per pass over the weights
+
+inline float widen(float x) { return x; }
+inline float widen(at::BFloat16 x) { return static_cast<float>(x); }
+
+inline int64_t blocks_for(int64_t k) { return (k + kBlock - 1) / kBlock; }
+
+// The activations quantized per block: q [M, blocks * 32], e and e * sum(q) [M, blocks].
+struct Quantized {
+  int64_t rows, blocks;
+  std::vector<int8_t> q;
+  std::vector<float> scale, scaled_sum;
+};
+
+template <typename T>
+Quantized quantize(const T* x, int64_t rows, int64_t k) {
+  const int64_t blocks = blocks_for(k);
+  Quantized out{rows, blocks, std::vector<int8_t>(rows * blocks * kBlock, 0),
+                std::vector<float>(rows * blocks, 0.f), std::vector<float>(rows * blocks, 0.f)};
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const T* xb = x + r * k + b * kBlock;
+      const int64_t n = std::min(kBlock, k - b * kBlock);
+      float amax = 0.f;
+      for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(widen(xb[i])));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t* qb = out.q.data() + (r * blocks + b) * kBlock;
+      int sum = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        qb[i] = static_cast<int8_t>(std::nearbyint(widen(xb[i]) * inv));
+        sum += qb[i];
+      }
+      out.scale[r * blocks + b] = amax / 127.f;
+      out.scaled_sum[r * blocks + b] = amax / 127.f * static_cast<float>(sum);
+    }
+  }
+  return out;
+}
+
+struct Packed {  // pointers into the packed tensors, and their shape
+  const uint8_t* codes;
+  const float* d;
+  const float* m;
+  int64_t blocks, block_bytes;  // 256 (four-bit) or 512
+  bool four_bit;
+};
+
+// The code of row `lane` of a group, input i of block b (the packed layout read back).
+inline int code_at(const Packed& w, int64_t g, int64_t b, int64_t lane, int64_t i) {
+  const uint8_t* block = w.codes + (g * w.blocks + b) * w.block_bytes;
+  const int64_t quad = i / 4, byte = i % 4;
+  if (!w.four_bit) return block[quad * 64 + lane * 4 + byte];
+  const uint8_t packed = block[(quad % 4) * 64 + lane * 4 + byte];
+  return quad < 4 ? (packed & 0x0F) : (packed >> 4);
+}
+
+// ----------------------------------------------------------------- portable loop
+
+template <typename T>
+void groups_portable(const Packed& w, const Quantized& x, T* out, int64_t n_out, int64_t g_begin,
+                     int64_t g_end) {
+  for (int64_t g = g_begin; g < g_end; ++g) {
+    for (int64_t r = 0; r < x.rows; ++r) {
+      float acc[kLanes] = {};
+      for (int64_t b = 0; b < w.blocks; ++b) {
+        const int8_t* qb = x.q.data() + (r * x.blocks + b) * kBlock;
+        const float* d = w.d + (g * w.blocks + b) * kLanes;
+        const float* m = w.m + (g * w.blocks + b) * kLanes;
+        for (int64_t lane = 0; lane < kLanes; ++lane) {
+          int dot = 0;
+          for (int64_t i = 0; i < kBlock; ++i) dot += code_at(w, g, b, lane, i) * qb[i];
+          acc[lane] += d[lane] * x.scale[r * x.blocks + b] * static_cast<float>(dot) +
+                       m[lane] * x.scaled_sum[r * x.blocks + b];
+        }
+      }
+      for (int64_t lane = 0; lane < kLanes && g * kLanes + lane < n_out; ++lane)
+        out[r * n_out + g * kLanes + lane] = static_cast<T>(acc[lane]);
+    }
+  }
+}
+
+// ----------------------------------------------------------------- AVX-512 VNNI
+
+#ifdef SENDPATH_VNNI
+inline void store_lanes(float* p, __m512 v, int64_t n) {
+  _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1u), v);
+}
+inline void store_lanes(at::BFloat16* p, __m512 v, int64_t n) {
+  alignas(64) float tmp[kLanes];
+  _mm512_store_ps(tmp, v);
+  for (int64_t i = 0; i < n; ++i) p[i] = static_cast<at::BFloat16>(tmp[i]);
+}
+
+// Activation rows r0 .. r0 + R - 1 against weight groups [g_begin, g_end).
+template <int R, typename T>
+void groups_vnni(const Packed& w, const Quantized& x, T* out, int64_t n_out, int64_t r0,
+                 int64_t g_begin, int64_t g_end) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t g = g_begin; g < g_end; ++g) {
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < w.blocks; ++b) {
+      const uint8_t* block = w.codes + (g * w.blocks + b) * w.block_bytes;
+      __m512i quad[8];  // 16 rows x 4 codes each
+      if (w.four_bit) {
+        for (int j = 0; j < 4; ++j) {
+          const __m512i both = _mm512_loadu_si512(block + j * 64);
+          quad[j] = _mm512_and_si512(both, nibble);
+          quad[j + 4] = _mm512_and_si512(_mm512_srli_epi16(both, 4), nibble);
+        }
+      } else {
+        for (int j = 0; j < 8; ++j) quad[j] = _mm512_loadu_si512(block + j * 64);
+      }
+      const __m512 d = _mm512_loadu_ps(w.d + (g * w.blocks + b) * kLanes);
+      const __m512 m = _mm512_loadu_ps(w.m + (g * w.blocks + b) * kLanes);
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (r0 + r) * x.blocks + b;
+        const auto* q = reinterpret_cast<const int32_t*>(x.q.data() + at * kBlock);
+        __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();  // two chains
+        for (int j = 0; j < 8; j += 2) {
+          even = _mm512_dpbusd_epi32(even, quad[j], _mm512_set1_epi32(q[j]));
+          odd = _mm512_dpbusd_epi32(odd, quad[j + 1], _mm512_set1_epi32(q[j + 1]));
+        }
+        const __m512 dots = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+        acc[r] = _mm512_fmadd_ps(dots, _mm512_mul_ps(d, _mm512_set1_ps(x.scale[at])), acc[r]);
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.scaled_sum[at]), acc[r]);
+      }
+    }
+    const int64_t lanes = std::min(kLanes, n_out - g * kLanes);
+    for (int r = 0; r < R; ++r) store_lanes(out + (r0 + r) * n_out + g * kLanes, acc[r], lanes);
+  }
+}
+#endif
+
+template <typename T>
+void run(const Packed& w, const T* x, int64_t rows, int64_t k, T* out, int64_t n_out,
+         bool portable) {
+  const Quantized q = quantize(x, rows, k);
+  const int64_t groups = (n_out + kLanes - 1) / kLanes;
+  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+#ifdef SENDPATH_VNNI
+    if (portable) return groups_portable(w, q, out, n_out, begin, end);
+    for (int64_t g = begin; g < end; ++g) {  // a group's weights stay in cache for all rows
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+        switch (std::min<int64_t>(kRowTile, rows - r0)) {
+          case 1: groups_vnni<1>(w, q, out, n_out, r0, g, g + 1); break;
+          case 2: groups_vnni<2>(w, q, out, n_out, r0, g, g + 1); break;
+          case 3: groups_vnni<3>(w, q, out, n_out, r0, g, g + 1); break;
+          default: groups_vnni<4>(w, q, out, n_out, r0, g, g + 1); break;
+        }
+      }
+    }
+#else
+    (void)portable;
+    groups_portable(w, q, out, n_out, begin, end);
+#endif
+  });
+}
+
+// codes [N, K] (unsigned, below 16 when four_bit), d and m [N, blocks] -> the packed layout.
+std::vector<torch::Tensor> pack(const torch::Tensor& codes, const torch::Tensor& d,
+                                const torch::Tensor& m, bool four_bit) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte, "codes: uint8 [N, K]");
+  const int64_t n = codes.size(0), k = codes.size(1), blocks = blocks_for(k);
+  const int64_t groups = (n + kLanes - 1) / kLanes, block_bytes = four_bit ? 256 : 512;
+  TORCH_CHECK(d.sizes() == m.sizes() && d.size(0) == n && d.size(1) == blocks, "d, m: [N, K/32]");
+  auto c = codes.contiguous();
+  auto df = d.to(at::kFloat).contiguous(), mf = m.to(at::kFloat).contiguous();
+  auto packed = torch::zeros({groups, blocks, block_bytes}, c.options());
+  auto dp = torch::zeros({groups, blocks, kLanes}, df.options());
+  auto mp = torch::zeros({groups, blocks, kLanes}, df.options());
+  const uint8_t* src = c.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  const float *d_src = df.data_ptr<float>(), *m_src = mf.data_ptr<float>();
+  float *d_dst = dp.data_ptr<float>(), *m_dst = mp.data_ptr<float>();
+  for (int64_t row = 0; row < n; ++row) {
+    const int64_t g = row / kLanes, lane = row % kLanes;
+    for (int64_t b = 0; b < blocks; ++b) {
+      uint8_t* block = dst + (g * blocks + b) * block_bytes;
+      for (int64_t i = 0; i < kBlock && b * kBlock + i < k; ++i) {
+        const uint8_t code = src[row * k + b * kBlock + i];
+        TORCH_CHECK(!four_bit || code < 16, "four-bit codes must be below 16");
+        const int64_t quad = i / 4, byte = i % 4;
+        if (!four_bit) block[quad * 64 + lane * 4 + byte] = code;
+        else block[(quad % 4) * 64 + lane * 4 + byte] |= quad < 4 ? code : code << 4;
+      }
+      d_dst[(g * blocks + b) * kLanes + lane] = d_src[row * blocks + b];
+      m_dst[(g * blocks + b) * kLanes + lane] = m_src[row * blocks + b];
+    }
+  }
+  return {packed, dp, mp};
+}
+
+}  // namespace
+
+bool has_vnni() {
+#ifdef SENDPATH_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Q4_1's codes [N, K] (0..15), d and m [N, K/32] -> (codes, d, m) packed for block_matmul.
+std::vector<torch::Tensor> pack_q4(torch::Tensor codes, torch::Tensor d, torch::Tensor m) {
+  return pack(codes, d, m, true);
+}
+
+// Q8_0's signed codes [N, K] (int8) and d [N, K/32] -> (codes + 128, d, -128 d) packed.
+std::vector<torch::Tensor> pack_q8(torch::Tensor codes, torch::Tensor d) {
+  TORCH_CHECK(codes.scalar_type() == at::kChar, "codes: int8 [N, K]");
+  auto shifted = (codes.to(at::kInt) + 128).to(at::kByte);
+  auto df = d.to(at::kFloat);
+  return pack(shifted, df, df * -128.0, false);
+}
+
+// x [M, K] float32 or bfloat16 and weights from pack_q4 / pack_q8 for N outputs -> [M, N].
+// `portable` takes the portable loop where VNNI is there too (for tests).
+torch::Tensor block_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m,
+                           int64_t n_out, bool portable) {
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && d.dim() == 3 && m.sizes() == d.sizes());
+  TORCH_CHECK(codes.scalar_type() == at::kByte && d.scalar_type() == at::kFloat &&
+              m.scalar_type() == at::kFloat);
+  TORCH_CHECK(codes.is_contiguous() && d.is_contiguous() && m.is_contiguous());
+  const int64_t k = x.size(1);
+  TORCH_CHECK(codes.size(1) == blocks_for(k) && d.size(1) == blocks_for(k) && d.size(2) == kLanes,
+              "the weights' blocks do not fit the input width");
+  TORCH_CHECK(codes.size(2) == 256 || codes.size(2) == 512, "codes: [groups, blocks, 256 or 512]");
+  TORCH_CHECK(codes.size(0) == d.size(0) && (n_out + kLanes - 1) / kLanes == codes.size(0));
+  const Packed w{codes.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(),
+                 codes.size(1), codes.size(2), codes.size(2) == 256};
+  auto input = x.contiguous();
+  auto out = torch::empty({x.size(0), n_out}, x.options());
+  if (input.scalar_type() == at::kBFloat16) {
+    run(w, input.data_ptr<at::BFloat16>(), input.size(0), k, out.data_ptr<at::BFloat16>(), n_out,
+        portable);
+  } else {
+    TORCH_CHECK(input.scalar_type() == at::kFloat, "float32 or bfloat16 only");
+    run(w, input.data_ptr<float>(), input.size(0), k, out.data_ptr<float>(), n_out, portable);
+  }
+  return out;
+}
