@@ -3,10 +3,11 @@
 The built-in model in the configuration ``make serve`` runs (``--dtype auto
 --quantization auto``), B requests decoding with ~190-token contexts (random prompt
 tokens), profiled over 10 steps with torch's profiler. Each aten op's own CPU time is put
-in one bucket: low-precision matmuls (torch's int4 / int8 weight kernels), dense matmuls,
-attention (the paged decode kernel or torch's SDPA), and the rest (norms, RoPE, sampling,
-the cache writes, and the Python and dispatch between them: the step's wall time less the
-three buckets). Compare with ``--dtype float32 --quantization none``.
+in one bucket: low-precision matmuls (sendpath's block kernel on AVX-512 VNNI, else
+torch's int4 / int8 weight kernels), dense matmuls, attention (the paged decode kernel or
+torch's SDPA), and the rest (norms, RoPE, sampling, the cache writes, and the Python and
+dispatch between them: the step's wall time less the three buckets). Compare with
+``--dtype float32 --quantization none``.
 
     .venv/bin/python benchmarks/step_profile.py [--batches 1 8 32]       # about a minute
     .venv/bin/python benchmarks/step_profile.py --dtype float32 --quantization none \
@@ -29,12 +30,13 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from sendpath.config import CacheConfig, EngineConfig, SchedulerConfig
 from sendpath.engine.core import EngineCore
+from sendpath.model.quant import BlockWeights
 from sendpath.request import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results" / "step_profile.json"
 STEPS = 10
 BUCKETS = {
-    "low-precision matmul": ("_weight_int4pack_mm", "_weight_int8pack_mm"),
+    "low-precision matmul": ("_weight_int4pack_mm", "_weight_int8pack_mm", "block_matmul"),
     "dense matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "_linear_pointwise"),
     "attention": ("paged_attention", "scaled_dot_product", "_flash_attention"),
 }
@@ -62,16 +64,30 @@ def decoding(core: EngineCore, batch: int) -> None:
 
 
 class _Named:
-    """The paged kernel's module with its call named for the profiler (a pybind function
-    is invisible to it otherwise)."""
+    """The CPU kernels' module with the paged attention call named for the profiler (a
+    pybind function is invisible to it otherwise)."""
 
     def __init__(self, module: Any) -> None:
         self.module = module
+
+    def __getattr__(self, name: str) -> Any:  # the module's other kernels, as they are
+        return getattr(self.module, name)
 
     def paged_decode_attention(self, *args: Any) -> torch.Tensor:
         with record_function("paged_attention"):
             out: torch.Tensor = self.module.paged_decode_attention(*args)
         return out
+
+
+def _named_block_matmul() -> None:
+    """``BlockWeights.matmul`` named for the profiler (its kernel is a pybind function)."""
+    plain = BlockWeights.matmul
+
+    def matmul(self: BlockWeights, x: torch.Tensor) -> torch.Tensor:
+        with record_function("block_matmul"):
+            return plain(self, x)
+
+    BlockWeights.matmul = matmul  # type: ignore[method-assign]
 
 
 def profile_batch(core: EngineCore, batch: int) -> dict[str, Any]:
@@ -109,6 +125,7 @@ def main() -> None:
         cache=CacheConfig(kv_cache_memory_gib=1.0, enable_prefix_caching=False),
     )
     core = EngineCore.from_config(config)
+    _named_block_matmul()
     attention = core.runner.attention  # type: ignore[attr-defined]
     if attention.kernel is not None:
         attention.kernel = _Named(attention.kernel)
