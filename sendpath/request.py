@@ -8,7 +8,7 @@ from enum import StrEnum
 from sendpath.errors import InvalidSamplingParamsError
 from sendpath.trace import EventType, Timeline
 
-__all__ = ["GREEDY_BELOW", "Request", "RequestStatus", "SamplingParams"]
+__all__ = ["GREEDY_BELOW", "Request", "RequestStatus", "SamplingParams", "TokenLogprobs"]
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample as temperature 0
 
@@ -22,16 +22,29 @@ class SamplingParams:
     ``None``) disables top-k. ``seed`` makes a sampled request reproducible on its own,
     whatever runs beside it. Stop strings are not included in the returned text; stop token
     ids are not either, unless they are EOS.
+
+    The logit adjustments (``model/sampler.py`` says in which order): ``presence_penalty`` /
+    ``frequency_penalty`` (OpenAI's, -2..2, over the output), ``repetition_penalty``
+    (vLLM's, 0.01..100, 1 is off, over prompt and output), ``logit_bias`` (token id -> -100..100),
+    ``min_tokens`` (no EOS or stop token id before this many), ``min_p`` (0..1).
+    ``logprobs``: return the chosen token's log-probability and this many alternatives'.
     """
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None
+    min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -42,6 +55,17 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when sampling reduces to argmax."""
         return self.temperature < GREEDY_BELOW or self.top_k == 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """True when the logits change before the choice (penalties, bias, min_tokens)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     def validate(self) -> None:
         """Raise ``InvalidSamplingParamsError`` naming the first bad field."""
@@ -77,6 +101,51 @@ class SamplingParams:
                 self.seed,
             ),
             (
+                _is_number(self.min_p) and 0.0 <= self.min_p <= 1.0,
+                "min_p",
+                "min_p must be in [0, 1], got {!r}.",
+                self.min_p,
+            ),
+            (
+                _is_number(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
+                "presence_penalty",
+                "presence_penalty must be in [-2, 2], got {!r}.",
+                self.presence_penalty,
+            ),
+            (
+                _is_number(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
+                "frequency_penalty",
+                "frequency_penalty must be in [-2, 2], got {!r}.",
+                self.frequency_penalty,
+            ),
+            (
+                _is_number(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 100,
+                "repetition_penalty",
+                "repetition_penalty must be in [0.01, 100] (1 turns it off), got {!r}.",
+                self.repetition_penalty,
+            ),
+            (
+                all(
+                    _is_int(t) and t >= 0 and _is_number(b) and -100.0 <= b <= 100.0
+                    for t, b in self.logit_bias.items()
+                ),
+                "logit_bias",
+                "logit_bias must map token ids (integers >= 0) to numbers in [-100, 100].",
+                None,
+            ),
+            (
+                _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                "min_tokens must be an integer from 0 to max_tokens ({!r}).",
+                self.max_tokens,
+            ),
+            (
+                self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+                "logprobs",
+                "logprobs must be an integer from 0 to 20, got {!r}.",
+                self.logprobs,
+            ),
+            (
                 all(isinstance(s, str) and s for s in self.stop),
                 "stop",
                 "stop must be a list of non-empty strings.",
@@ -93,6 +162,15 @@ class SamplingParams:
             if not ok:
                 message = message.format(value)
                 raise InvalidSamplingParamsError(message, param=param)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's log-probability under the model, and the ``k`` likeliest
+    tokens' (id, log-probability), likeliest first (``SamplingParams.logprobs``)."""
+
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 def _is_int(value: object) -> bool:

@@ -66,8 +66,8 @@ class FaultyRunner:
         self.gate: threading.Event | None = None
         self.in_step = threading.Event()
 
-    def add_request(self, request_id: str, params: SamplingParams) -> None:
-        self.inner.add_request(request_id, params)
+    def add_request(self, request: Request) -> None:
+        self.inner.add_request(request)
 
     def remove_request(self, request_id: str) -> None:
         self.inner.remove_request(request_id)

@@ -49,6 +49,7 @@ MAX_STOP_IDS = 1024
 MAX_PROMPT_IDS = 2**20  # a token-id prompt (a million tokens: past any context here)
 MAX_MESSAGES = 10_000
 MAX_PARTS = 10_000  # content parts of one message
+MAX_LOGIT_BIAS = 1024  # entries (OpenAI documents no limit; each costs a little per token)
 _TYPE_TAGS = {"str", "int", "float", "bool", "none"}
 
 
@@ -67,6 +68,12 @@ Seed = Annotated[int, Field(ge=-(2**63), lt=2**64), _WHOLE]
 Choices = Annotated[int, Field(ge=1, le=128), _WHOLE]
 Priority = Annotated[int, Field(ge=-INT32, lt=INT32), _WHOLE]  # vLLM's: lower runs first
 LogprobCount = Annotated[int, Field(ge=0, le=20), _WHOLE]
+MinTokens = Annotated[int, Field(ge=0, lt=INT32), _WHOLE]
+# OpenAI's logit_bias: token ids as JSON object keys (strings of digits), -100..100 each
+LogitBias = Annotated[
+    dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")], Annotated[float, Field(ge=-100, le=100)]],
+    Field(max_length=MAX_LOGIT_BIAS),
+]
 StopString = Annotated[str, Field(min_length=1, max_length=1024)]
 StopList = Annotated[list[StopString], Field(max_length=MAX_STOP)]
 # Lists a client sizes: bounded, and checked item by item only up to the first bad one
@@ -110,6 +117,11 @@ class _Common(_Strict):
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # vLLM's (> 0; 1 is off), bounded so that no logit it divides overflows
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM's
+    min_tokens: MinTokens = 0  # vLLM's
+    logit_bias: LogitBias | None = None
     user: str | None = Field(None, max_length=256)
     priority: Priority = 0
     cache_salt: str | None = Field(None, min_length=1, max_length=256)  # vLLM's

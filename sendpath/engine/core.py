@@ -26,7 +26,7 @@ from sendpath.engine.steps import StepLog, StepShape
 from sendpath.errors import InvalidRequestError, PromptTooLongError
 from sendpath.kvcache.manager import KVCacheManager
 from sendpath.model.tokenizer import ChatMessage, Tokenizer
-from sendpath.request import Request, RequestStatus, SamplingParams
+from sendpath.request import Request, RequestStatus, SamplingParams, TokenLogprobs
 from sendpath.trace import EventType
 
 if TYPE_CHECKING:
@@ -47,7 +47,11 @@ class EngineFaultError(RuntimeError):
 class Runner(Protocol):
     """Executes a step plan; the model runner and the fake runner implement it."""
 
-    def add_request(self, request_id: str, params: SamplingParams) -> None: ...
+    def add_request(self, request: Request) -> None:
+        """Start keeping ``request``'s sampling state (its parameters, RNG, and the token
+        lists its penalties read, which the engine keeps current)."""
+        ...
+
     def remove_request(self, request_id: str) -> None: ...
     def execute(self, plan: SchedulerOutput) -> RunnerOutput: ...
     def probe(self) -> None:
@@ -146,12 +150,18 @@ class EngineCore:
         """The checked, tokenized request (``add_request``'s first half). It reads no engine
         state, so a server runs it on its own thread while the engine steps."""
         params.validate()
+        vocab = self.tokenizer.vocab_size
+        if bad_bias := next((t for t in params.logit_bias if t >= vocab), None):
+            raise InvalidRequestError(
+                f"logit_bias has token id {bad_bias}, outside this model's vocabulary "
+                f"(0 to {vocab - 1}).",
+                param="logit_bias",
+            )
         arrived = self.clock.now()
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         elif prompt and isinstance(prompt[0], int):
             ids = [int(t) for t in prompt]  # type: ignore[arg-type]
-            vocab = self.tokenizer.vocab_size
             if not all(0 <= t < vocab for t in ids):
                 bad = next(t for t in ids if not 0 <= t < vocab)
                 raise InvalidRequestError(
@@ -191,7 +201,7 @@ class EngineCore:
         """Queue a prepared request (the engine's thread). ``handed_over``: when it was
         handed to this thread, the start of its wait (a step in flight ends first)."""
         params = request.sampling_params
-        self.runner.add_request(request.request_id, params)
+        self.runner.add_request(request)
         try:  # QueueFullError: nothing may stay behind
             self.scheduler.add_request(request, handed_over)
         except BaseException:
@@ -240,7 +250,8 @@ class EngineCore:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED)
                 self.runner.remove_request(request.request_id)
                 del self._streams[request.request_id]
-            outputs.append(self._output(request, stream, [token], text))
+            logprobs = result.logprobs.get(request.request_id)
+            outputs.append(self._output(request, stream, [token], text, logprobs))
         if not plan.is_empty:
             busy = self.scheduler.has_unfinished_requests()
             shape = StepShape.of(plan, self.scheduler.kv.block_size)
@@ -294,7 +305,11 @@ class EngineCore:
 
     @staticmethod
     def _output(
-        request: Request, stream: OutputStream, new_ids: list[int], text: str
+        request: Request,
+        stream: OutputStream,
+        new_ids: list[int],
+        text: str,
+        logprobs: TokenLogprobs | None = None,
     ) -> EngineOutput:
         return EngineOutput(
             request_id=request.request_id,
@@ -305,4 +320,5 @@ class EngineCore:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             num_output_tokens=len(request.output_token_ids),
+            logprobs=None if logprobs is None else [logprobs],
         )

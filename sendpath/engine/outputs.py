@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from sendpath.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from sendpath.request import SamplingParams
+from sendpath.request import SamplingParams, TokenLogprobs
 
 __all__ = ["CompletionOutput", "EngineOutput", "FinishReason", "OutputStream", "RequestOutput"]
 
@@ -59,6 +59,7 @@ class EngineOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_output_tokens: int = 0  # generated so far, this one included
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, where asked for
 
     @property
     def finished(self) -> bool:

@@ -24,7 +24,7 @@ from sendpath.clock import Clock
 from sendpath.config import SchedulerConfig
 from sendpath.errors import QueueFullError
 from sendpath.kvcache.manager import KVCacheManager
-from sendpath.request import Request, RequestStatus
+from sendpath.request import Request, RequestStatus, TokenLogprobs
 from sendpath.trace import Event, EventType
 
 from .queue import make_queue
@@ -67,6 +67,7 @@ class RunnerOutput:
 
     sampled: dict[str, int] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # where asked for
 
 
 @dataclass

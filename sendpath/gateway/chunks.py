@@ -92,23 +92,30 @@ def text_of(choice: dict[str, Any]) -> str | None:
 
 
 def with_text(chunk: dict[str, Any], text: str) -> dict[str, Any]:
-    """A copy of a stream chunk whose one choice carries ``text`` (and no finish)."""
+    """A copy of a stream chunk whose one choice carries ``text`` (and no finish). Its
+    logprobs go: they name the chunk's own tokens, which the output filter may be holding
+    back (or have blocked)."""
     choice = dict(chunk["choices"][0])
     if "delta" in choice:
         choice["delta"] = {**choice["delta"], "content": text}
     else:
         choice["text"] = text
     choice["finish_reason"] = None
+    if choice.get("logprobs") is not None:
+        choice["logprobs"] = None
     return {**chunk, "choices": [choice]}
 
 
 def finished(chunk: dict[str, Any], reason: str) -> dict[str, Any]:
+    """A copy of a stream chunk that only ends the choice (no text, no logprobs)."""
     choice = dict(chunk["choices"][0])
     if "delta" in choice:
         choice["delta"] = {}
     else:
         choice["text"] = ""
     choice["finish_reason"] = reason
+    if choice.get("logprobs") is not None:
+        choice["logprobs"] = None
     return {**chunk, "choices": [choice]}
 
 

@@ -218,6 +218,7 @@ class Proxy:
                 else:
                     choice["text"] = released
                 choice["finish_reason"] = "content_filter"
+                choice["logprobs"] = None  # they spell out the blocked text
         ctx.response_id = data.get("id")
         ctx.replica_timings = numbers(data.get("timings"))
         ctx.end = ctx.clock.now()

@@ -1,21 +1,31 @@
 """Pick the next token of each row from its logits, each row with its own parameters and RNG.
 
-Greedy rows take the argmax. Sampled rows apply temperature, then top-k, then top-p
-(the smallest set of tokens whose probability reaches ``top_p``, as vLLM does), then draw
-from a ``torch.Generator`` that belongs to the request, so a seeded request gives the same
-tokens whatever else shares its batch.
+Each row's logits are first adjusted by what its request asked for, in vLLM's order:
+``min_tokens`` (its end tokens masked until enough were generated), ``logit_bias`` (added,
+OpenAI's -100..100), the repetition penalty (a seen token's logit divided by it when
+positive, multiplied when negative; over prompt and output, as vLLM and transformers do),
+then the frequency and presence penalties (OpenAI's: minus ``frequency * count`` and
+``presence`` for every token already in the output). Greedy rows then take the argmax.
+Sampled rows apply temperature, then top-k, then top-p (the smallest set of tokens whose
+probability reaches ``top_p``, as vLLM does), then min-p (tokens below ``min_p`` times the
+likeliest one's probability), and draw from a ``torch.Generator`` that belongs to the
+request, so a seeded request gives the same tokens whatever else shares its batch.
+
+``logprobs`` are the model's own (log-softmax of the raw logits, as vLLM reports them by
+default), for the chosen token and the ``logprobs`` likeliest ones.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from sendpath.request import SamplingParams
+from sendpath.request import SamplingParams, TokenLogprobs
 
-__all__ = ["make_generator", "sample"]
+__all__ = ["History", "Sampled", "make_generator", "sample"]
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
@@ -23,6 +33,50 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     gen = torch.Generator(device=device)
     gen.manual_seed(seed if seed is not None else random.getrandbits(63))
     return gen
+
+
+@dataclass(frozen=True)
+class History:
+    """What a row's penalties and ``min_tokens`` look at: its request's tokens so far, and
+    the ids that end it (EOS and the stop token ids)."""
+
+    prompt: Sequence[int]
+    output: Sequence[int]
+    end_ids: Sequence[int] = ()
+
+
+@dataclass
+class Sampled:
+    """One row's result: the token (``None``: the row cannot be sampled) and, when asked
+    for, its logprobs."""
+
+    token: int | None
+    logprobs: TokenLogprobs | None = None
+
+
+def _adjust(logits: torch.Tensor, params: SamplingParams, history: History) -> torch.Tensor:
+    """logits [V] -> the logits after min_tokens, logit_bias and the penalties (a copy)."""
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    if len(history.output) < params.min_tokens:
+        ends = [t for t in history.end_ids if 0 <= t < vocab]
+        if ends:
+            logits[ends] = float("-inf")
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+        bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype)
+        logits.index_add_(0, ids, bias)
+    if params.repetition_penalty != 1.0:
+        seen = torch.unique(torch.tensor([*history.prompt, *history.output], dtype=torch.long))
+        picked = logits[seen]
+        rp = params.repetition_penalty
+        logits[seen] = torch.where(picked > 0, picked / rp, picked * rp)
+    if (params.frequency_penalty or params.presence_penalty) and history.output:
+        counts = torch.bincount(
+            torch.tensor(list(history.output), dtype=torch.long), minlength=vocab
+        )[:vocab].to(logits.dtype)
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return logits
 
 
 def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -37,26 +91,48 @@ def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop = cum <= 1.0 - params.top_p
         drop[-1] = False  # the most likely token always stays
         logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+    if params.min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     return logits
+
+
+def _logprobs(raw: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    logp = raw.float().log_softmax(-1)
+    top = torch.topk(logp, k) if k else None
+    pairs = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+    return TokenLogprobs(float(logp[token]), pairs)
 
 
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
-) -> list[int | None]:
-    """logits [N, V] float32 -> one token id per row (``None``: the row cannot be sampled)."""
-    out: list[int | None] = [int(t) for t in logits.argmax(dim=-1).tolist()]
+    histories: Sequence[History] | None = None,
+) -> list[Sampled]:
+    """logits [N, V] float32 -> one ``Sampled`` per row."""
+    greedy = logits.argmax(dim=-1).tolist()
     nan_rows = torch.isnan(logits.sum(dim=-1))  # any NaN makes the sum NaN (one pass)
-    if bool(nan_rows.any()):
-        for i in nan_rows.nonzero().flatten().tolist():
-            out[i] = None
+    bad = set(nan_rows.nonzero().flatten().tolist()) if bool(nan_rows.any()) else set()
+    out: list[Sampled] = []
     for i, p in enumerate(params):
-        if p.greedy or out[i] is None:
+        if i in bad:
+            out.append(Sampled(None))
             continue
-        try:
-            probs = _filter(logits[i], p).softmax(-1)
-            out[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
-        except RuntimeError:  # "probability tensor contains either inf, nan or element < 0"
-            out[i] = None
+        row = logits[i]
+        if p.adjusts_logits and histories is not None:
+            row = _adjust(row, p, histories[i])
+        token: int | None = int(greedy[i]) if row is logits[i] else int(row.argmax())
+        if not p.greedy:
+            try:
+                probs = _filter(row, p).softmax(-1)
+                token = int(torch.multinomial(probs, 1, generator=generators[i]).item())
+            except RuntimeError:  # "probability tensor contains either inf, nan or element < 0"
+                token = None
+        if token is not None and bool(torch.isinf(row[token])) and row[token] < 0:
+            token = None  # every token was masked out (a bias of -inf cannot be asked for)
+        logprobs = None
+        if token is not None and p.logprobs is not None:
+            logprobs = _logprobs(logits[i], token, p.logprobs)
+        out.append(Sampled(token, logprobs))
     return out

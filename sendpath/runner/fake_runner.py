@@ -7,7 +7,7 @@ request runs alone, in a batch, or is recomputed after a preemption.
 from __future__ import annotations
 
 from sendpath.engine.scheduler import RunnerOutput, SchedulerOutput
-from sendpath.request import SamplingParams
+from sendpath.request import Request
 
 __all__ = ["FakeRunner", "fake_next_token"]
 
@@ -24,7 +24,7 @@ class FakeRunner:
         self.vocab_size = vocab_size
         self.executed: list[SchedulerOutput] = []
 
-    def add_request(self, request_id: str, params: SamplingParams) -> None:
+    def add_request(self, request: Request) -> None:
         pass
 
     def remove_request(self, request_id: str) -> None:

@@ -32,8 +32,8 @@ from sendpath.engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerO
 from sendpath.kernels import cpu_kernels
 from sendpath.model.llama import LlamaConfig
 from sendpath.model.loader import LoadedModel
-from sendpath.model.sampler import make_generator, sample
-from sendpath.request import SamplingParams
+from sendpath.model.sampler import History, make_generator, sample
+from sendpath.request import Request
 
 __all__ = ["ModelRunner", "PagedAttention", "describe_device", "kv_bytes_per_token"]
 
@@ -206,18 +206,27 @@ class ModelRunner:
             kernels = cpu_kernels()
         self.model.use_kernels(kernels)
         self.attention = PagedAttention(self.k_cache, self.v_cache, block_size, kernels)
-        self._params: dict[str, SamplingParams] = {}
+        self.end_ids = list(loaded.tokenizer.eos_token_ids)  # what min_tokens holds back
+        self._requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator | None] = {}
 
-    def add_request(self, request_id: str, params: SamplingParams) -> None:
-        self._params[request_id] = params
-        self._generators[request_id] = (
+    def add_request(self, request: Request) -> None:
+        params = request.sampling_params
+        self._requests[request.request_id] = request
+        self._generators[request.request_id] = (
             None if params.greedy else make_generator(params.seed, self.model.device)
         )
 
     def remove_request(self, request_id: str) -> None:
-        self._params.pop(request_id, None)
+        self._requests.pop(request_id, None)
         self._generators.pop(request_id, None)
+
+    def _history(self, request: Request) -> History:
+        params = request.sampling_params
+        ends = [] if params.ignore_eos else self.end_ids
+        return History(
+            request.prompt_token_ids, request.output_token_ids, [*ends, *params.stop_token_ids]
+        )
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
@@ -243,17 +252,21 @@ class ModelRunner:
         if not sampled:
             return RunnerOutput()
         logits = self.model.compute_logits(hidden[sample_rows])  # [N, V]
-        tokens = sample(
+        requests = [self._requests[i.request_id] for i in sampled]
+        results = sample(
             logits,
-            [self._params[i.request_id] for i in sampled],
+            [r.sampling_params for r in requests],
             [self._generators[i.request_id] for i in sampled],
+            [self._history(r) for r in requests],
         )
         out = RunnerOutput()
-        for item, token in zip(sampled, tokens, strict=True):
-            if token is None:
+        for item, result in zip(sampled, results, strict=True):
+            if result.token is None:
                 out.failed[item.request_id] = "its logits could not be sampled (NaN)"
-            else:
-                out.sampled[item.request_id] = token
+                continue
+            out.sampled[item.request_id] = result.token
+            if result.logprobs is not None:
+                out.logprobs[item.request_id] = result.logprobs
         return out
 
     @torch.inference_mode()

@@ -15,7 +15,7 @@ from torch.nn import functional as F
 from sendpath.engine.outputs import OutputStream
 from sendpath.model.llama import LlamaConfig
 from sendpath.model.loader import LoadedModel
-from sendpath.model.sampler import make_generator, sample
+from sendpath.model.sampler import History, make_generator, sample
 from sendpath.request import SamplingParams
 
 __all__ = ["ContiguousKVCache", "GeneratedToken", "SequenceRunner"]
@@ -97,8 +97,10 @@ class SequenceRunner:
         gen = None if params.greedy else make_generator(params.seed, self.model.device)
         cache = self._cache(min(self.max_model_len, len(prompt_ids) + params.max_tokens))
         hidden = self._forward(cache, prompt_ids)[-1:]
+        ends = [] if params.ignore_eos else list(self.loaded.tokenizer.eos_token_ids)
+        history = History(prompt_ids, stream.token_ids, [*ends, *params.stop_token_ids])
         while True:
-            token = sample(self.model.compute_logits(hidden), [params], [gen])[0]
+            token = sample(self.model.compute_logits(hidden), [params], [gen], [history])[0].token
             if token is None:
                 raise RuntimeError("the model's logits cannot be sampled (NaN)")
             text = stream.append(token)

@@ -28,8 +28,15 @@ from sendpath.errors import (
     SendpathError,
     ServiceUnavailableError,
 )
+from sendpath.request import TokenLogprobs
 from sendpath.server.protocol import ParsedRequest
-from sendpath.server.responses import Chunker, server_timing, sse, timings_ms
+from sendpath.server.responses import (
+    Chunker,
+    LogprobRenderer,
+    server_timing,
+    sse,
+    timings_ms,
+)
 
 if TYPE_CHECKING:
     from sendpath.server.app import Replica
@@ -63,8 +70,11 @@ async def serve_generation(
     arrival = stream.request.timeline.events[0].time
     headers = {"x-request-id": chunker.id, "x-sendpath-clock": repr(arrival)}
     replica.active.put(chunker.id, stream.request)
+    renderer = None
+    if parsed.params.logprobs is not None:
+        renderer = LogprobRenderer(engine.core.tokenizer)
     if parsed.stream:
-        events = _events(replica, stream, chunker, parsed.include_usage)
+        events = _events(replica, stream, chunker, parsed.include_usage, renderer)
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
     collect = asyncio.create_task(_collect(stream, chunker.id))
     gone = asyncio.create_task(_wait_disconnect(request))
@@ -82,9 +92,17 @@ async def serve_generation(
     if (error := collect.exception()) is not None:
         replica.metrics.ended.labels("error").inc()
         raise error
-    text, last = collect.result()
+    text, last, logprobs = collect.result()
     replica.finished(chunker.id, stream.request, str(last.finish_reason))
-    body = chunker.body(text, last, stream.request)
+    rendered = None
+    if renderer is not None:
+        ids = stream.request.output_token_ids
+        rendered = (
+            renderer.chat(ids, logprobs)
+            if chunker.kind == "chat"
+            else renderer.completion(ids, logprobs)
+        )
+    body = chunker.body(text, last, stream.request, rendered)
     headers["Server-Timing"] = server_timing(body["timings"])
     return JSONResponse(body, headers=headers)
 
@@ -102,32 +120,51 @@ def _raise_unfinished(out: EngineOutput, response_id: str) -> None:
         raise ServiceUnavailableError(ENGINE_STOPPED)
 
 
-async def _collect(stream: RequestStream, response_id: str) -> tuple[str, EngineOutput]:
-    text, last = "", None
+async def _collect(
+    stream: RequestStream, response_id: str
+) -> tuple[str, EngineOutput, list[TokenLogprobs]]:
+    """The whole text, the last output, and every token's logprobs (where asked for)."""
+    text, last, logprobs = "", None, []
     try:
         async for out in stream:
             text, last = text + out.text, out
+            logprobs += out.logprobs or []
     except EngineDeadError as exc:
         logger.error("request %s: %s", response_id, exc)
         raise ServiceUnavailableError(ENGINE_STOPPED) from exc
     if last is None:
         raise ServiceUnavailableError(ENGINE_STOPPED)
     _raise_unfinished(last, response_id)
-    return text, last
+    return text, last, logprobs
 
 
 async def _events(
-    replica: Replica, stream: RequestStream, chunker: Chunker, include_usage: bool
+    replica: Replica,
+    stream: RequestStream,
+    chunker: Chunker,
+    include_usage: bool,
+    renderer: LogprobRenderer | None = None,
 ) -> AsyncIterator[str]:
-    """SSE: a role chunk, one chunk per text delta, the finish chunk, usage, [DONE]; or an
-    error event (and no [DONE]) if the request cannot finish. Leaving early (the client
-    went away, or was dropped for not reading) aborts the request."""
+    """SSE: a role chunk, one chunk per text delta (or per token, with its logprobs, when
+    asked for), the finish chunk, usage, [DONE]; or an error event (and no [DONE]) if the
+    request cannot finish. Leaving early (the client went away, or was dropped for not
+    reading) aborts the request."""
     ended = False  # finished or failed: anything else that ends this is an abort
+    sent = 0  # characters of text streamed so far (completions' text_offset)
     try:
         if chunker.kind == "chat":
             yield sse(chunker.chunk("", role=True))
         async for out in stream:
-            if out.text:
+            if renderer is not None and out.logprobs:
+                ids = out.new_token_ids
+                rendered = (
+                    renderer.chat(ids, out.logprobs)
+                    if chunker.kind == "chat"
+                    else renderer.completion(ids, out.logprobs, sent)
+                )
+                yield sse(chunker.chunk(out.text, logprobs=rendered))
+                sent += len(out.text)
+            elif out.text:
                 yield chunker.delta_sse(out.text)
             if not out.finished:
                 continue

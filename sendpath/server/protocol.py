@@ -4,19 +4,91 @@ The body is read by ``api.json_body`` (size, depth and finite-number limits) and
 against ``api.schema`` (the same models the gateway checks and both publish); then the
 options this engine does not implement are refused by name, and the rest becomes a
 ``SamplingParams``. Every mistake is an ``InvalidRequestError`` (400, OpenAI's shape).
+
+The schema ignores fields it does not know, as OpenAI does; but a field OpenAI or vLLM
+define that would change the answer (JSON output, tools, beam search, ...) must not be
+dropped silently, so ``UNSUPPORTED`` names them and the values that ask for nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from sendpath.api.json_body import load_json
 from sendpath.api.schema import ChatBody, CompletionBody, content_text, validate
 from sendpath.errors import InvalidRequestError
 from sendpath.request import SamplingParams
 
-__all__ = ["ParsedRequest", "parse_chat", "parse_completion"]
+__all__ = ["UNSUPPORTED", "ParsedRequest", "parse_chat", "parse_completion"]
+
+
+def _absent(value: Any) -> bool:
+    return value is None
+
+
+def _one_of(*harmless: Any) -> Callable[[Any], bool]:
+    return lambda value: value is None or any(value == h for h in harmless)
+
+
+# Fields that change the answer and this server does not do, each with a test for the
+# values that ask for nothing (those pass).
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "response_format": _one_of({"type": "text"}),
+    "tools": _one_of([]),
+    "functions": _one_of([]),
+    "function_call": _one_of("none", "auto"),
+    "best_of": _one_of(1),
+    "suffix": _one_of(""),
+    "prediction": _absent,
+    "audio": _absent,
+    "modalities": _one_of(["text"]),
+    "reasoning_effort": _absent,
+    "web_search_options": _absent,
+    "use_beam_search": _one_of(False),
+    "length_penalty": _one_of(1, 1.0),
+    "prompt_logprobs": _absent,
+    "guided_json": _absent,
+    "guided_regex": _absent,
+    "guided_choice": _absent,
+    "guided_grammar": _absent,
+    "structured_outputs": _absent,
+    "bad_words": _one_of([]),
+    "allowed_token_ids": _absent,
+    "logits_processors": _absent,
+    "include_stop_str_in_output": _one_of(False),
+    "skip_special_tokens": _one_of(True),
+    "spaces_between_special_tokens": _one_of(True),
+    "truncate_prompt_tokens": _absent,
+    "chat_template": _absent,
+    "chat_template_kwargs": _absent,
+    "add_generation_prompt": _one_of(True),
+    "continue_final_message": _one_of(False),
+}
+
+
+def _refuse_unsupported(data: dict[str, Any]) -> None:
+    """400 naming the first field that asks for something this server does not do."""
+    for name, harmless in UNSUPPORTED.items():
+        if name in data and not harmless(data[name]):
+            raise InvalidRequestError(
+                f"{name} is not supported by this server; leave it out (or at its default).",
+                param=name,
+            )
+    choice = data.get("tool_choice")
+    if choice is not None and choice not in ("none", "auto"):
+        raise InvalidRequestError(
+            "tool_choice is not supported by this server (it has no tools); leave it out.",
+            param="tool_choice",
+        )
+    messages = data.get("messages")
+    for i, message in enumerate(messages if isinstance(messages, list) else []):
+        if isinstance(message, dict) and message.get("tool_calls"):
+            raise InvalidRequestError(
+                "Messages with tool_calls are not supported by this server (it has no tools).",
+                param=f"messages.{i}.tool_calls",
+            )
 
 
 @dataclass
@@ -35,33 +107,44 @@ class ParsedRequest:
 
 
 def _params(
-    body: ChatBody | CompletionBody, max_tokens: int | None, default_max: int
+    body: ChatBody | CompletionBody,
+    max_tokens: int | None,
+    default_max: int,
+    logprobs: int | None,
 ) -> SamplingParams:
     if body.n != 1:
         raise InvalidRequestError("Only n=1 is supported.", param="n")
-    if body.presence_penalty or body.frequency_penalty:
-        name = "presence_penalty" if body.presence_penalty else "frequency_penalty"
-        raise InvalidRequestError(f"{name} is not supported; leave it at 0.", param=name)
-    if body.logprobs:
-        raise InvalidRequestError("logprobs are not supported.", param="logprobs")
-    if isinstance(body, ChatBody) and body.top_logprobs:
-        raise InvalidRequestError("top_logprobs are not supported.", param="top_logprobs")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    bias = {int(token): value for token, value in (body.logit_bias or {}).items()}
     return SamplingParams(
         max_tokens=default_max if max_tokens is None else max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k,
+        min_p=body.min_p or 0.0,
         seed=body.seed,
         stop=stop,
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=bias,
+        # without a max_tokens of its own the cap is the context's end: min_tokens fits under it
+        min_tokens=body.min_tokens if max_tokens is not None else min(body.min_tokens, default_max),
+        logprobs=logprobs,
     )
 
 
 def parse_chat(raw: bytes, default_max: int) -> ParsedRequest:
     """Validate a /v1/chat/completions body."""
-    body: ChatBody = validate(ChatBody, load_json(raw))
+    data = load_json(raw)
+    _refuse_unsupported(data)
+    body: ChatBody = validate(ChatBody, data)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidRequestError(
+            "top_logprobs needs logprobs: true; set both.", param="top_logprobs"
+        )
     messages = [{"role": m.role, "content": content_text(m.content)} for m in body.messages]
     max_tokens = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -70,7 +153,9 @@ def parse_chat(raw: bytes, default_max: int) -> ParsedRequest:
         kind="chat",
         model=body.model,
         prompt=messages,
-        params=_params(body, max_tokens, default_max),
+        params=_params(
+            body, max_tokens, default_max, (body.top_logprobs or 0) if body.logprobs else None
+        ),
         max_tokens_given=max_tokens is not None,
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
@@ -81,7 +166,9 @@ def parse_chat(raw: bytes, default_max: int) -> ParsedRequest:
 
 def parse_completion(raw: bytes, default_max: int) -> ParsedRequest:
     """Validate a /v1/completions body (prompt: text, token ids, or a one-item list of text)."""
-    body: CompletionBody = validate(CompletionBody, load_json(raw))
+    data = load_json(raw)
+    _refuse_unsupported(data)
+    body: CompletionBody = validate(CompletionBody, data)
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         if len(prompt) != 1:
@@ -95,7 +182,7 @@ def parse_completion(raw: bytes, default_max: int) -> ParsedRequest:
         kind="completion",
         model=body.model,
         prompt=prompt,  # type: ignore[arg-type]
-        params=_params(body, body.max_tokens, default_max),
+        params=_params(body, body.max_tokens, default_max, body.logprobs),
         max_tokens_given=body.max_tokens is not None,
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),

@@ -1,15 +1,19 @@
-"""OpenAI response bodies, stream chunks, usage and the ``timings`` object."""
+"""OpenAI response bodies, stream chunks, usage, logprobs and the ``timings`` object."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from sendpath.engine.outputs import EngineOutput
-from sendpath.request import Request
+from sendpath.model.tokenizer import Tokenizer
+from sendpath.request import Request, TokenLogprobs
 from sendpath.trace import Stage
 
-__all__ = ["Chunker", "server_timing", "sse", "timings_ms", "usage"]
+__all__ = ["Chunker", "LogprobRenderer", "server_timing", "sse", "timings_ms", "usage"]
+
+IMPOSSIBLE = -9999.0  # OpenAI's logprob for a token that cannot come (JSON has no -inf)
 
 _ENGINE_STAGES = (Stage.ENGINE_QUEUE, Stage.TOKENIZE, Stage.PREFILL, Stage.DECODE)
 
@@ -41,6 +45,51 @@ def server_timing(timings: dict[str, float]) -> str:
     return ", ".join(f"{name};dur={ms}" for name, ms in timings.items())
 
 
+class LogprobRenderer:
+    """OpenAI's ``logprobs`` objects from the engine's ``TokenLogprobs``: chat's
+    ``{"content": [{token, logprob, bytes, top_logprobs}]}`` and completions' ``{tokens,
+    token_logprobs, top_logprobs, text_offset}``. A token's text is its own decoding (a
+    token that holds part of a character shows U+FFFD, as OpenAI's do; ``bytes`` are that
+    text's UTF-8)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.text(token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
+
+    def chat(self, ids: Sequence[int], logprobs: Sequence[TokenLogprobs]) -> dict[str, Any]:
+        content = []
+        for token_id, lp in zip(ids, logprobs, strict=True):
+            entry = self._entry(token_id, lp.logprob)
+            entry["top_logprobs"] = [self._entry(t, v) for t, v in lp.top]
+            content.append(entry)
+        return {"content": content}
+
+    def completion(
+        self, ids: Sequence[int], logprobs: Sequence[TokenLogprobs], offset: int = 0
+    ) -> dict[str, Any]:
+        tokens, offsets = [], []
+        for token_id in ids:
+            tokens.append(self.text(token_id))
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        return {
+            "tokens": tokens,
+            "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
+            "top_logprobs": [{self.text(t): _finite(v) for t, v in lp.top} for lp in logprobs],
+            "text_offset": offsets,
+        }
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, IMPOSSIBLE)
+
+
 class Chunker:
     """Builds the bodies and SSE chunks of one chat or completion response."""
 
@@ -66,7 +115,11 @@ class Chunker:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def chunk(
-        self, text: str | None, finish_reason: str | None = None, role: bool = False
+        self,
+        text: str | None,
+        finish_reason: str | None = None,
+        role: bool = False,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """One streamed choice delta (``text=None``: an empty delta, e.g. the finish chunk)."""
         if self.kind == "chat":
@@ -78,19 +131,25 @@ class Chunker:
             choice: dict[str, Any] = {"index": 0, "delta": delta}
         else:
             choice = {"index": 0, "text": text or ""}
-        choice.update(logprobs=None, finish_reason=finish_reason)
+        choice.update(logprobs=logprobs, finish_reason=finish_reason)
         return {**self._base(True), "choices": [choice]}
 
     def usage_chunk(self, request: Request) -> dict[str, Any]:
         return {**self._base(True), "choices": [], "usage": usage(request)}
 
-    def body(self, text: str, last: EngineOutput, request: Request) -> dict[str, Any]:
+    def body(
+        self,
+        text: str,
+        last: EngineOutput,
+        request: Request,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """The whole non-streaming response."""
         if self.kind == "chat":
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
         else:
             choice = {"index": 0, "text": text}
-        choice.update(logprobs=None, finish_reason=str(last.finish_reason))
+        choice.update(logprobs=logprobs, finish_reason=str(last.finish_reason))
         return {
             **self._base(False),
             "choices": [choice],

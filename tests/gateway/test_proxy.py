@@ -60,6 +60,33 @@ def test_blocked_output_split_across_chunks_ends_with_content_filter(
         assert phrase not in r.json()["choices"][0]["message"]["content"]
 
 
+def test_logprobs_never_spell_out_what_the_output_filter_holds_or_blocks(
+    replica: Server, tmp_path: Path
+) -> None:
+    """A chunk's logprobs name its tokens: they go out only with text that went out whole."""
+    with_logprobs = {**GREEDY, "logprobs": True}
+    with gateway(replica, tmp_path / "open", safety=RulesFilter({})) as gw:
+        r = gw.post(gw.key("a"), with_logprobs)
+    tokens = [e["token"] for e in r.json()["choices"][0]["logprobs"]["content"]]
+    assert len(tokens) == 24
+    phrase = tokens[5][-2:] + tokens[6][:2]  # straddles two tokens of the real answer
+    rules = RulesFilter({"test_phrase": [regex.escape(phrase)]})
+    with gateway(replica, tmp_path / "guarded", safety=rules) as gw:
+        secret = gw.key("a")
+        events = gw.stream(secret, with_logprobs)
+        sent = "".join(content(events))
+        named = [
+            entry["token"]
+            for e in events
+            if isinstance(e, dict) and e.get("choices") and e["choices"][0].get("logprobs")
+            for entry in e["choices"][0]["logprobs"]["content"]
+        ]
+        assert phrase not in sent and phrase not in "".join(named)
+        assert named and all(token in sent for token in named)  # named only what went out
+        whole = gw.post(secret, with_logprobs).json()["choices"][0]
+        assert whole["finish_reason"] == "content_filter" and whole["logprobs"] is None
+
+
 def test_stream_usage_only_when_asked_and_timings_on_the_last_chunk(
     replica: Server, tmp_path: Path
 ) -> None:

@@ -1,10 +1,14 @@
-"""The sampler: greedy is argmax, filters keep what they should, seeds reproduce."""
+"""The sampler: greedy is argmax, filters keep what they should, seeds reproduce, each
+logit adjustment does what OpenAI and vLLM say, and logprobs are the model's own."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 
-from sendpath.model.sampler import make_generator, sample
+from sendpath.model.sampler import History, make_generator, sample
 from sendpath.request import SamplingParams
 
 CPU = torch.device("cpu")
@@ -15,17 +19,31 @@ def logits_rows() -> torch.Tensor:
     return torch.randn(4, 1000) * 3
 
 
+def tokens(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    gens: Sequence[torch.Generator | None],
+    histories: Sequence[History] | None = None,
+) -> list[int | None]:
+    return [s.token for s in sample(logits, params, gens, histories)]
+
+
+def one(logits: torch.Tensor, params: SamplingParams, history: History) -> int | None:
+    gen = None if params.greedy else make_generator(0, CPU)
+    return tokens(logits[None], [params], [gen], [history])[0]
+
+
 def test_greedy_is_argmax() -> None:
     logits = logits_rows()
     params = [SamplingParams(temperature=0.0)] * 4
-    assert sample(logits, params, [None] * 4) == logits.argmax(-1).tolist()
+    assert tokens(logits, params, [None] * 4) == logits.argmax(-1).tolist()
 
 
 def test_top_k_one_and_tiny_top_p_reduce_to_argmax() -> None:
     logits = logits_rows()
     params = [SamplingParams(top_k=1), SamplingParams(top_p=1e-6)] * 2
     gens = [make_generator(i, CPU) for i in range(4)]
-    assert sample(logits, params, gens) == logits.argmax(-1).tolist()
+    assert tokens(logits, params, gens) == logits.argmax(-1).tolist()
 
 
 def test_top_k_keeps_only_the_k_best() -> None:
@@ -33,7 +51,7 @@ def test_top_k_keeps_only_the_k_best() -> None:
     best = set(torch.topk(logits[0], 5).indices.tolist())
     gen = make_generator(1, CPU)
     draws = {
-        sample(logits, [SamplingParams(top_k=5, temperature=5.0)], [gen])[0] for _ in range(200)
+        tokens(logits, [SamplingParams(top_k=5, temperature=5.0)], [gen])[0] for _ in range(200)
     }
     assert draws <= best and len(draws) > 1
 
@@ -41,19 +59,76 @@ def test_top_k_keeps_only_the_k_best() -> None:
 def test_top_p_keeps_the_smallest_covering_set() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     gen = make_generator(3, CPU)
-    draws = {sample(logits, [SamplingParams(top_p=0.8)], [gen])[0] for _ in range(300)}
+    draws = {tokens(logits, [SamplingParams(top_p=0.8)], [gen])[0] for _ in range(300)}
     assert draws == {0, 1}
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_likeliest() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    gen = make_generator(3, CPU)
+    draws = {tokens(logits, [SamplingParams(min_p=0.5)], [gen])[0] for _ in range(300)}
+    assert draws == {0, 1}  # 0.15 < 0.5 * 0.5
 
 
 def test_seed_reproduces_and_rows_are_independent() -> None:
     logits = logits_rows()
     p = SamplingParams(temperature=1.0, seed=42)
-    first = [sample(logits[:1], [p], [make_generator(42, CPU)])[0] for _ in range(3)]
+    first = [tokens(logits[:1], [p], [make_generator(42, CPU)])[0] for _ in range(3)]
     assert len(set(first)) == 1
     # the same seeded request gives the same token next to other rows
-    batch = sample(
+    batch = tokens(
         logits[[0, 0, 0]],
         [p, SamplingParams(seed=7), p],
         [make_generator(42, CPU), make_generator(7, CPU), make_generator(42, CPU)],
     )
     assert batch[0] == batch[2] == first[0]
+
+
+def test_logit_bias_moves_greedy_choices_both_ways() -> None:
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    empty = History([], [])
+    assert one(logits, SamplingParams(temperature=0, logit_bias={3: 5.0}), empty) == 3
+    assert one(logits, SamplingParams(temperature=0, logit_bias={0: -100.0}), empty) == 1
+
+
+def test_min_tokens_holds_back_the_end_tokens() -> None:
+    logits = torch.tensor([0.0, 5.0, 4.0, 1.0])  # token 1 is EOS, 2 a stop id
+    params = SamplingParams(temperature=0, min_tokens=2, max_tokens=8)
+    early = History([7], [3], end_ids=[1, 2])
+    assert one(logits, params, early) == 3  # one output so far: neither end token yet
+    assert one(logits, params, History([7], [3, 3], end_ids=[1, 2])) == 1
+
+
+def test_presence_and_frequency_penalties_follow_openai() -> None:
+    logits = torch.tensor([3.0, 2.5, 0.0])
+    out = History([], [0, 0, 0])  # token 0 three times
+    # presence: 3.0 - 1.0 = 2.0 < 2.5
+    assert one(logits, SamplingParams(temperature=0, presence_penalty=1.0), out) == 1
+    # frequency: 3.0 - 0.1 * 3 = 2.7 > 2.5, then 0.2 * 3 = 0.6 below it
+    assert one(logits, SamplingParams(temperature=0, frequency_penalty=0.1), out) == 0
+    assert one(logits, SamplingParams(temperature=0, frequency_penalty=0.2), out) == 1
+    # penalties look at the output only, not the prompt
+    in_prompt = History([0, 0, 0], [])
+    assert one(logits, SamplingParams(temperature=0, presence_penalty=2.0), in_prompt) == 0
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits() -> None:
+    logits = torch.tensor([3.0, 2.0, -1.0, -1.5])
+    params = SamplingParams(temperature=0, repetition_penalty=2.0)
+    assert one(logits, params, History([0], [])) == 1  # 3.0 / 2 = 1.5 < 2.0 (prompt counts)
+    neg = SamplingParams(temperature=0, repetition_penalty=2.0, logit_bias={0: -10, 1: -10})
+    assert one(logits, neg, History([], [2])) == 3  # -1 * 2 = -2 < -1.5
+
+
+def test_logprobs_are_the_models_own_and_ranked() -> None:
+    logits = logits_rows()
+    params = SamplingParams(temperature=0, logprobs=5, logit_bias={7: 100.0})
+    [got] = sample(logits[:1], [params], [None], [History([], [])])
+    assert got.token == 7 and got.logprobs is not None
+    logp = logits[0].log_softmax(-1)  # unbiased: the model's distribution
+    assert math.isclose(got.logprobs.logprob, float(logp[7]), abs_tol=1e-5)
+    top_ids = [t for t, _ in got.logprobs.top]
+    assert top_ids == torch.topk(logp, 5).indices.tolist()
+    values = [v for _, v in got.logprobs.top]
+    assert values == sorted(values, reverse=True)
+    assert sum(math.exp(v) for v in values) <= 1.0
