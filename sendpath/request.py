@@ -4,13 +4,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from sendpath.errors import InvalidSamplingParamsError
 from sendpath.trace import EventType, Timeline
 
-__all__ = ["GREEDY_BELOW", "Request", "RequestStatus", "SamplingParams", "TokenLogprobs"]
+__all__ = [
+    "GREEDY_BELOW",
+    "Request",
+    "RequestStatus",
+    "SamplingParams",
+    "StructuredOutput",
+    "TokenLogprobs",
+]
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample as temperature 0
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the answer must be: JSON matching ``json_schema`` (OpenAI's ``response_format``;
+    ``json_object`` is the schema ``{"type": "object"}``). ``model/structured.py`` enforces
+    it token by token."""
+
+    json_schema: dict[str, Any]
 
 
 @dataclass
@@ -28,6 +45,7 @@ class SamplingParams:
     (vLLM's, 0.01..100, 1 is off, over prompt and output), ``logit_bias`` (token id -> -100..100),
     ``min_tokens`` (no EOS or stop token id before this many), ``min_p`` (0..1).
     ``logprobs``: return the chosen token's log-probability and this many alternatives'.
+    ``structured``: constrain the answer to JSON matching a schema.
     """
 
     max_tokens: int = 16
@@ -45,6 +63,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
     logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -98,6 +98,22 @@ class Message(_Strict):
     )
 
 
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: OpenAI's named schema."""
+
+    name: str = Field(max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """``response_format``: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -122,6 +138,7 @@ class _Common(_Strict):
     min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM's
     min_tokens: MinTokens = 0  # vLLM's
     logit_bias: LogitBias | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = Field(None, max_length=256)
     priority: Priority = 0
     cache_salt: str | None = Field(None, min_length=1, max_length=256)  # vLLM's

@@ -150,6 +150,10 @@ class EngineCore:
         """The checked, tokenized request (``add_request``'s first half). It reads no engine
         state, so a server runs it on its own thread while the engine steps."""
         params.validate()
+        if params.structured is not None:  # a schema without a grammar: 400, here
+            from sendpath.model.structured import grammar_compiler
+
+            grammar_compiler(self.tokenizer).grammar(params.structured)
         vocab = self.tokenizer.vocab_size
         if bad_bias := next((t for t in params.logit_bias if t >= vocab), None):
             raise InvalidRequestError(

@@ -5,7 +5,9 @@ Each row's logits are first adjusted by what its request asked for, in vLLM's or
 OpenAI's -100..100), the repetition penalty (a seen token's logit divided by it when
 positive, multiplied when negative; over prompt and output, as vLLM and transformers do),
 then the frequency and presence penalties (OpenAI's: minus ``frequency * count`` and
-``presence`` for every token already in the output). Greedy rows then take the argmax.
+``presence`` for every token already in the output), then a grammar's mask where the
+request has one (structured output: the tokens it disallows go to -inf). Greedy rows then
+take the argmax.
 Sampled rows apply temperature, then top-k, then top-p (the smallest set of tokens whose
 probability reaches ``top_p``, as vLLM does), then min-p (tokens below ``min_p`` times the
 likeliest one's probability), and draw from a ``torch.Generator`` that belongs to the
@@ -109,8 +111,10 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     histories: Sequence[History] | None = None,
+    allowed: Sequence[torch.Tensor | None] | None = None,
 ) -> list[Sampled]:
-    """logits [N, V] float32 -> one ``Sampled`` per row."""
+    """logits [N, V] float32 -> one ``Sampled`` per row. ``allowed``: per row, None or a
+    [V] bool mask of the tokens it may take (a grammar's, ``model/structured.py``)."""
     greedy = logits.argmax(dim=-1).tolist()
     nan_rows = torch.isnan(logits.sum(dim=-1))  # any NaN makes the sum NaN (one pass)
     bad = set(nan_rows.nonzero().flatten().tolist()) if bool(nan_rows.any()) else set()
@@ -122,6 +126,8 @@ def sample(
         row = logits[i]
         if p.adjusts_logits and histories is not None:
             row = _adjust(row, p, histories[i])
+        if allowed is not None and (mask := allowed[i]) is not None:
+            row = row.masked_fill(~mask, float("-inf"))
         token: int | None = int(greedy[i]) if row is logits[i] else int(row.argmax())
         if not p.greedy:
             try:

@@ -33,6 +33,7 @@ from sendpath.kernels import cpu_kernels
 from sendpath.model.llama import LlamaConfig
 from sendpath.model.loader import LoadedModel
 from sendpath.model.sampler import History, make_generator, sample
+from sendpath.model.structured import Matcher, grammar_compiler
 from sendpath.request import Request
 
 __all__ = ["ModelRunner", "PagedAttention", "describe_device", "kv_bytes_per_token"]
@@ -206,12 +207,17 @@ class ModelRunner:
             kernels = cpu_kernels()
         self.model.use_kernels(kernels)
         self.attention = PagedAttention(self.k_cache, self.v_cache, block_size, kernels)
+        self.tokenizer = loaded.tokenizer
         self.end_ids = list(loaded.tokenizer.eos_token_ids)  # what min_tokens holds back
         self._requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator | None] = {}
+        self._matchers: dict[str, Matcher] = {}  # structured output: each one's grammar
 
     def add_request(self, request: Request) -> None:
         params = request.sampling_params
+        if params.structured is not None:  # the engine checked the schema on arrival
+            compiler = grammar_compiler(self.tokenizer)
+            self._matchers[request.request_id] = compiler.matcher(params.structured)
         self._requests[request.request_id] = request
         self._generators[request.request_id] = (
             None if params.greedy else make_generator(params.seed, self.model.device)
@@ -220,6 +226,7 @@ class ModelRunner:
     def remove_request(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
         self._generators.pop(request_id, None)
+        self._matchers.pop(request_id, None)
 
     def _history(self, request: Request) -> History:
         params = request.sampling_params
@@ -253,17 +260,21 @@ class ModelRunner:
             return RunnerOutput()
         logits = self.model.compute_logits(hidden[sample_rows])  # [N, V]
         requests = [self._requests[i.request_id] for i in sampled]
+        matchers = [self._matchers.get(i.request_id) for i in sampled]
         results = sample(
             logits,
             [r.sampling_params for r in requests],
             [self._generators[i.request_id] for i in sampled],
             [self._history(r) for r in requests],
+            [None if m is None else m.allowed(logits.shape[-1]) for m in matchers],
         )
         out = RunnerOutput()
-        for item, result in zip(sampled, results, strict=True):
+        for item, result, matcher in zip(sampled, results, matchers, strict=True):
             if result.token is None:
                 out.failed[item.request_id] = "its logits could not be sampled (NaN)"
                 continue
+            if matcher is not None:
+                matcher.consume(result.token)
             out.sampled[item.request_id] = result.token
             if result.logprobs is not None:
                 out.logprobs[item.request_id] = result.logprobs

@@ -16,6 +16,7 @@ from sendpath.engine.outputs import OutputStream
 from sendpath.model.llama import LlamaConfig
 from sendpath.model.loader import LoadedModel
 from sendpath.model.sampler import History, make_generator, sample
+from sendpath.model.structured import grammar_compiler
 from sendpath.request import SamplingParams
 
 __all__ = ["ContiguousKVCache", "GeneratedToken", "SequenceRunner"]
@@ -99,8 +100,15 @@ class SequenceRunner:
         hidden = self._forward(cache, prompt_ids)[-1:]
         ends = [] if params.ignore_eos else list(self.loaded.tokenizer.eos_token_ids)
         history = History(prompt_ids, stream.token_ids, [*ends, *params.stop_token_ids])
+        matcher = None
+        if params.structured is not None:
+            matcher = grammar_compiler(self.loaded.tokenizer).matcher(params.structured)
         while True:
-            token = sample(self.model.compute_logits(hidden), [params], [gen], [history])[0].token
+            logits = self.model.compute_logits(hidden)
+            allowed = [None if matcher is None else matcher.allowed(logits.shape[-1])]
+            token = sample(logits, [params], [gen], [history], allowed)[0].token
+            if matcher is not None and token is not None:
+                matcher.consume(token)
             if token is None:
                 raise RuntimeError("the model's logits cannot be sampled (NaN)")
             text = stream.append(token)

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from sendpath.api.json_body import load_json
-from sendpath.api.schema import ChatBody, CompletionBody, content_text, validate
+from sendpath.api.schema import ChatBody, CompletionBody, ResponseFormat, content_text, validate
 from sendpath.errors import InvalidRequestError
-from sendpath.request import SamplingParams
+from sendpath.request import SamplingParams, StructuredOutput
 
 __all__ = ["UNSUPPORTED", "ParsedRequest", "parse_chat", "parse_completion"]
 
@@ -35,7 +35,6 @@ def _one_of(*harmless: Any) -> Callable[[Any], bool]:
 # Fields that change the answer and this server does not do, each with a test for the
 # values that ask for nothing (those pass).
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "response_format": _one_of({"type": "text"}),
     "tools": _one_of([]),
     "functions": _one_of([]),
     "function_call": _one_of("none", "auto"),
@@ -116,6 +115,12 @@ def _params(
         raise InvalidRequestError("Only n=1 is supported.", param="n")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     bias = {int(token): value for token, value in (body.logit_bias or {}).items()}
+    structured = _structured(body.response_format)
+    if structured is not None and body.ignore_eos:
+        raise InvalidRequestError(
+            "ignore_eos cannot go with response_format: a complete JSON answer ends there.",
+            param="ignore_eos",
+        )
     return SamplingParams(
         max_tokens=default_max if max_tokens is None else max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -133,7 +138,24 @@ def _params(
         # without a max_tokens of its own the cap is the context's end: min_tokens fits under it
         min_tokens=body.min_tokens if max_tokens is not None else min(body.min_tokens, default_max),
         logprobs=logprobs,
+        structured=structured,
     )
+
+
+def _structured(response_format: ResponseFormat | None) -> StructuredOutput | None:
+    """OpenAI's response_format as the engine's constraint (None: free text)."""
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return StructuredOutput({"type": "object"})
+    spec = response_format.json_schema
+    if spec is None:
+        raise InvalidRequestError(
+            "response_format of type json_schema needs its json_schema: "
+            '{"name": ..., "schema": {...}}.',
+            param="response_format.json_schema",
+        )
+    return StructuredOutput(spec.json_schema if spec.json_schema is not None else {})
 
 
 def parse_chat(raw: bytes, default_max: int) -> ParsedRequest:

@@ -70,8 +70,6 @@ CASES: list[tuple[str, bytes, int, str | None, str]] = [
     ("logit_bias vocab", with_(logit_bias={"999999": 1}), 400, "logit_bias", "vocabulary"),
     ("top_logprobs alone", with_(top_logprobs=3), 400, "top_logprobs", "logprobs: true"),
     ("top_logprobs > 20", with_(logprobs=True, top_logprobs=21), 400, "top_logprobs", "20"),
-    ("json output", with_(response_format={"type": "json_object"}), 400, "response_format",
-     "not supported"),
     ("tools", with_(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools",
      "not supported"),
     ("tool_choice", with_(tool_choice="required"), 400, "tool_choice", "no tools"),
