@@ -182,7 +182,7 @@ class Attempt:
         proxy.router.succeeded(self.endpoint)
         relay = StreamRelay(
             self.ctx, proxy.router, self.endpoint, self.route, self.upstream, self.lines, head,
-            proxy.guard() if proxy.guard is not None else None, self.wants_usage,
+            proxy.guard, self.wants_usage,
             proxy.timeouts.between_tokens_s, self.release, proxy.on_done,
         )  # fmt: skip
         return StreamingResponse(

@@ -206,10 +206,11 @@ class Proxy:
         """A whole (non-streamed) answer: usage, the output check, merged timings."""
         u = data.get("usage") or {}
         ctx.usage = (int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0)))
-        choice = (data.get("choices") or [{}])[0]
-        message = choice.get("message")
-        text = message.get("content") if isinstance(message, dict) else choice.get("text")
-        if self.guard is not None and isinstance(text, str):
+        for choice in data.get("choices") or []:  # n answers: each checked on its own
+            message = choice.get("message")
+            text = message.get("content") if isinstance(message, dict) else choice.get("text")
+            if self.guard is None or not isinstance(text, str):
+                continue
             guard = self.guard()
             released = guard.push(text) + guard.flush()
             if guard.blocked is not None:

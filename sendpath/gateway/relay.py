@@ -6,11 +6,12 @@ in one write when several are already there).
 
 Text goes through the output guard, which holds back only what could still become a
 blocked phrase; a blocked stream ends with finish_reason ``content_filter`` (the replica
-is disconnected, which aborts the request there). The finish and usage chunks are held
-until the end, so the last event can carry the stitched ``timings`` and, under the output
-filter, ``first_token_held``: how many more text chunks (tokens, nearly always) the first
-one waited for before it could go out. The usage chunk reaches the client only if it
-asked for it.
+is disconnected, which aborts the request there). Each choice of an ``n > 1`` answer has
+its own guard (their chunks interleave; a phrase is looked for within one choice). The
+finish and usage chunks are held until the end, so the last event can carry the stitched
+``timings`` and, under the output filter, ``first_token_held``: how many more text chunks
+(tokens, nearly always) the first one waited for before it could go out. The usage chunk
+reaches the client only if it asked for it.
 
 A replica that sends nothing for ``between_tokens_s``, closes early or sends an error
 event ends the stream with an explicit SSE error event and no ``[DONE]``; the client is
@@ -56,7 +57,7 @@ class StreamRelay:
     upstream: aiohttp.ClientResponse
     lines: SSELines
     head: list[str]
-    guard: OutputGuard | None
+    new_guard: Callable[[], OutputGuard] | None  # one guard per choice, made on its first text
     wants_usage: bool
     between_tokens_s: float
     release: Callable[[], None]  # gives the endpoint's in-flight slot back
@@ -64,6 +65,7 @@ class StreamRelay:
 
     def __post_init__(self) -> None:
         self.tail: list[dict[str, Any]] = []  # the finish and usage chunks, held for timings
+        self.guards: dict[int, OutputGuard] = {}
         self.upstream_timings: dict[str, Any] | None = None
         self.answer: list[str] = []  # what the replica generated (and now has cached)
         self.done = False  # the replica sent [DONE]
@@ -132,7 +134,7 @@ class StreamRelay:
     def _on_chunk(self, chunk: dict[str, Any], raw: str) -> tuple[list[str], bool]:
         """The events one upstream chunk (``raw``: as it came) becomes, and whether the
         stream ends here. A chunk that goes on unchanged goes as it came (not re-encoded)."""
-        ctx, guard = self.ctx, self.guard
+        ctx = self.ctx
         ctx.response_id = ctx.response_id or chunk.get("id")
         timings = chunk.pop("timings", None)
         self.upstream_timings = timings or self.upstream_timings
@@ -144,9 +146,12 @@ class StreamRelay:
             self.tail.append(chunk)
             return [], False
         text, reason = text_of(choices[0]), choices[0].get("finish_reason")
+        index = choices[0].get("index", 0)
+        guard = self._guard(index)
         out: list[dict[str, Any]] = []
         if text:
-            self.answer.append(text)
+            if index == 0:  # what the router's prefix cache learns: the first answer
+                self.answer.append(text)
             ctx.streamed_chunks += 1
             released = guard.push(text) if guard is not None else text
             if guard is not None and guard.blocked is not None:
@@ -174,6 +179,14 @@ class StreamRelay:
                         ctx.first_token_held = ctx.streamed_chunks - 1
         as_came = f"data: {raw}\n\n" if timings is None else None
         return [as_came if c is chunk and as_came else sse(c) for c in out], False
+
+    def _guard(self, index: Any) -> OutputGuard | None:
+        if self.new_guard is None:
+            return None
+        key = index if isinstance(index, int) else 0
+        if key not in self.guards:
+            self.guards[key] = self.new_guard()
+        return self.guards[key]
 
     def _finish(self) -> list[str]:
         ctx = self.ctx

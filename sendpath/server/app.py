@@ -52,6 +52,7 @@ from sendpath.errors import (
     RequestTooLargeError,
     TraceNotFoundError,
 )
+from sendpath.server.choices import serve_choices
 from sendpath.server.generate import serve_generation
 from sendpath.server.protocol import parse_chat, parse_completion
 from sendpath.server.replica import Replica, served_name
@@ -250,6 +251,8 @@ def create_app(
             parsed = parse(raw, max_len)
         if request.headers.get(DEFAULT_CAP_HEADER) == "default":
             parsed.max_tokens_given = False  # a gateway's cap: stop at the context's end
+        if parsed.n > 1:
+            return await serve_choices(replica, engine, parsed, request)
         return await serve_generation(replica, engine, parsed, request)
 
     @app.post("/v1/chat/completions")

@@ -41,7 +41,7 @@ from sendpath.server.responses import (
 if TYPE_CHECKING:
     from sendpath.server.app import Replica
 
-__all__ = ["ENGINE_STOPPED", "serve_generation"]
+__all__ = ["ENGINE_STOPPED", "raise_unfinished", "serve_generation", "wait_disconnect"]
 
 logger = logging.getLogger("sendpath.replica")
 
@@ -77,7 +77,7 @@ async def serve_generation(
         events = _events(replica, stream, chunker, parsed.include_usage, renderer)
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
     collect = asyncio.create_task(_collect(stream, chunker.id))
-    gone = asyncio.create_task(_wait_disconnect(request))
+    gone = asyncio.create_task(wait_disconnect(request))
     try:
         await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -107,12 +107,12 @@ async def serve_generation(
     return JSONResponse(body, headers=headers)
 
 
-async def _wait_disconnect(request: Request) -> None:
+async def wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
 
-def _raise_unfinished(out: EngineOutput, response_id: str) -> None:
+def raise_unfinished(out: EngineOutput, response_id: str) -> None:
     """A last output that is not an answer: the request failed, or the engine stopped."""
     if out.finish_reason is FinishReason.ERROR:
         raise RequestFailedError(response_id)
@@ -134,7 +134,7 @@ async def _collect(
         raise ServiceUnavailableError(ENGINE_STOPPED) from exc
     if last is None:
         raise ServiceUnavailableError(ENGINE_STOPPED)
-    _raise_unfinished(last, response_id)
+    raise_unfinished(last, response_id)
     return text, last, logprobs
 
 
@@ -168,7 +168,7 @@ async def _events(
                 yield chunker.delta_sse(out.text)
             if not out.finished:
                 continue
-            _raise_unfinished(out, chunker.id)
+            raise_unfinished(out, chunker.id)
             ended = True
             replica.finished(chunker.id, stream.request, str(out.finish_reason))
             final: dict[str, Any] = chunker.chunk(None, str(out.finish_reason))

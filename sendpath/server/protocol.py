@@ -99,6 +99,7 @@ class ParsedRequest:
     prompt: str | list[int] | list[dict[str, str]]
     params: SamplingParams
     max_tokens_given: bool  # False: max_tokens defaults to "until the context is full"
+    n: int  # answers to give (each its own engine request: server/choices.py)
     stream: bool
     include_usage: bool
     priority: int
@@ -111,8 +112,6 @@ def _params(
     default_max: int,
     logprobs: int | None,
 ) -> SamplingParams:
-    if body.n != 1:
-        raise InvalidRequestError("Only n=1 is supported.", param="n")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     bias = {int(token): value for token, value in (body.logit_bias or {}).items()}
     structured = _structured(body.response_format)
@@ -179,6 +178,7 @@ def parse_chat(raw: bytes, default_max: int) -> ParsedRequest:
             body, max_tokens, default_max, (body.top_logprobs or 0) if body.logprobs else None
         ),
         max_tokens_given=max_tokens is not None,
+        n=body.n,
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         priority=body.priority,
@@ -206,6 +206,7 @@ def parse_completion(raw: bytes, default_max: int) -> ParsedRequest:
         prompt=prompt,  # type: ignore[arg-type]
         params=_params(body, body.max_tokens, default_max, body.logprobs),
         max_tokens_given=body.max_tokens is not None,
+        n=body.n,
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         priority=body.priority,

@@ -18,13 +18,17 @@ IMPOSSIBLE = -9999.0  # OpenAI's logprob for a token that cannot come (JSON has 
 _ENGINE_STAGES = (Stage.ENGINE_QUEUE, Stage.TOKENIZE, Stage.PREFILL, Stage.DECODE)
 
 
-def usage(request: Request) -> dict[str, Any]:
-    prompt, completion = request.num_prompt_tokens, len(request.output_token_ids)
+def usage(*requests: Request) -> dict[str, Any]:
+    """Token counts of an answer; of n answers to one prompt, the prompt once and every
+    answer's tokens (as OpenAI counts them)."""
+    first = requests[0]
+    prompt = first.num_prompt_tokens
+    completion = sum(len(r.output_token_ids) for r in requests)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": request.num_cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": first.num_cached_tokens},
     }
 
 
@@ -120,6 +124,7 @@ class Chunker:
         finish_reason: str | None = None,
         role: bool = False,
         logprobs: dict[str, Any] | None = None,
+        index: int = 0,
     ) -> dict[str, Any]:
         """One streamed choice delta (``text=None``: an empty delta, e.g. the finish chunk)."""
         if self.kind == "chat":
@@ -128,14 +133,28 @@ class Chunker:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta}
+            choice: dict[str, Any] = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text or ""}
+            choice = {"index": index, "text": text or ""}
         choice.update(logprobs=logprobs, finish_reason=finish_reason)
         return {**self._base(True), "choices": [choice]}
 
-    def usage_chunk(self, request: Request) -> dict[str, Any]:
-        return {**self._base(True), "choices": [], "usage": usage(request)}
+    def usage_chunk(self, *requests: Request) -> dict[str, Any]:
+        return {**self._base(True), "choices": [], "usage": usage(*requests)}
+
+    def choice(
+        self, index: int, text: str, finish_reason: str, logprobs: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """One choice of a whole (non-streamed) response."""
+        if self.kind == "chat":
+            choice: dict[str, Any] = {
+                "index": index,
+                "message": {"role": "assistant", "content": text},
+            }
+        else:
+            choice = {"index": index, "text": text}
+        choice.update(logprobs=logprobs, finish_reason=finish_reason)
+        return choice
 
     def body(
         self,
@@ -144,17 +163,18 @@ class Chunker:
         request: Request,
         logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """The whole non-streaming response."""
-        if self.kind == "chat":
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
-        else:
-            choice = {"index": 0, "text": text}
-        choice.update(logprobs=logprobs, finish_reason=str(last.finish_reason))
+        """The whole non-streaming response of one choice."""
+        choice = self.choice(0, text, str(last.finish_reason), logprobs)
+        return self.whole([choice], [request])
+
+    def whole(self, choices: list[dict[str, Any]], requests: list[Request]) -> dict[str, Any]:
+        """The whole non-streaming response: its choices, and the requests that made them
+        (the first one's timings)."""
         return {
             **self._base(False),
-            "choices": [choice],
-            "usage": usage(request),
-            "timings": timings_ms(request),
+            "choices": choices,
+            "usage": usage(*requests),
+            "timings": timings_ms(requests[0]),
         }
 
 

@@ -87,6 +87,31 @@ def test_logprobs_never_spell_out_what_the_output_filter_holds_or_blocks(
         assert whole["finish_reason"] == "content_filter" and whole["logprobs"] is None
 
 
+def test_n_answers_pass_through_each_under_its_own_filter(replica: Server, tmp_path: Path) -> None:
+    seeded = {**CHAT, "max_tokens": 12, "n": 2, "seed": 5}
+    direct = httpx.post(f"{replica.url}/v1/chat/completions", json=seeded).json()
+    answers = [c["message"]["content"] for c in direct["choices"]]
+    assert answers[0] != answers[1]
+    phrase = answers[1][2:6]  # in the second answer only
+    assert phrase not in answers[0]
+    rules = RulesFilter({"test_phrase": [regex.escape(phrase)]})
+    with gateway(replica, tmp_path, safety=rules) as gw:
+        secret = gw.key("a")
+        whole = gw.post(secret, seeded).json()["choices"]
+        assert whole[0]["message"]["content"] == answers[0]
+        assert whole[0]["finish_reason"] == "length"
+        assert whole[1]["finish_reason"] == "content_filter"
+        assert phrase not in whole[1]["message"]["content"]
+        events = gw.stream(secret, seeded)
+        sent = ["", ""]
+        for e in events:
+            if isinstance(e, dict) and e.get("choices"):
+                choice = e["choices"][0]
+                sent[choice["index"]] += choice.get("delta", {}).get("content") or ""
+        assert phrase not in sent[1] and answers[0].startswith(sent[0])
+        assert events[-1] == "[DONE]"
+
+
 def test_stream_usage_only_when_asked_and_timings_on_the_last_chunk(
     replica: Server, tmp_path: Path
 ) -> None:

@@ -47,7 +47,7 @@ CASES: list[tuple[str, bytes, int, str | None, str]] = [
         "messages.0.role",
         "wizard",
     ),
-    ("n > 1", with_(n=2), 400, "n", "n=1"),
+    ("n > 128", with_(n=129), 400, "n", "less than or equal to 128"),
     ("temperature < 0", with_(temperature=-0.5), 400, "temperature", "greater than or equal"),
     ("temperature > 2", with_(temperature=2.5), 400, "temperature", "less than or equal to 2"),
     ("top_p = 0", with_(top_p=0.0), 400, "top_p", "greater than 0"),
