@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +25,12 @@ from sendpath.engine.async_engine import AsyncEngine, EngineDeadError, RequestSt
 from sendpath.engine.outputs import EngineOutput
 from sendpath.errors import SendpathError, ServiceUnavailableError
 from sendpath.request import SamplingParams, TokenLogprobs
-from sendpath.server.generate import ENGINE_STOPPED, raise_unfinished, wait_disconnect
+from sendpath.server.generate import (
+    ENGINE_STOPPED,
+    answer_setup,
+    collect_unless_gone,
+    raise_unfinished,
+)
 from sendpath.server.protocol import ParsedRequest
 from sendpath.server.responses import Chunker, LogprobRenderer, server_timing, sse, timings_ms
 
@@ -116,38 +119,18 @@ async def serve_choices(
     replica: Replica, engine: AsyncEngine, parsed: ParsedRequest, request: Request
 ) -> Response:
     """Answer ``parsed`` (n > 1) whole or streamed."""
-    prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
-    chunker = Chunker(
-        parsed.kind, f"{prefix}-{uuid.uuid4().hex}", replica.model_name, int(time.time())
-    )
-    renderer = None
-    if parsed.params.logprobs is not None:
-        renderer = LogprobRenderer(engine.core.tokenizer)
     fanout = _Fanout(engine, parsed)
     await fanout.add(0)  # a bad request is refused here, before anything is sent
-    first = fanout.streams[0].request
-    headers = {"x-request-id": chunker.id, "x-sendpath-clock": repr(first.timeline.events[0].time)}
-    replica.active.put(chunker.id, first)
+    chunker, renderer, headers = answer_setup(replica, engine, parsed, fanout.streams[0].request)
     if parsed.stream:
         events = _events(replica, fanout, chunker, parsed.include_usage, renderer)
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-    collect = asyncio.create_task(_collect(fanout, chunker, renderer))
-    gone = asyncio.create_task(wait_disconnect(request))
-    try:
-        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        replica.active.pop(chunker.id)
-        if not collect.done():
-            collect.cancel()
-        fanout.abort()
-    if not collect.done() or collect.cancelled():
-        replica.metrics.ended.labels("abort").inc()
-        return Response(status_code=499)
-    if (error := collect.exception()) is not None:
-        replica.metrics.ended.labels("error").inc()
-        raise error
-    choices = collect.result()
+    choices = await collect_unless_gone(
+        replica, chunker.id, _collect(fanout, chunker, renderer), request, fanout.abort
+    )
+    fanout.abort()  # nothing is left running: the pumps end
+    if isinstance(choices, Response):
+        return choices
     requests = [s.request for s in fanout.streams]
     for i, (stream, choice) in enumerate(zip(fanout.streams, choices, strict=True)):
         response_id = chunker.id if i == 0 else f"{chunker.id}-{i}"

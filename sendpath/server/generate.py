@@ -13,8 +13,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -28,6 +28,7 @@ from sendpath.errors import (
     SendpathError,
     ServiceUnavailableError,
 )
+from sendpath.request import Request as EngineRequest
 from sendpath.request import TokenLogprobs
 from sendpath.server.protocol import ParsedRequest
 from sendpath.server.responses import (
@@ -41,11 +42,18 @@ from sendpath.server.responses import (
 if TYPE_CHECKING:
     from sendpath.server.app import Replica
 
-__all__ = ["ENGINE_STOPPED", "raise_unfinished", "serve_generation", "wait_disconnect"]
+__all__ = [
+    "ENGINE_STOPPED",
+    "answer_setup",
+    "collect_unless_gone",
+    "raise_unfinished",
+    "serve_generation",
+]
 
 logger = logging.getLogger("sendpath.replica")
 
 ENGINE_STOPPED = "The engine stopped before this request finished; retry it."
+T = TypeVar("T")
 
 
 async def serve_generation(
@@ -61,38 +69,16 @@ async def serve_generation(
         cache_salt=parsed.cache_salt,
         strict_max_tokens=parsed.max_tokens_given,
     )
-    prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
-    chunker = Chunker(
-        parsed.kind, f"{prefix}-{uuid.uuid4().hex}", replica.model_name, int(time.time())
-    )
-    # the engine's arrival on this host's monotonic clock: a gateway on the same host
-    # stitches this replica's events into its own timeline exactly
-    arrival = stream.request.timeline.events[0].time
-    headers = {"x-request-id": chunker.id, "x-sendpath-clock": repr(arrival)}
-    replica.active.put(chunker.id, stream.request)
-    renderer = None
-    if parsed.params.logprobs is not None:
-        renderer = LogprobRenderer(engine.core.tokenizer)
+    chunker, renderer, headers = answer_setup(replica, engine, parsed, stream.request)
     if parsed.stream:
         events = _events(replica, stream, chunker, parsed.include_usage, renderer)
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-    collect = asyncio.create_task(_collect(stream, chunker.id))
-    gone = asyncio.create_task(wait_disconnect(request))
-    try:
-        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        replica.active.pop(chunker.id)
-        if not collect.done():  # the client left (or this handler was cancelled)
-            collect.cancel()
-            stream.abort()
-    if not collect.done() or collect.cancelled():
-        replica.metrics.ended.labels("abort").inc()
-        return Response(status_code=499)
-    if (error := collect.exception()) is not None:
-        replica.metrics.ended.labels("error").inc()
-        raise error
-    text, last, logprobs = collect.result()
+    result = await collect_unless_gone(
+        replica, chunker.id, _collect(stream, chunker.id), request, stream.abort
+    )
+    if isinstance(result, Response):
+        return result
+    text, last, logprobs = result
     replica.finished(chunker.id, stream.request, str(last.finish_reason))
     rendered = None
     if renderer is not None:
@@ -107,7 +93,55 @@ async def serve_generation(
     return JSONResponse(body, headers=headers)
 
 
-async def wait_disconnect(request: Request) -> None:
+def answer_setup(
+    replica: Replica, engine: AsyncEngine, parsed: ParsedRequest, first: EngineRequest
+) -> tuple[Chunker, LogprobRenderer | None, dict[str, str]]:
+    """The response's chunker (and id), its logprob renderer where asked for, and its
+    headers; ``first`` (the engine's request) is in flight under the response id."""
+    prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
+    chunker = Chunker(
+        parsed.kind, f"{prefix}-{uuid.uuid4().hex}", replica.model_name, int(time.time())
+    )
+    renderer = None
+    if parsed.params.logprobs is not None:
+        renderer = LogprobRenderer(engine.core.tokenizer)
+    # the engine's arrival on this host's monotonic clock: a gateway on the same host
+    # stitches this replica's events into its own timeline exactly
+    arrival = first.timeline.events[0].time
+    headers = {"x-request-id": chunker.id, "x-sendpath-clock": repr(arrival)}
+    replica.active.put(chunker.id, first)
+    return chunker, renderer, headers
+
+
+async def collect_unless_gone(
+    replica: Replica,
+    response_id: str,
+    collect: Coroutine[Any, Any, T],
+    request: Request,
+    abort: Callable[[], None],
+) -> T | Response:
+    """``collect``'s result, or 499 if the client left first (then ``abort`` stops what
+    the engine still runs for it); what ``collect`` raises is raised."""
+    task = asyncio.create_task(collect)
+    gone = asyncio.create_task(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        replica.active.pop(response_id)
+        if not task.done():  # the client left (or this handler was cancelled)
+            task.cancel()
+            abort()
+    if not task.done() or task.cancelled():
+        replica.metrics.ended.labels("abort").inc()
+        return Response(status_code=499)
+    if (error := task.exception()) is not None:
+        replica.metrics.ended.labels("error").inc()
+        raise error
+    return task.result()
+
+
+async def _wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
