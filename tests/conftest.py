@@ -66,17 +66,26 @@ def write_tiny_llama(
     tie: bool = True,
     rope_scaling: dict[str, Any] | None = None,
     seed: int = 0,
+    architecture: str = "llama",
 ) -> Path:
-    """Save a randomly initialised 2-layer GQA Llama (transformers) with a real tokenizer."""
+    """Save a randomly initialised 2-layer GQA model of a Llama-family ``architecture``
+    (llama, mistral, qwen2, qwen3; transformers' own class) with a real tokenizer."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[architecture]
+    config = config_class(
         vocab_size=tokenizer.vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
+        head_dim=16,
         max_position_embeddings=2048,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
@@ -85,11 +94,13 @@ def write_tiny_llama(
         bos_token_id=1,
         eos_token_id=2,
     )
-    model = transformers.LlamaForCausalLM(config)
+    model = model_class(config)
     with torch.no_grad():  # larger weights than the default init: sharper, less tie-prone logits
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.2)
+            elif name.endswith("bias") or name.endswith("_norm.weight"):
+                p.normal_(0.5 if name.endswith("weight") else 0.0, 0.2)  # not all zero / one
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.backend.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(

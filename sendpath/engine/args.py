@@ -13,7 +13,13 @@ __all__ = ["ENGINE_FLAGS", "add_engine_args", "engine_argv", "engine_config"]
 
 # The replica's engine flags: (flag, argparse options). `serve` passes them on to replicas.
 ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
-    ("--model", {"help": "GGUF file or HF directory (default: built-in SmolLM2-135M-Instruct)"}),
+    (
+        "--model",
+        {
+            "help": "GGUF file (Llama family) or Hugging Face directory (Llama, Mistral, "
+            "Qwen2/2.5, Qwen3); default: the built-in SmolLM2-135M-Instruct"
+        },
+    ),
     ("--served-model-name", {"help": "the model id clients send (default: from the path)"}),
     (
         "--dtype",

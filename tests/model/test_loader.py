@@ -61,13 +61,24 @@ def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
 
 
 def test_unsupported_hf_architecture(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    other = tmp_path / "qwen"
+    other = tmp_path / "gpt2"
     shutil.copytree(tiny_llama_dir, other)
     cfg = json.loads((other / "config.json").read_text())
-    cfg.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2")
+    cfg.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
     (other / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedModelError, match="Qwen2ForCausalLM"):
+    with pytest.raises(UnsupportedModelError, match=r"GPT2LMHeadModel.*Qwen3ForCausalLM"):
         load_model(other)
+
+
+def test_a_sliding_window_caps_the_context(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Mistral's window: attention over the whole context is the same thing up to it."""
+    other = tmp_path / "mistral"
+    shutil.copytree(tiny_llama_dir, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=256)
+    (other / "config.json").write_text(json.dumps(cfg))
+    loaded = load_model(other)
+    assert loaded.config.sliding_window == 256 and loaded.max_model_len == 256
 
 
 def test_hf_directory_without_weights_or_config(tiny_llama_dir: Path, tmp_path: Path) -> None:
