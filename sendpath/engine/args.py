@@ -16,8 +16,8 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     (
         "--model",
         {
-            "help": "GGUF file (Llama family) or Hugging Face directory (Llama, Mistral, "
-            "Qwen2/2.5, Qwen3); default: the built-in SmolLM2-135M-Instruct"
+            "help": "GGUF file or Hugging Face directory of a Llama, Mistral, Qwen2/2.5 or "
+            "Qwen3 model; default: the built-in SmolLM2-135M-Instruct"
         },
     ),
     ("--served-model-name", {"help": "the model id clients send (default: from the path)"}),

@@ -20,6 +20,8 @@ from sendpath.model.tokenizer import Tokenizer
 
 __all__ = ["read_gguf"]
 
+_ARCHS = ("llama", "qwen2", "qwen3")  # general.architecture values (Mistral files say llama)
+
 _GGUF_QUANTS = {
     "F32",
     "F16",
@@ -55,14 +57,21 @@ def read_gguf(
         k: _field_value(f) for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")
     }
     arch = meta.get("general.architecture")
-    if arch != "llama":
+    if arch not in _ARCHS:
         raise UnsupportedModelError(
-            f"{path.name}: architecture {arch!r} is not supported; sendpath runs Llama-family "
-            "models (general.architecture = 'llama')."
+            f"{path.name}: architecture {arch!r} is not supported; sendpath runs GGUF files "
+            f"of {', '.join(sorted(_ARCHS))} (general.architecture)."
         )
-    n_heads = int(meta["llama.attention.head_count"])
-    n_kv = int(meta.get("llama.attention.head_count_kv", n_heads))
-    hidden = int(meta["llama.embedding_length"])
+
+    def key(name: str, default: Any = None) -> Any:  # the architecture's own keys
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ModelLoadError(f"{path.name}: metadata {arch}.{name} is missing.")
+        return value
+
+    n_heads = int(key("attention.head_count"))
+    n_kv = int(key("attention.head_count_kv", n_heads))
+    hidden = int(key("embedding_length"))
     tensors: dict[str, np.ndarray[Any, Any]] = {}
     four_bit: dict[str, Codes] = {}  # the Q4_0 / Q4_1 tensors' own codes, by GGUF name
     for t in reader.tensors:
@@ -75,21 +84,27 @@ def read_gguf(
         if t.tensor_type.name in ("Q4_0", "Q4_1") and len(t.data.shape) == 2:
             read = q4_1_codes if t.tensor_type.name == "Q4_1" else q4_0_codes
             four_bit[t.name] = read(t.data)
-    vocab = int(meta.get("llama.vocab_size", tensors["token_embd.weight"].shape[0]))
+    vocab = int(meta.get(f"{arch}.vocab_size", tensors["token_embd.weight"].shape[0]))
     config = LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(meta["llama.feed_forward_length"]),
-        num_layers=int(meta["llama.block_count"]),
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
         num_heads=n_heads,
         num_kv_heads=n_kv,
-        head_dim=int(meta.get("llama.attention.key_length", hidden // n_heads)),
-        rms_norm_eps=float(meta["llama.attention.layer_norm_rms_epsilon"]),
-        rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(meta["llama.context_length"]),
+        head_dim=int(key("attention.key_length", hidden // n_heads)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(key("context_length")),
         tie_word_embeddings="output.weight" not in tensors,
-        rope_scaling=_gguf_rope_scaling(meta),
+        rope_scaling=_gguf_rope_scaling(meta, arch, tensors.get("rope_freqs.weight")),
+        architecture=arch,
+        qkv_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
     )
+    # llama.cpp permutes the q/k rows of Llama-architecture files only (its RoPE there
+    # pairs neighbours); Qwen's keep Hugging Face's order
+    permuted = arch == "llama"
 
     def unpermute(w: np.ndarray[Any, Any], heads: int) -> torch.Tensor:
         # llama.cpp stored rows as (head, Dh/2, 2); HF's rotate-half layout is (head, 2, Dh/2).
@@ -114,30 +129,39 @@ def read_gguf(
     try:
         for i in range(config.num_layers):
             src, dst = f"blk.{i}.", f"layers.{i}."
-            weights[dst + "self_attn.q_proj.weight"] = unpermute(
-                tensors[src + "attn_q.weight"], n_heads
-            )
-            weights[dst + "self_attn.k_proj.weight"] = unpermute(
-                tensors[src + "attn_k.weight"], n_kv
-            )
+            for g, h, heads in (("attn_q", "q_proj", n_heads), ("attn_k", "k_proj", n_kv)):
+                w = tensors[src + g + ".weight"]
+                weights[dst + f"self_attn.{h}.weight"] = (
+                    unpermute(w, heads) if permuted else torch.from_numpy(w)
+                )
             for g, h in names.items():
                 weights[dst + h + ".weight"] = torch.from_numpy(tensors[src + g + ".weight"])
+            if config.qkv_bias:
+                for n in "qkv":
+                    bias = tensors[src + f"attn_{n}.bias"]
+                    weights[dst + f"self_attn.{n}_proj.bias"] = torch.from_numpy(bias)
+            if config.qk_norm:
+                for n in "qk":
+                    norm = tensors[src + f"attn_{n}_norm.weight"]
+                    weights[dst + f"self_attn.{n}_norm.weight"] = torch.from_numpy(norm)
     except KeyError as exc:
         raise ModelLoadError(
             f"{path.name}: missing tensor {exc.args[0]}; the file is incomplete."
         ) from exc
     tokenizer = tokenizer_from_gguf(reader, path.name)
-    codes = _fused_codes(four_bit, config.num_layers, n_heads, n_kv)
+    codes = _fused_codes(four_bit, config.num_layers, n_heads, n_kv, permuted)
     return config, weights, tokenizer, str(meta.get("general.name") or path.stem), codes
 
 
 def _fused_codes(
-    found: dict[str, Codes], layers: int, heads: int, kv_heads: int
+    found: dict[str, Codes], layers: int, heads: int, kv_heads: int, permuted: bool
 ) -> dict[str, Codes]:
     """The four-bit codes in our layout: q/k rows un-permuted as their weights are, q, k, v
     and gate, up stacked as the fused projections are (only where every part has codes)."""
 
     def rows(c: Codes, n: int) -> Codes:  # llama.cpp's (head, Dh/2, 2) rows -> (head, 2, Dh/2)
+        if not permuted:
+            return c
         return tuple(  # type: ignore[return-value]
             t.reshape(n, t.shape[0] // n // 2, 2, t.shape[1]).transpose(1, 2).reshape(t.shape)
             for t in c
@@ -175,10 +199,16 @@ def _field_value(field: Any) -> Any:
         return None
 
 
-def _gguf_rope_scaling(meta: dict[str, Any]) -> RopeScaling | None:
-    kind = meta.get("llama.rope.scaling.type")
+def _gguf_rope_scaling(
+    meta: dict[str, Any], arch: str, freq_factors: np.ndarray[Any, Any] | None
+) -> RopeScaling | None:
+    """Linear scaling from the metadata, or Llama 3.1's per-pair divisors, which llama.cpp
+    writes as a ``rope_freqs`` tensor rather than as metadata."""
+    if freq_factors is not None:
+        return RopeScaling(kind="factors", factor=1.0, freq_factors=tuple(freq_factors.tolist()))
+    kind = meta.get(f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
         return None
     if kind != "linear":
         raise UnsupportedModelError(f"GGUF rope scaling {kind!r} is not supported (only 'linear').")
-    return RopeScaling(kind="linear", factor=float(meta["llama.rope.scaling.factor"]))
+    return RopeScaling(kind="linear", factor=float(meta[f"{arch}.rope.scaling.factor"]))

@@ -39,13 +39,16 @@ __all__ = ["AttentionBackend", "LayerKernels", "LlamaConfig", "LlamaModel", "Rop
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling: ``linear`` or Llama 3's ``llama3`` (per-band rescaling)."""
+    """RoPE frequency scaling: ``linear``, Llama 3's ``llama3`` (per-band rescaling), or
+    ``factors``: a divisor per frequency (``freq_factors``, what llama3 works out to; GGUF
+    files carry it as a ``rope_freqs`` tensor)."""
 
     kind: str
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    freq_factors: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,8 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
         return inv_freq
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
+    if scaling.kind == "factors" and scaling.freq_factors is not None:
+        return inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float32)
     # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
     old_len = scaling.original_max_position_embeddings
     low_wavelen = old_len / scaling.low_freq_factor
