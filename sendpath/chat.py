@@ -20,7 +20,7 @@ from rich.console import Console
 
 from sendpath.bench.client import RequestResult, stream_chat
 from sendpath.bench.report import NOT_STAGES
-from sendpath.waterfall import draw
+from sendpath.waterfall import draw, with_network
 
 __all__ = ["add_chat_args", "run_chat"]
 
@@ -98,7 +98,7 @@ def run_chat(args: argparse.Namespace) -> int:
                 "output_tokens": result.output_tokens,
             },
             "network_ms": network,
-            "stages": stages,
+            "stages": with_network(stages, network),  # as the waterfall draws them
             "trace": trace,
         }, indent=2))  # fmt: skip
         return 0

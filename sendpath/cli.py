@@ -170,14 +170,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="create, list, revoke API keys and show their usage",
         description="API keys for the gateway, stored hashed in SQLite under the data directory.",
     )
-    keys.add_argument(
-        "--data-dir",
-        type=Path,
-        default=None,
-        help="where keys live (default: $SENDPATH_DATA_DIR or ~/.local/share/sendpath)",
-    )
+    data_help = "where keys live (default: $SENDPATH_DATA_DIR or ~/.local/share/sendpath)"
+    keys.add_argument("--data-dir", type=Path, default=None, help=data_help)
+    # the same flag after the action too (`keys create --name x --data-dir D`); SUPPRESS
+    # keeps an action without it from overwriting the one given before the action
+    data_dir = argparse.ArgumentParser(add_help=False)
+    data_dir.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS, help=data_help)
     ksub = keys.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
-    kc = ksub.add_parser("create", help="create a key and print it once (its last output line)")
+    kc = ksub.add_parser(
+        "create", parents=[data_dir], help="create a key and print it once (its last output line)"
+    )
     kc.add_argument("--name", required=True)
     kc.add_argument("--rpm", type=int, default=None, help="requests per minute (default: no limit)")
     kc.add_argument("--tpm", type=int, default=None, help="tokens per minute (default: no limit)")
@@ -191,10 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the answer cap of this key's requests that set none (default: the gateway's "
         "--default-max-tokens)",
     )
-    ksub.add_parser("list", help="list keys (never their secrets)")
-    kr = ksub.add_parser("revoke", help="revoke a key; takes effect on its next request")
+    ksub.add_parser("list", parents=[data_dir], help="list keys (never their secrets)")
+    kr = ksub.add_parser(
+        "revoke", parents=[data_dir], help="revoke a key; takes effect on its next request"
+    )
     kr.add_argument("name")
-    ku = ksub.add_parser("usage", help="today's tokens and requests per key (UTC)")
+    ku = ksub.add_parser(
+        "usage", parents=[data_dir], help="today's tokens and requests per key (UTC)"
+    )
     ku.add_argument("name", nargs="?", default=None)
     return parser
 

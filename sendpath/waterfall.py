@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["Row", "draw", "rows"]
+__all__ = ["Row", "draw", "rows", "with_network"]
 
 WIDTH = 40
 _STYLE = {"gateway": "cyan", "route": "blue", "network": "magenta", "decode": "green"}
@@ -24,16 +24,29 @@ class Row:
     bar: str  # WIDTH characters: where in the request this stage happened
 
 
-def rows(stages: list[dict[str, Any]], network_ms: float | None) -> list[Row]:
-    """Rows for the server's stages (start_ms, duration_ms) and the network: half of it
-    before the server saw the request and half after its last byte, as far as a client
-    can tell (it sees only their sum)."""
-    net = max(0.0, network_ms or 0.0)
+def with_network(stages: list[dict[str, Any]], network_ms: float | None) -> list[dict[str, Any]]:
+    """The server's stages (start_ms, duration_ms) and the network as one more stage, laid
+    out as a client sees them: half of the network before the server saw the request (the
+    server's stages start after it) and half after its last byte (the network's ``spans``),
+    as far as a client can tell (it sees only their sum). No network: the stages as they
+    are."""
+    if network_ms is None:
+        return list(stages)
+    net = max(0.0, network_ms)
     server = max((s["start_ms"] + s["duration_ms"] for s in stages), default=0.0)
-    total = server + net
+    shifted = [{**s, "start_ms": s["start_ms"] + net / 2} for s in stages]
+    spans = [[0.0, net / 2], [net / 2 + server, net / 2]]
+    return [*shifted, {"stage": "network", "start_ms": 0.0, "duration_ms": net, "spans": spans}]
+
+
+def rows(stages: list[dict[str, Any]], network_ms: float | None) -> list[Row]:
+    """One row per stage of ``with_network``: its bar where it happened, its share."""
+    laid = with_network(stages, network_ms)
+    total = max((s["start_ms"] + s["duration_ms"] for s in stages), default=0.0)
+    total += max(0.0, network_ms or 0.0)
     scale = WIDTH / total if total > 0 else 0.0
 
-    def bar(spans: list[tuple[float, float]]) -> str:
+    def bar(spans: list[list[float]]) -> str:
         cells = [" "] * WIDTH
         for start, dur in spans:
             a = min(WIDTH - 1, int(start * scale))
@@ -42,15 +55,11 @@ def rows(stages: list[dict[str, Any]], network_ms: float | None) -> list[Row]:
                 cells[i] = "█"
         return "".join(cells)
 
-    out = [
+    return [
         Row(s["stage"], s["duration_ms"], s["duration_ms"] / total if total else 0.0,
-            bar([(net / 2 + s["start_ms"], s["duration_ms"])]))
-        for s in stages
+            bar(s.get("spans") or [[s["start_ms"], s["duration_ms"]]]))
+        for s in laid
     ]  # fmt: skip
-    if network_ms is not None:
-        out.append(Row("network", net, net / total if total else 0.0,
-                       bar([(0.0, net / 2), (net / 2 + server, net / 2)])))  # fmt: skip
-    return out
 
 
 def draw(

@@ -40,9 +40,14 @@ def test_chat_json_has_the_whole_timeline_and_network(replica: Server, tmp_path:
         res = chat(gw.url, secret, "--max-tokens", "5", "--json")
         assert res.returncode == 0, res.stderr
         out = json.loads(res.stdout)
-        assert [s["stage"] for s in out["stages"]] == ORDER
+        assert [s["stage"] for s in out["stages"]] == [*ORDER, "network"]
         total = out["trace"]["timings"]["total"]
         assert out["network_ms"] == round(out["client"]["e2e_ms"] - total, 3)
+        network = out["stages"][-1]  # as the waterfall draws it: half before, half after
+        assert network["duration_ms"] == out["network_ms"]
+        first, second = network["spans"]
+        assert first == [0.0, out["network_ms"] / 2] and second[1] == out["network_ms"] / 2
+        assert out["stages"][0]["start_ms"] >= out["network_ms"] / 2
         assert out["network_ms"] > 0  # the client waited longer than the server worked
         assert len(out["trace"]["tokens_ms"]) == out["client"]["output_tokens"] == 5
         drawn = chat(gw.url, secret, "--max-tokens", "5")
@@ -59,4 +64,5 @@ def test_chat_against_a_server_without_traces(replica: Server) -> None:
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["trace"] is None and out["network_ms"] > 0
-    assert [s["stage"] for s in out["stages"]] == ["engine.queue", "tokenize", "prefill", "decode"]
+    stages = [s["stage"] for s in out["stages"]]
+    assert stages == ["engine.queue", "tokenize", "prefill", "decode", "network"]

@@ -58,6 +58,11 @@ def test_keys_commands(tmp_path: Path) -> None:
     assert run(*base, "revoke", "alice").returncode == 0
     assert "revoked" in run(*base, "list").stdout
     assert run(*base, "usage").returncode == 0
+    # --data-dir after the action works too, and reads the same keys
+    after = run("keys", "list", "--data-dir", str(tmp_path))
+    assert after.returncode == 0 and "alice" in after.stdout
+    made = run("keys", "create", "--name", "bob", "--data-dir", str(tmp_path))
+    assert made.returncode == 0 and "bob" in run(*base, "list").stdout
 
 
 def test_replica_refuses_a_missing_model_path() -> None:

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,12 @@ from sendpath.sim.simulator import MODES
 from sendpath.sim.traffic import PATTERNS
 
 __all__ = ["add_sim_args", "run_sim"]
+
+
+def _any_case(names: Iterable[str]) -> Callable[[str], str]:
+    """An argparse type that takes a choice in any case (``h100`` is ``H100``)."""
+    by_lower = {name.lower(): name for name in names}
+    return lambda value: by_lower.get(value.lower(), value)
 
 
 def add_sim_args(p: argparse.ArgumentParser) -> None:
@@ -75,8 +82,20 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
         "--rpm", type=int, default=None, help="gateway limit per tenant: requests per minute"
     )
     p.add_argument("--replicas", type=int, default=None)
-    p.add_argument("--hardware", choices=list(HARDWARE), default=None, help="default: H100")
-    p.add_argument("--model", choices=list(MODELS), default=None, help="default: llama-3.1-8b")
+    p.add_argument(
+        "--hardware",
+        type=_any_case(HARDWARE),
+        choices=list(HARDWARE),
+        default=None,
+        help="default: H100 (any case)",
+    )
+    p.add_argument(
+        "--model",
+        type=_any_case(MODELS),
+        choices=list(MODELS),
+        default=None,
+        help="default: llama-3.1-8b (any case)",
+    )
     p.add_argument("--tp", type=int, default=None, help="tensor parallelism per replica")
     p.add_argument("--policy", choices=list(POLICIES), default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)

@@ -96,6 +96,7 @@ def test_runs_repeat_and_the_cli_reports_benchs_keys(tmp_path: Path) -> None:
     assert set(report) >= VLLM_KEYS and report["simulated"]["hardware"] == "H200-SXM"
     assert report["simulated"]["usd_per_1m_output_tokens"] > 0
     assert main(["sim", "--model", "llama-3.1-70b", "--hardware", "L4"]) == 2  # does not fit
+    assert main(["sim", "--model", "Llama-3.1-70B", "--hardware", "l4"]) == 2  # any case
 
 
 # a CPU-like calibrated model: no bulk pricing of its own, decodes padded to the longest
