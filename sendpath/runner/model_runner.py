@@ -141,14 +141,17 @@ class PagedAttention:
             )  # [B, H, Dh], read in place: the whole output
         out = torch.empty_like(q)  # [T, H, Dh]
         for p in self.prefills:
-            keys = k_cache[:, p.slots].repeat_interleave(group, 0)  # [H, ctx, Dh]
-            values = v_cache[:, p.slots].repeat_interleave(group, 0)
+            if p.mask is None:  # the chunk is the whole context: its own k/v, no gather
+                keys, values = k[p.rows].transpose(0, 1), v[p.rows].transpose(0, 1)
+            else:
+                keys, values = k_cache[:, p.slots], v_cache[:, p.slots]  # [Hkv, ctx, Dh]
             o = F.scaled_dot_product_attention(  # 4-D: CPU's fused kernel wants a batch dim
                 q[p.rows].transpose(0, 1)[None],  # [1, H, n, Dh]
                 keys[None],
                 values[None],
                 attn_mask=p.mask,
                 is_causal=p.mask is None,
+                enable_gqa=True,  # each kv head serves its group of query heads, no copies
             )  # [1, H, n, Dh]
             out[p.rows] = o[0].transpose(0, 1)
         if d is not None and self.kernel is not None:
