@@ -24,6 +24,8 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen2's (its tokenizer.json): Llama 3's, but every digit alone
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 
 
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
@@ -33,15 +35,17 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre in ("default", "gpt2", "gpt-2"):
         return byte_level
-    if pre in ("llama3", "llama-bpe", "llama-v3"):
+    splits = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT}
+    splits["qwen2"] = _QWEN2_SPLIT
+    if pre in splits:
         return pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+                pre_tokenizers.Split(Regex(splits[pre]), behavior="isolated"),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
     raise UnsupportedModelError(
-        f"GGUF pre-tokenizer {pre!r} is not supported (smollm, gpt2, llama-bpe); "
+        f"GGUF pre-tokenizer {pre!r} is not supported (smollm, gpt2, llama-bpe, qwen2); "
         "load the model from a Hugging Face directory with its tokenizer.json instead."
     )
 

@@ -35,9 +35,10 @@ def _permute(w: np.ndarray[Any, Any], heads: int) -> np.ndarray[Any, Any]:
     )
 
 
-def write_gguf(directory: Path, out: Path, hf_model: Any) -> Path:
+def write_gguf(directory: Path, out: Path, hf_model: Any, pre: str | None = None) -> Path:
     """The Hugging Face directory's model as llama.cpp's converter would write it, with the
-    built-in model's tokenizer metadata (the tiny models use that tokenizer)."""
+    built-in model's tokenizer metadata (the tiny models use that tokenizer; ``pre``: say
+    another pre-tokenizer)."""
     gguf = pytest.importorskip("gguf")
     raw = json.loads((directory / "config.json").read_text())
     arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[
@@ -63,7 +64,7 @@ def write_gguf(directory: Path, out: Path, hf_model: Any) -> Path:
         return source.fields[name].contents()
 
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(field("tokenizer.ggml.pre"))
+    writer.add_tokenizer_pre(pre or field("tokenizer.ggml.pre"))
     writer.add_token_list(field("tokenizer.ggml.tokens"))
     writer.add_token_types(field("tokenizer.ggml.token_type"))
     writer.add_token_merges(field("tokenizer.ggml.merges"))
@@ -137,3 +138,24 @@ def test_gguf_files_match_transformers(
     if rope_scaling is not None:
         assert cfg.rope_scaling is not None and cfg.rope_scaling.kind == "factors"
     check_against_reference(llm, hf_model.eval())
+
+
+@pytest.mark.parametrize(
+    ("pre", "digits", "contraction"),
+    [("qwen2", ["1", "2", "3", "4", "5"], "'S"), ("llama-bpe", ["123", "45"], "'S")],
+)
+def test_gguf_pre_tokenizers_split_as_their_models_do(
+    tmp_path: Path, smol_tokenizer: Tokenizer, pre: str, digits: list[str], contraction: str
+) -> None:
+    """Qwen2's split keeps every digit alone, Llama 3's groups up to three; both take a
+    contraction in any case as a piece of its own (the byte-level BPE then merges inside
+    each piece only)."""
+    transformers = pytest.importorskip("transformers")
+    directory = write_tiny_llama(tmp_path / "hf", smol_tokenizer, architecture="qwen2")
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    tokenizer = LLM(
+        write_gguf(directory, tmp_path / "m.gguf", hf_model, pre), dtype="float32"
+    ).tokenizer
+    pieces = tokenizer.backend.pre_tokenizer.pre_tokenize_str("12345 HELLO'S")
+    words = [piece for piece, _ in pieces]
+    assert words[: len(digits)] == digits and contraction in words
