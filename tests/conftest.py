@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from sendpath.fleet import free_port
+from sendpath.kernels import cpu_kernels
 from sendpath.llm import LLM
 from sendpath.model.loader import LoadedModel, builtin_model_path, load_model
 from sendpath.model.tokenizer import Tokenizer
@@ -178,7 +179,9 @@ class Served:
 
 
 def start_serve(model_dir: Path, data_dir: Path, *flags: str, replicas: int = 2) -> Served:
-    """Start `sendpath serve` on the tiny model and wait until it says it serves."""
+    """Start `sendpath serve` on the tiny model and wait until it says it serves (the CPU
+    kernels built here first: its replicas find them instead of each building them)."""
+    cpu_kernels()
     port = free_port()
     proc = subprocess.Popen(
         [

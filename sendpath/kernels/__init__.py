@@ -12,16 +12,19 @@
 
 They are one module (``bindings.cpp``), built by ``torch.utils.cpp_extension`` (ninja and
 gcc, ``-O3 -march=native``) into ``$SENDPATH_CACHE_DIR/kernels`` (default
-``~/.cache/sendpath/kernels``), once per machine and torch version: about a minute the first
-time, a second after. Where it cannot be built (no compiler, no headers), ``cpu_kernels()``
-is ``None``, the model and the runner keep their torch paths, and the reason is logged once.
+``~/.cache/sendpath/kernels``), once per torch version, environment and source: about a
+minute the first time, a second after. Where it cannot be built (no compiler, no headers),
+``cpu_kernels()`` is ``None``, the model and the runner keep their torch paths, and the
+reason is logged once.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
+import sys
 import sysconfig
 import threading
 from pathlib import Path
@@ -41,9 +44,16 @@ _built: dict[str, Any] = {}
 
 
 def kernel_dir() -> Path:
-    """Where built kernels are kept (one subfolder per torch version)."""
+    """Where built kernels are kept: one subfolder per torch version, Python environment
+    and kernel source. Two checkouts (or venvs) share none, so neither rebuilds the
+    other's (a build's command line names its venv's torch headers and the sources' paths,
+    and ninja rebuilds everything when that changes: a minute and more on 2 cores)."""
     base = os.environ.get("SENDPATH_CACHE_DIR") or str(Path.home() / ".cache" / "sendpath")
-    return Path(base) / "kernels" / f"torch-{torch.__version__}"
+    key = hashlib.sha256(sys.prefix.encode())
+    for source in _SOURCES:
+        key.update(str(source).encode())
+        key.update(source.read_bytes())
+    return Path(base) / "kernels" / f"torch-{torch.__version__}-{key.hexdigest()[:12]}"
 
 
 def cpu_kernels() -> Any | None:

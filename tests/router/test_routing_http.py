@@ -17,6 +17,7 @@ import pytest
 from sendpath.config import GatewayConfig
 from sendpath.fleet import LocalFleet
 from sendpath.gateway.app import create_gateway_app
+from sendpath.kernels import cpu_kernels
 from sendpath.model.loader import LoadedModel
 from tests.conftest import wait_for
 from tests.server.conftest import serve, serve_app
@@ -29,6 +30,7 @@ def msg(text: str, **extra: Any) -> dict[str, Any]:
 
 
 def start_fleet(tiny_llama_dir: Path, n: int = 2) -> LocalFleet:
+    cpu_kernels()  # built here once (about a minute cold), not by each replica as it starts
     args = ["--model", str(tiny_llama_dir), "--served-model-name", "tiny"]
     fleet = LocalFleet(n, [*args, "--kv-cache-memory-gib", "0.05", "--dtype", "float32"])
     fleet.start()
