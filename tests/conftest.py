@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from sendpath.fleet import free_port
-from sendpath.kernels import cpu_kernels
 from sendpath.llm import LLM
+from sendpath.model.kernels import cpu_kernels
 from sendpath.model.loader import LoadedModel, builtin_model_path, load_model
 from sendpath.model.tokenizer import Tokenizer
 

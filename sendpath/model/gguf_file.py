@@ -13,9 +13,10 @@ import torch
 
 from sendpath.errors import ModelLoadError, UnsupportedModelError
 from sendpath.model.gguf_tokenizer import tokenizer_from_gguf
-from sendpath.model.llama import LlamaConfig, RopeScaling
+from sendpath.model.llama import LlamaConfig
 from sendpath.model.precision import Codes
 from sendpath.model.quant import q4_0_codes, q4_1_codes
+from sendpath.model.rope import RopeScaling
 from sendpath.model.tokenizer import Tokenizer
 
 __all__ = ["read_gguf"]

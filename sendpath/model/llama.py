@@ -14,7 +14,7 @@ buffer for one sequence, a paged pool for many) and returns the attention output
 The residual stream is carried beside each layer's output, as vLLM's models carry it, so
 that "add the residual, then normalise" is one step (``RMSNorm.add_and_norm``). Every small
 operation around the matmuls has a plain torch form here; ``LlamaModel.use_kernels`` swaps
-in fused CPU kernels for them (``sendpath/kernels``: the same numbers, computed in
+in fused CPU kernels for them (``sendpath/model/kernels``: the same numbers, computed in
 float32 and rounded once, in one call where torch takes several).
 
 Shapes use T = tokens in this step, D = hidden size, H / Hkv = query / key-value heads,
@@ -23,7 +23,6 @@ Dh = head dim, F = MLP width, V = vocabulary.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -31,24 +30,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from sendpath.model.rope import RopeScaling, rope_inv_freq, rotate_half
+
 if TYPE_CHECKING:
     from sendpath.model.quant import BlockWeights, Int4Weights, Int8Weights
 
-__all__ = ["AttentionBackend", "LayerKernels", "LlamaConfig", "LlamaModel", "RopeScaling"]
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """RoPE frequency scaling: ``linear``, Llama 3's ``llama3`` (per-band rescaling), or
-    ``factors``: a divisor per frequency (``freq_factors``, what llama3 works out to; GGUF
-    files carry it as a ``rope_freqs`` tensor)."""
-
-    kind: str
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    freq_factors: tuple[float, ...] | None = None
+__all__ = ["AttentionBackend", "LayerKernels", "LlamaConfig", "LlamaModel"]
 
 
 @dataclass(frozen=True)
@@ -119,38 +106,6 @@ class LayerKernels(Protocol):
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for gate_up = [gate | up]."""
-
-
-def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
-    """Per-pair rotation frequencies [Dh/2] with the config's theta and scaling (float32)."""
-    dh = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dh, 2, dtype=torch.int64).float() / dh))
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    if scaling.kind == "linear":
-        return inv_freq / scaling.factor
-    if scaling.kind == "factors" and scaling.freq_factors is not None:
-        return inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float32)
-    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-    old_len = scaling.original_max_position_embeddings
-    low_wavelen = old_len / scaling.low_freq_factor
-    high_wavelen = old_len / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(medium, blended, scaled)
-
-
-def rotate_half(x: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """rotate_half(x) * sin, where rotate_half maps halves (a, b) to (-b, a): the roll
-    (b, a) times ``sin`` with its first half negated (``LlamaModel.rope``), in 2 ops not 5,
-    and the same numbers (a negation is exact)."""
-    return x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class Linear(nn.Module):
@@ -358,7 +313,11 @@ class LlamaModel(nn.Module):
         # Tied models get a copy of the embeddings here (+V*D memory, so the head can take
         # the faster layout); ``num_params`` still counts them once.
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.register_buffer(
+            "inv_freq",
+            rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling),
+            persistent=False,
+        )
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def rope(

@@ -24,7 +24,7 @@ import torch
 from sendpath.errors import ModelLoadError, UnsupportedModelError
 from sendpath.model.gguf_file import read_gguf
 from sendpath.model.hf_tokenizer import tokenizer_from_hf_dir
-from sendpath.model.llama import Linear, LlamaConfig, LlamaModel, RopeScaling, rope_inv_freq
+from sendpath.model.llama import Linear, LlamaConfig, LlamaModel
 from sendpath.model.precision import (
     FLOAT32,
     QUANTIZATIONS,
@@ -34,6 +34,7 @@ from sendpath.model.precision import (
     choose_precision,
 )
 from sendpath.model.quant import native_bf16
+from sendpath.model.rope import RopeScaling, rope_inv_freq
 from sendpath.model.tokenizer import Tokenizer
 
 __all__ = [
@@ -180,7 +181,9 @@ def _materialize(
     model = model.to_empty(device=dev)
     state = {k: v.to(device=dev, dtype=dtype).contiguous() for k, v in fused.items()}
     model.load_state_dict(state, strict=False, assign=True)
-    model.inv_freq = rope_inv_freq(cfg).to(dev)  # buffers built on "meta" hold no values
+    model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(
+        dev
+    )  # buffers built on "meta" hold no values
     if dev.type == "cpu" and dtype == torch.float32:
         for module in model.modules():
             if isinstance(module, Linear):

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sendpath.kernels import cpu_kernels
+from sendpath.model.kernels import cpu_kernels
 
 __all__ = [
     "BLOCK_MAX_ROWS",

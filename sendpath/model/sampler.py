@@ -123,12 +123,13 @@ def sample(
         if i in bad:
             out.append(Sampled(None))
             continue
-        row = logits[i]
+        row, changed = logits[i], False
         if p.adjusts_logits and histories is not None:
-            row = _adjust(row, p, histories[i])
+            row, changed = _adjust(row, p, histories[i]), True
         if allowed is not None and (mask := allowed[i]) is not None:
-            row = row.masked_fill(~mask, float("-inf"))
-        token: int | None = int(greedy[i]) if row is logits[i] else int(row.argmax())
+            row, changed = row.masked_fill(~mask, float("-inf")), True
+        # the batch's argmax stands unless this row's logits changed
+        token: int | None = int(row.argmax()) if changed else int(greedy[i])
         if not p.greedy:
             try:
                 probs = _filter(row, p).softmax(-1)

@@ -7,8 +7,8 @@ head ([L, Hkv, S, Dh]); a token at position p of a request lives in slot
 1. flattens every scheduled request's new tokens into one [T] batch with positions and slots;
 2. runs the model once; each layer writes the new K/V to their slots, then attends:
    all decodes together, each prefill chunk on its own (causal over cache + chunk). On the
-   CPU the decodes read their blocks in place (``kernels/paged_attention.cpp``) and the
-   model's small operations run fused (``kernels/fused_ops.cpp``); elsewhere, or where
+   CPU the decodes read their blocks in place (``model/kernels/paged_attention.cpp``) and the
+   model's small operations run fused (``model/kernels/fused_ops.cpp``); elsewhere, or where
    those kernels cannot be built, torch's ops do the same, and the decodes' block tables
    are gathered into one padded [B, Hkv, L, Dh] batch with a padding mask;
 3. computes logits only for requests whose plan says ``sample``, and samples each with its
@@ -29,7 +29,7 @@ import torch
 from torch.nn import functional as F
 
 from sendpath.engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
-from sendpath.kernels import cpu_kernels
+from sendpath.model.kernels import cpu_kernels
 from sendpath.model.llama import LlamaConfig
 from sendpath.model.loader import LoadedModel
 from sendpath.model.sampler import History, make_generator, sample

@@ -17,7 +17,7 @@ import pytest
 from sendpath.config import GatewayConfig
 from sendpath.fleet import LocalFleet
 from sendpath.gateway.app import create_gateway_app
-from sendpath.kernels import cpu_kernels
+from sendpath.model.kernels import cpu_kernels
 from sendpath.model.loader import LoadedModel
 from tests.conftest import wait_for
 from tests.server.conftest import serve, serve_app

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from sendpath.kernels import cpu_kernels
+from sendpath.model.kernels import cpu_kernels
 
 
 @pytest.fixture(scope="session")

@@ -34,7 +34,7 @@ import torch
 
 __all__ = ["cpu_kernels", "kernel_dir"]
 
-logger = logging.getLogger("sendpath.kernels")
+logger = logging.getLogger("sendpath.model.kernels")
 _SOURCES = [
     Path(__file__).with_name(name)
     for name in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp", "block_matmul.cpp")

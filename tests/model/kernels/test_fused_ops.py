@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from sendpath.model.llama import rotate_half
+from sendpath.model.rope import rotate_half
 
 DTYPES = [torch.float32, torch.bfloat16]
 
