@@ -25,9 +25,11 @@ GREEDY_BELOW = 1e-5  # temperatures under this sample as temperature 0
 class StructuredOutput:
     """What the answer must be: JSON matching ``json_schema`` (OpenAI's ``response_format``;
     ``json_object`` is the schema ``{"type": "object"}``). ``model/structured.py`` enforces
-    it token by token."""
+    it token by token; or a tool call's, from ``tools``). ``source`` names the request field
+    the schema came from, for errors."""
 
     json_schema: dict[str, Any]
+    source: str = "response_format"
 
 
 @dataclass

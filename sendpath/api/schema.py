@@ -31,8 +31,11 @@ __all__ = [
     "CompletionBody",
     "DetokenizeBody",
     "Message",
+    "NamedTool",
     "TextPart",
     "TokenizeBody",
+    "Tool",
+    "ToolCall",
     "chat_text",
     "content_text",
     "validate",
@@ -50,6 +53,9 @@ MAX_PROMPT_IDS = 2**20  # a token-id prompt (a million tokens: past any context 
 MAX_MESSAGES = 10_000
 MAX_PARTS = 10_000  # content parts of one message
 MAX_LOGIT_BIAS = 1024  # entries (OpenAI documents no limit; each costs a little per token)
+MAX_TOOLS = 128  # OpenAI's limit on tools (and here on one message's tool calls)
+MAX_DESCRIPTION = 4096  # characters of a function's description
+MAX_ARGUMENTS = 1 << 20  # characters of one tool call's arguments in a message
 _TYPE_TAGS = {"str", "int", "float", "bool", "none"}
 
 
@@ -91,11 +97,57 @@ class TextPart(_Strict):
     text: str
 
 
+FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")]
+
+
+class FunctionCall(_Strict):
+    """A call an assistant made: the function's name and its arguments as JSON text."""
+
+    name: FunctionName
+    arguments: str = Field(max_length=MAX_ARGUMENTS)
+
+
+class ToolCall(_Strict):
+    """One of an assistant message's ``tool_calls``."""
+
+    id: str = Field(min_length=1, max_length=64)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextPart], Field(max_length=MAX_PARTS, fail_fast=True)] | None = (
         None
     )
+    name: str | None = Field(None, max_length=64)
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None  # assistant
+    tool_call_id: str | None = Field(None, min_length=1, max_length=64)  # tool: what it answers
+
+
+class FunctionDef(_Strict):
+    """A function the model may call: OpenAI's ``tools[].function``."""
+
+    name: FunctionName
+    description: str | None = Field(None, max_length=MAX_DESCRIPTION)
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: FunctionName
+
+
+class NamedTool(_Strict):
+    """``tool_choice`` naming the one function the answer must call."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class JsonSchemaFormat(_Strict):
@@ -151,6 +203,9 @@ class ChatBody(_Common):
     max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = None
     top_logprobs: LogprobCount | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+    parallel_tool_calls: bool = True
 
 
 class CompletionBody(_Common):
@@ -172,6 +227,7 @@ class TokenizeBody(_Strict):
         Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)]
         | None
     ) = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     add_special_tokens: bool = True
 
 
@@ -190,8 +246,13 @@ def content_text(content: str | list[TextPart] | None) -> str:
 
 
 def chat_text(messages: list[Message]) -> str:
-    """Every message's text, one per line: what an input filter reads of a chat."""
-    return "\n".join(content_text(m.content) for m in messages)
+    """Every message's text, one per line, the arguments of its tool calls after it: what
+    an input filter reads of a chat."""
+    lines = []
+    for m in messages:
+        lines.append(content_text(m.content))
+        lines.extend(call.function.arguments for call in m.tool_calls or [])
+    return "\n".join(lines)
 
 
 def validate(model: type[BaseModel], body: dict[str, Any]) -> Any:

@@ -25,7 +25,7 @@ from sendpath.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput, 
 from sendpath.engine.steps import StepLog, StepShape
 from sendpath.errors import InvalidRequestError, PromptTooLongError
 from sendpath.kvcache.manager import KVCacheManager
-from sendpath.model.tokenizer import ChatMessage, Tokenizer
+from sendpath.model.tokenizer import Chat, ChatMessage, Tokenizer
 from sendpath.request import Request, RequestStatus, SamplingParams, TokenLogprobs
 from sendpath.trace import EventType
 
@@ -36,7 +36,7 @@ __all__ = ["EngineCore", "EngineFaultError", "Prompt", "Runner"]
 
 logger = logging.getLogger("sendpath.engine")
 
-Prompt = str | list[int] | Sequence[ChatMessage]
+Prompt = str | list[int] | Sequence[ChatMessage] | Chat
 
 
 class EngineFaultError(RuntimeError):
@@ -162,7 +162,9 @@ class EngineCore:
                 param="logit_bias",
             )
         arrived = self.clock.now()
-        if isinstance(prompt, str):
+        if isinstance(prompt, Chat):
+            ids = self.tokenizer.encode_chat(prompt.messages, tools=prompt.tools)
+        elif isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         elif prompt and isinstance(prompt[0], int):
             ids = [int(t) for t in prompt]  # type: ignore[arg-type]

@@ -88,8 +88,8 @@ class GrammarCompiler:
             error = str(exc)
         if error:
             raise InvalidRequestError(
-                f"response_format's JSON schema cannot be used: {error}",
-                param="response_format",
+                f"{structured.source}'s JSON schema cannot be used: {error}",
+                param=structured.source,
             )
         with self._lock:
             self._grammars[key] = grammar
@@ -101,8 +101,8 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self._llt(), self.grammar(structured), log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(
-                f"response_format's JSON schema cannot be used: {matcher.get_error()}",
-                param="response_format",
+                f"{structured.source}'s JSON schema cannot be used: {matcher.get_error()}",
+                param=structured.source,
             )
         return Matcher(matcher, self.tokenizer.vocab_size)
 

@@ -16,14 +16,24 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from sendpath.errors import InvalidRequestError
+from sendpath.model.tool_prompt import with_tools_described
 
-__all__ = ["ChatMessage", "IncrementalDetokenizer", "Tokenizer", "render_chat_template"]
+__all__ = ["Chat", "ChatMessage", "IncrementalDetokenizer", "Tokenizer", "render_chat_template"]
 
 ChatMessage = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Chat:
+    """A conversation with the tools its answer may call (OpenAI's ``tools``)."""
+
+    messages: Sequence[ChatMessage]
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -49,19 +59,29 @@ class Tokenizer:
         """Text of ``ids``."""
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the chat template renders ``tools`` itself."""
+        return self.chat_template is not None and "tools" in _variables(self.chat_template)
+
     def apply_chat_template(
         self,
         messages: Sequence[ChatMessage],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The prompt text for a conversation, as ``transformers`` renders it."""
+        """The prompt text for a conversation, as ``transformers`` renders it; where the
+        template takes no tools, they and past calls are written into the messages
+        (``tool_prompt.with_tools_described``)."""
         if self.chat_template is None:
             raise InvalidRequestError(
                 "This model has no chat template, so it cannot take chat messages; "
                 "send a plain prompt (completions) instead.",
                 param="messages",
             )
+        calls = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+        if (tools or calls) and not self.takes_tools:
+            messages, tools = with_tools_described(messages, tools), None
         return render_chat_template(
             self.chat_template,
             messages,
@@ -75,10 +95,13 @@ class Tokenizer:
         )
 
     def encode_chat(
-        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of a rendered conversation; the template supplies any BOS itself."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
         return self.encode(text, add_special_tokens=False)
 
 
@@ -117,20 +140,36 @@ def _strftime_now(fmt: str) -> str:
 
 
 _compiled: dict[str, jinja2.Template] = {}
+_variables_of: dict[str, set[str]] = {}
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
 
 
 def _compile(template: str) -> jinja2.Template:
     if template not in _compiled:
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True,
-            lstrip_blocks=True,
-            extensions=[_GenerationTag, jinja2.ext.loopcontrols],
-        )
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = _strftime_now
-        _compiled[template] = env.from_string(template)
+        _compiled[template] = _environment().from_string(template)
     return _compiled[template]
+
+
+def _variables(template: str) -> set[str]:
+    """The variables a template reads from its caller (``messages``, ``tools``, ...)."""
+    if template not in _variables_of:
+        try:
+            parsed = _environment().parse(template)
+            _variables_of[template] = set(jinja2.meta.find_undeclared_variables(parsed))
+        except jinja2.TemplateError:
+            _variables_of[template] = set()
+    return _variables_of[template]
 
 
 def render_chat_template(

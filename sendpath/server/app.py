@@ -39,7 +39,6 @@ from sendpath.api.schema import (
     CompletionBody,
     DetokenizeBody,
     TokenizeBody,
-    content_text,
     validate,
 )
 from sendpath.config import ReplicaConfig
@@ -56,6 +55,7 @@ from sendpath.server.choices import serve_choices
 from sendpath.server.generate import serve_generation
 from sendpath.server.protocol import parse_chat, parse_completion
 from sendpath.server.replica import Replica, served_name
+from sendpath.server.tools import chat_messages, template_tools
 
 __all__ = ["Replica", "create_app", "served_name"]  # the first and last from replica.py
 
@@ -217,8 +217,9 @@ def create_app(
         body: TokenizeBody = await tokens_body(request, TokenizeBody)
         tokenizer = engine.core.tokenizer
         if body.messages is not None:
-            messages = [{"role": m.role, "content": content_text(m.content)} for m in body.messages]
-            ids = await asyncio.to_thread(tokenizer.encode_chat, messages)
+            messages = chat_messages(body.messages)  # with their tools, as a chat renders them
+            tools = template_tools(body.tools) if body.tools else None
+            ids = await asyncio.to_thread(tokenizer.encode_chat, messages, True, tools)
         elif body.prompt is not None:
             ids = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens)
         else:
@@ -249,6 +250,8 @@ def create_app(
             parsed = await asyncio.to_thread(parse, raw, max_len)
         else:
             parsed = parse(raw, max_len)
+        if parsed.model != replica.model_name:  # before anything runs, for one answer or n
+            raise ModelNotFoundError(parsed.model, replica.model_name)
         if request.headers.get(DEFAULT_CAP_HEADER) == "default":
             parsed.max_tokens_given = False  # a gateway's cap: stop at the context's end
         if parsed.n > 1:

@@ -33,6 +33,7 @@ from sendpath.server.generate import (
 )
 from sendpath.server.protocol import ParsedRequest
 from sendpath.server.responses import Chunker, LogprobRenderer, server_timing, sse, timings_ms
+from sendpath.server.tool_calls import CallParser, parser_for
 
 if TYPE_CHECKING:
     from sendpath.server.app import Replica
@@ -122,11 +123,12 @@ async def serve_choices(
     fanout = _Fanout(engine, parsed)
     await fanout.add(0)  # a bad request is refused here, before anything is sent
     chunker, renderer, headers = answer_setup(replica, engine, parsed, fanout.streams[0].request)
+    tools = [parser_for(parsed.tools, engine.core.tokenizer) for _ in range(parsed.n)]
     if parsed.stream:
-        events = _events(replica, fanout, chunker, parsed.include_usage, renderer)
+        events = _events(replica, fanout, chunker, parsed.include_usage, renderer, tools)
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
     choices = await collect_unless_gone(
-        replica, chunker.id, _collect(fanout, chunker, renderer), request, fanout.abort
+        replica, chunker.id, _collect(fanout, chunker, renderer, tools), request, fanout.abort
     )
     fanout.abort()  # nothing is left running: the pumps end
     if isinstance(choices, Response):
@@ -141,7 +143,10 @@ async def serve_choices(
 
 
 async def _collect(
-    fanout: _Fanout, chunker: Chunker, renderer: LogprobRenderer | None
+    fanout: _Fanout,
+    chunker: Chunker,
+    renderer: LogprobRenderer | None,
+    tools: list[CallParser | None],
 ) -> list[dict[str, Any]]:
     """Every choice whole, in index order."""
     n = fanout.parsed.n
@@ -164,7 +169,7 @@ async def _collect(
             raise ServiceUnavailableError(ENGINE_STOPPED)
         raise_unfinished(last, chunker.id)
         rendered = _rendered(renderer, chunker, ids[i], logprobs[i])
-        choices.append(chunker.choice(i, texts[i], str(last.finish_reason), rendered))
+        choices.append(chunker.choice(i, texts[i], str(last.finish_reason), rendered, tools[i]))
     return choices
 
 
@@ -174,6 +179,7 @@ async def _events(
     chunker: Chunker,
     include_usage: bool,
     renderer: LogprobRenderer | None,
+    tools: list[CallParser | None],
 ) -> AsyncIterator[str]:
     """SSE: a role chunk per choice, each choice's deltas (with its index) as they come,
     its finish chunk, then usage and [DONE]; or an error event (no [DONE])."""
@@ -190,13 +196,19 @@ async def _events(
             rendered = _rendered(
                 renderer, chunker, out.new_token_ids, out.logprobs or [], sent[index]
             )
-            if out.text or rendered:
+            parser = tools[index]
+            if parser is not None:
+                deltas = parser.feed(out.text) + (parser.end() if out.finished else [])
+                for chunk in chunker.delta_chunks(deltas, rendered, index):
+                    yield sse(chunk)
+            elif out.text or rendered:
                 yield sse(chunker.chunk(out.text, logprobs=rendered, index=index))
                 sent[index] += len(out.text)
             if out.finished:
                 raise_unfinished(out, chunker.id)
                 reasons[index] = str(out.finish_reason)
-                finals.append(chunker.chunk(None, reasons[index], index=index))
+                reason = reasons[index] if parser is None else parser.finish_reason(reasons[index])
+                finals.append(chunker.chunk(None, reason, index=index))
         ended = True
         requests = [s.request for s in fanout.streams]
         for i, stream in enumerate(fanout.streams):

@@ -23,7 +23,6 @@ from sendpath.api.errors import error_body
 from sendpath.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from sendpath.engine.outputs import EngineOutput, FinishReason
 from sendpath.errors import (
-    ModelNotFoundError,
     RequestFailedError,
     SendpathError,
     ServiceUnavailableError,
@@ -38,6 +37,7 @@ from sendpath.server.responses import (
     sse,
     timings_ms,
 )
+from sendpath.server.tool_calls import CallParser, parser_for
 
 if TYPE_CHECKING:
     from sendpath.server.app import Replica
@@ -59,9 +59,7 @@ T = TypeVar("T")
 async def serve_generation(
     replica: Replica, engine: AsyncEngine, parsed: ParsedRequest, request: Request
 ) -> Response:
-    """Queue ``parsed`` and answer it (streamed or whole)."""
-    if parsed.model != replica.model_name:
-        raise ModelNotFoundError(parsed.model, replica.model_name)
+    """Queue ``parsed`` (for this replica's model) and answer it (streamed or whole)."""
     stream = await engine.add(
         parsed.prompt,
         parsed.params,
@@ -70,8 +68,9 @@ async def serve_generation(
         strict_max_tokens=parsed.max_tokens_given,
     )
     chunker, renderer, headers = answer_setup(replica, engine, parsed, stream.request)
+    tools = parser_for(parsed.tools, engine.core.tokenizer)
     if parsed.stream:
-        events = _events(replica, stream, chunker, parsed.include_usage, renderer)
+        events = _events(replica, stream, chunker, parsed.include_usage, renderer, tools)
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
     result = await collect_unless_gone(
         replica, chunker.id, _collect(stream, chunker.id), request, stream.abort
@@ -88,7 +87,7 @@ async def serve_generation(
             if chunker.kind == "chat"
             else renderer.completion(ids, logprobs)
         )
-    body = chunker.body(text, last, stream.request, rendered)
+    body = chunker.body(text, last, stream.request, rendered, tools)
     headers["Server-Timing"] = server_timing(body["timings"])
     return JSONResponse(body, headers=headers)
 
@@ -178,17 +177,19 @@ async def _events(
     chunker: Chunker,
     include_usage: bool,
     renderer: LogprobRenderer | None = None,
+    tools: CallParser | None = None,
 ) -> AsyncIterator[str]:
     """SSE: a role chunk, one chunk per text delta (or per token, with its logprobs, when
-    asked for), the finish chunk, usage, [DONE]; or an error event (and no [DONE]) if the
-    request cannot finish. Leaving early (the client went away, or was dropped for not
-    reading) aborts the request."""
+    asked for; or as ``tools`` parses calls out of the text), the finish chunk, usage,
+    [DONE]; or an error event (and no [DONE]) if the request cannot finish. Leaving early
+    (the client went away, or was dropped for not reading) aborts the request."""
     ended = False  # finished or failed: anything else that ends this is an abort
     sent = 0  # characters of text streamed so far (completions' text_offset)
     try:
         if chunker.kind == "chat":
             yield sse(chunker.chunk("", role=True))
         async for out in stream:
+            rendered = None
             if renderer is not None and out.logprobs:
                 ids = out.new_token_ids
                 rendered = (
@@ -196,6 +197,11 @@ async def _events(
                     if chunker.kind == "chat"
                     else renderer.completion(ids, out.logprobs, sent)
                 )
+            if tools is not None:
+                deltas = tools.feed(out.text) + (tools.end() if out.finished else [])
+                for chunk in chunker.delta_chunks(deltas, rendered):
+                    yield sse(chunk)
+            elif rendered is not None:
                 yield sse(chunker.chunk(out.text, logprobs=rendered))
                 sent += len(out.text)
             elif out.text:
@@ -204,8 +210,11 @@ async def _events(
                 continue
             raise_unfinished(out, chunker.id)
             ended = True
-            replica.finished(chunker.id, stream.request, str(out.finish_reason))
-            final: dict[str, Any] = chunker.chunk(None, str(out.finish_reason))
+            reason = str(out.finish_reason)
+            replica.finished(chunker.id, stream.request, reason)
+            final: dict[str, Any] = chunker.chunk(
+                None, reason if tools is None else tools.finish_reason(reason)
+            )
             timings = timings_ms(stream.request)
             if include_usage:
                 yield sse(final)

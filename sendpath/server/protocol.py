@@ -6,7 +6,7 @@ options this engine does not implement are refused by name, and the rest becomes
 ``SamplingParams``. Every mistake is an ``InvalidRequestError`` (400, OpenAI's shape).
 
 The schema ignores fields it does not know, as OpenAI does; but a field OpenAI or vLLM
-define that would change the answer (JSON output, tools, beam search, ...) must not be
+define that would change the answer (beam search, audio, vLLM's guided_* fields, ...) must not be
 dropped silently, so ``UNSUPPORTED`` names them and the values that ask for nothing.
 """
 
@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from sendpath.api.json_body import load_json
-from sendpath.api.schema import ChatBody, CompletionBody, ResponseFormat, content_text, validate
+from sendpath.api.schema import ChatBody, CompletionBody, ResponseFormat, validate
 from sendpath.errors import InvalidRequestError
+from sendpath.model.tokenizer import Chat
 from sendpath.request import SamplingParams, StructuredOutput
+from sendpath.server.tools import ToolUse, chat_prompt, tool_use
 
 __all__ = ["UNSUPPORTED", "ParsedRequest", "parse_chat", "parse_completion"]
 
@@ -35,8 +37,7 @@ def _one_of(*harmless: Any) -> Callable[[Any], bool]:
 # Fields that change the answer and this server does not do, each with a test for the
 # values that ask for nothing (those pass).
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "tools": _one_of([]),
-    "functions": _one_of([]),
+    "functions": _one_of([]),  # OpenAI's old form of tools: send tools instead
     "function_call": _one_of("none", "auto"),
     "best_of": _one_of(1),
     "suffix": _one_of(""),
@@ -75,19 +76,6 @@ def _refuse_unsupported(data: dict[str, Any]) -> None:
                 f"{name} is not supported by this server; leave it out (or at its default).",
                 param=name,
             )
-    choice = data.get("tool_choice")
-    if choice is not None and choice not in ("none", "auto"):
-        raise InvalidRequestError(
-            "tool_choice is not supported by this server (it has no tools); leave it out.",
-            param="tool_choice",
-        )
-    messages = data.get("messages")
-    for i, message in enumerate(messages if isinstance(messages, list) else []):
-        if isinstance(message, dict) and message.get("tool_calls"):
-            raise InvalidRequestError(
-                "Messages with tool_calls are not supported by this server (it has no tools).",
-                param=f"messages.{i}.tool_calls",
-            )
 
 
 @dataclass
@@ -96,7 +84,7 @@ class ParsedRequest:
 
     kind: Literal["chat", "completion"]
     model: str
-    prompt: str | list[int] | list[dict[str, str]]
+    prompt: str | list[int] | list[dict[str, Any]] | Chat
     params: SamplingParams
     max_tokens_given: bool  # False: max_tokens defaults to "until the context is full"
     n: int  # answers to give (each its own engine request: server/choices.py)
@@ -104,6 +92,7 @@ class ParsedRequest:
     include_usage: bool
     priority: int
     cache_salt: str | None
+    tools: ToolUse | None = None  # how a chat answer may call tools (server/tools.py)
 
 
 def _params(
@@ -111,13 +100,14 @@ def _params(
     max_tokens: int | None,
     default_max: int,
     logprobs: int | None,
+    structured: StructuredOutput | None,
 ) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     bias = {int(token): value for token, value in (body.logit_bias or {}).items()}
-    structured = _structured(body.response_format)
     if structured is not None and body.ignore_eos:
         raise InvalidRequestError(
-            "ignore_eos cannot go with response_format: a complete JSON answer ends there.",
+            "ignore_eos cannot go with a JSON answer (response_format, or tool_choice that "
+            "forces a call): a complete one ends there.",
             param="ignore_eos",
         )
     return SamplingParams(
@@ -166,23 +156,24 @@ def parse_chat(raw: bytes, default_max: int) -> ParsedRequest:
         raise InvalidRequestError(
             "top_logprobs needs logprobs: true; set both.", param="top_logprobs"
         )
-    messages = [{"role": m.role, "content": content_text(m.content)} for m in body.messages]
     max_tokens = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )
+    structured = _structured(body.response_format)
+    tools, forced = tool_use(body, json_output=structured is not None)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return ParsedRequest(
         kind="chat",
         model=body.model,
-        prompt=messages,
-        params=_params(
-            body, max_tokens, default_max, (body.top_logprobs or 0) if body.logprobs else None
-        ),
+        prompt=chat_prompt(body),
+        params=_params(body, max_tokens, default_max, logprobs, structured or forced),
         max_tokens_given=max_tokens is not None,
         n=body.n,
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         priority=body.priority,
         cache_salt=body.cache_salt,
+        tools=tools,
     )
 
 
@@ -204,7 +195,9 @@ def parse_completion(raw: bytes, default_max: int) -> ParsedRequest:
         kind="completion",
         model=body.model,
         prompt=prompt,  # type: ignore[arg-type]
-        params=_params(body, body.max_tokens, default_max, body.logprobs),
+        params=_params(
+            body, body.max_tokens, default_max, body.logprobs, _structured(body.response_format)
+        ),
         max_tokens_given=body.max_tokens is not None,
         n=body.n,
         stream=body.stream,

@@ -9,6 +9,7 @@ from typing import Any
 from sendpath.engine.outputs import EngineOutput
 from sendpath.model.tokenizer import Tokenizer
 from sendpath.request import Request, TokenLogprobs
+from sendpath.server.tool_calls import CallParser, merge
 from sendpath.trace import Stage
 
 __all__ = ["Chunker", "LogprobRenderer", "server_timing", "sse", "timings_ms", "usage"]
@@ -139,18 +140,49 @@ class Chunker:
         choice.update(logprobs=logprobs, finish_reason=finish_reason)
         return {**self._base(True), "choices": [choice]}
 
+    def delta_chunks(
+        self, deltas: list[dict[str, Any]], logprobs: dict[str, Any] | None, index: int = 0
+    ) -> list[dict[str, Any]]:
+        """Chat chunks of ``deltas`` (a tool-call parser's), the logprobs on the first (or
+        on an empty delta, while the parser holds the text they belong to)."""
+        if not deltas and logprobs is not None:
+            deltas = [{"content": ""}]
+        return [
+            {
+                **self._base(True),
+                "choices": [
+                    {
+                        "index": index,
+                        "delta": delta,
+                        "logprobs": logprobs if i == 0 else None,
+                        "finish_reason": None,
+                    }
+                ],
+            }
+            for i, delta in enumerate(deltas)
+        ]
+
     def usage_chunk(self, *requests: Request) -> dict[str, Any]:
         return {**self._base(True), "choices": [], "usage": usage(*requests)}
 
     def choice(
-        self, index: int, text: str, finish_reason: str, logprobs: dict[str, Any] | None
+        self,
+        index: int,
+        text: str,
+        finish_reason: str,
+        logprobs: dict[str, Any] | None,
+        tools: CallParser | None = None,
     ) -> dict[str, Any]:
-        """One choice of a whole (non-streamed) response."""
+        """One choice of a whole (non-streamed) response; ``tools`` parses its calls."""
         if self.kind == "chat":
-            choice: dict[str, Any] = {
-                "index": index,
-                "message": {"role": "assistant", "content": text},
-            }
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tools is not None:
+                content, calls = merge(tools.feed(text) + tools.end())
+                message["content"] = content
+                if calls:
+                    message["tool_calls"] = calls
+                finish_reason = tools.finish_reason(finish_reason)
+            choice: dict[str, Any] = {"index": index, "message": message}
         else:
             choice = {"index": index, "text": text}
         choice.update(logprobs=logprobs, finish_reason=finish_reason)
@@ -162,9 +194,10 @@ class Chunker:
         last: EngineOutput,
         request: Request,
         logprobs: dict[str, Any] | None = None,
+        tools: CallParser | None = None,
     ) -> dict[str, Any]:
         """The whole non-streaming response of one choice."""
-        choice = self.choice(0, text, str(last.finish_reason), logprobs)
+        choice = self.choice(0, text, str(last.finish_reason), logprobs, tools)
         return self.whole([choice], [request])
 
     def whole(self, choices: list[dict[str, Any]], requests: list[Request]) -> dict[str, Any]:

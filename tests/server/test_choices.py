@@ -4,6 +4,7 @@ streamed alike, usage counting the prompt once, the prompt's blocks computed onc
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import openai
@@ -80,3 +81,45 @@ def test_greedy_choices_are_the_same_answer(server: Server) -> None:
         model="tiny", messages=MESSAGES, n=2, temperature=0, max_tokens=6
     )
     assert resp.choices[0].message.content == resp.choices[1].message.content
+
+
+def test_another_models_name_is_404_before_any_choice_runs(server: Server) -> None:
+    # (the fuzzer found n > 1 answering for any model name, up to the context's end)
+    for stream in (False, True):
+        try:
+            client(server).completions.create(
+                model="not-served", prompt="hello", n=57, stream=stream
+            )
+            raise AssertionError("answered for a model it does not serve")
+        except openai.NotFoundError as exc:
+            assert "not-served" in str(exc)
+    assert server.idle()
+
+
+def test_choices_of_a_tool_call_are_parsed_each_on_its_own(server: Server) -> None:
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "pick",
+            "parameters": {
+                "type": "object",
+                "properties": {"n": {"type": "integer"}},
+                "required": ["n"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    named: Any = {"type": "function", "function": {"name": "pick"}}
+    kwargs: Any = dict(
+        model="tiny", messages=MESSAGES, tools=[tool], tool_choice=named, n=3, seed=2, max_tokens=12
+    )
+    whole = client(server).chat.completions.create(**kwargs)
+    calls = {c.index: c.message.tool_calls[0].function.arguments for c in whole.choices}
+    assert all(c.finish_reason == "tool_calls" for c in whole.choices)
+    assert all(set(json.loads(a)) == {"n"} for a in calls.values())
+    streamed: dict[int, str] = {0: "", 1: "", 2: ""}
+    for chunk in client(server).chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            for part in choice.delta.tool_calls or []:
+                streamed[choice.index] += part.function.arguments or ""
+    assert streamed == calls

@@ -170,7 +170,6 @@ def test_fields_that_change_nothing_are_accepted(server: Server) -> None:
 
 
 ASKING: dict[str, Any] = {  # a value of each unsupported field that asks for something
-    "tools": [{"type": "function", "function": {"name": "f"}}],
     "functions": [{"name": "f"}],
     "function_call": {"name": "f"},
     "best_of": 2,
