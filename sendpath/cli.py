@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--model",
         default=None,
-        help="GGUF file or HF directory (default: built-in SmolLM2-135M-Instruct)",
+        help="GGUF file or Hugging Face directory of a Llama, Mistral, Qwen2/2.5 or Qwen3 model "
+        "(default: built-in SmolLM2-135M-Instruct)",
     )
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"])

@@ -17,7 +17,8 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
         "--model",
         {
             "help": "GGUF file or Hugging Face directory of a Llama, Mistral, Qwen2/2.5 or "
-            "Qwen3 model; default: the built-in SmolLM2-135M-Instruct"
+            "Qwen3 model (GGUF: F32, F16, BF16, Q8_0, Q4_0/1, Q5_0/1, K-quants; byte-level BPE "
+            "or SentencePiece vocabulary); default: the built-in SmolLM2-135M-Instruct"
         },
     ),
     ("--served-model-name", {"help": "the model id clients send (default: from the path)"}),

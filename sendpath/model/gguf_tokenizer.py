@@ -1,16 +1,23 @@
 """Build a ``tokenizers.Tokenizer`` from the vocabulary a GGUF file carries.
 
-GGUF stores a byte-level BPE vocabulary (``tokenizer.ggml.model == "gpt2"``) as tokens,
-token types and merges, plus a pre-tokenizer name (``tokenizer.ggml.pre``) for the split
-rules llama.cpp applies before BPE. Each supported name maps to the Hugging Face
-pre-tokenizer that produces the same pieces, so encoding matches the original tokenizer.json.
+Two kinds of vocabulary:
+
+- byte-level BPE (``tokenizer.ggml.model == "gpt2"``: Llama 3, Qwen, SmolLM): tokens, token
+  types and merges, plus a pre-tokenizer name (``tokenizer.ggml.pre``) for the split rules
+  llama.cpp applies before BPE. Each supported name maps to the Hugging Face pre-tokenizer
+  that produces the same pieces, so encoding matches the original tokenizer.json.
+- SentencePiece BPE (``"llama"``: Llama 2, Mistral 7B, TinyLlama): tokens with scores and
+  no merges. SentencePiece merges, at each step, the adjacent pair whose joined piece
+  scores highest, which is BPE with the merges ranked by that score; spaces become ``▁``
+  with one before the text (and after each special token, as llama.cpp does), and a
+  character outside the vocabulary falls back to its UTF-8 bytes (``<0xE2>`` tokens).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from sendpath.errors import UnsupportedModelError
@@ -18,8 +25,9 @@ from sendpath.model.tokenizer import Tokenizer
 
 __all__ = ["tokenizer_from_gguf"]
 
-# llama.cpp's token types (llama_token_type): 3 = control (special), 4 = user-defined.
-_CONTROL, _USER_DEFINED = 3, 4
+# llama.cpp's token types (llama_token_type)
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _BYTE = 1, 2, 3, 4, 6
+_SPACE = "\u2581"  # SentencePiece's visible space
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -50,6 +58,38 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     )
 
 
+def _sentencepiece(
+    tokens: list[str], scores: list[float], types: list[int], space_prefix: bool
+) -> HFTokenizer:
+    """A SentencePiece BPE vocabulary as a ``tokenizers`` BPE (see the module's docstring)."""
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    pieces = {
+        tok: scores[i] for i, tok in enumerate(tokens) if types[i] in (_NORMAL, _USER_DEFINED)
+    }
+    ranked = []
+    for piece, score in pieces.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in pieces and right in pieces:
+                ranked.append((-score, vocab[left], vocab[right], left, right))
+    merges = [(left, right) for *_, left, right in sorted(ranked)]
+    unk = next((tokens[i] for i, t in enumerate(types) if t == _UNKNOWN), None)
+    backend = HFTokenizer(
+        models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    )
+    steps = [normalizers.Prepend(_SPACE)] if space_prefix else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", _SPACE)])
+    backend.decoder = decoders.Sequence(
+        [
+            decoders.Replace(_SPACE, " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            *([decoders.Strip(" ", 1, 0)] if space_prefix else []),
+        ]
+    )
+    return backend
+
+
 def tokenizer_from_gguf(reader: Any, name: str) -> Tokenizer:
     """The tokenizer, chat template and EOS ids stored in a ``gguf.GGUFReader``'s metadata."""
     fields = reader.fields
@@ -58,17 +98,24 @@ def tokenizer_from_gguf(reader: Any, name: str) -> Tokenizer:
         return fields[key].contents() if key in fields else default
 
     kind = get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise UnsupportedModelError(
-            f"{name}: GGUF tokenizer model {kind!r} is not supported (byte-level BPE, 'gpt2')."
-        )
     tokens: list[str] = get("tokenizer.ggml.tokens")
     types: list[int] = get("tokenizer.ggml.token_type", [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in get("tokenizer.ggml.merges", [])]
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
-    backend.pre_tokenizer = _pre_tokenizer(get("tokenizer.ggml.pre", "default"))
-    backend.decoder = decoders.ByteLevel()
+    if kind == "gpt2":
+        merges = [tuple(m.split(" ", 1)) for m in get("tokenizer.ggml.merges", [])]
+        backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+        backend.pre_tokenizer = _pre_tokenizer(get("tokenizer.ggml.pre", "default"))
+        backend.decoder = decoders.ByteLevel()
+    elif kind == "llama":
+        scores: list[float] = get("tokenizer.ggml.scores", [0.0] * len(tokens))
+        backend = _sentencepiece(
+            tokens, scores, types, get("tokenizer.ggml.add_space_prefix", True)
+        )
+    else:
+        raise UnsupportedModelError(
+            f"{name}: GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2', "
+            "SentencePiece 'llama')."
+        )
     backend.add_tokens(
         [
             AddedToken(tok, special=types[i] == _CONTROL, normalized=False)
