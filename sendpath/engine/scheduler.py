@@ -186,7 +186,7 @@ class Scheduler:
             budget -= n
 
         out = SchedulerOutput(preempted=preempted)
-        items, tables = out.requests, self.kv.block_tables
+        items, block_ids = out.requests, self.kv.block_ids
         for request_id, (request, n) in planned.items():
             start = request.num_computed_tokens
             end = start + n
@@ -195,7 +195,8 @@ class Scheduler:
                 ids = request.output_token_ids[-1:] or request.prompt_token_ids[-1:]
             else:
                 ids = request.token_ids(start, end)
-            items.append(ScheduledRequest(request_id, ids, start, tables[request_id], end == known))
+            table = block_ids(request_id)  # the KV manager's live list
+            items.append(ScheduledRequest(request_id, ids, start, table, end == known))
         return out
 
     def _plan(
