@@ -133,8 +133,9 @@ class DecodeLane:
 
     def beside(self, sched: Scheduler) -> bool:
         """Whether the scheduler can plan the rest of the next step beside the parked
-        decodes (``schedule(beside=batch)``): not when that step might preempt, or when
-        the budget runs out within the decodes; then everyone goes back to it."""
+        decodes (``schedule(num_parked_decodes=batch)``): not when that step might
+        preempt, or when the budget runs out within the decodes; then everyone goes back
+        to it."""
         batch, bs = len(self._parked), self.bs
         budget = sched.config.max_num_batched_tokens - batch
         if budget <= 0:

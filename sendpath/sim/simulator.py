@@ -19,8 +19,8 @@ every running request in it. ``fleet`` parks each request that only decodes in t
 replica's ``DecodeLane`` (``fleet.py``): a step counter advances them all, they get
 their KV blocks every ``block_size`` steps and their tokens when they finish. The
 scheduler plans the rest of each step (prefills, admissions) with the parked decodes'
-share of the budget and slots taken out (``schedule(beside=n)``), and a step that might
-preempt runs with everyone back in the scheduler. While a replica has only parked
+share of the budget and slots taken out (``schedule(num_parked_decodes=n)``), and a
+step that might preempt runs with everyone back in the scheduler. While a replica has only parked
 decodes (and nobody who could start), the steps up to the next finish are one ``bulk``
 event, cut after the step in flight by a request reaching the replica. Times, steps and
 cache contents are the detailed mode's.
@@ -318,7 +318,7 @@ class Simulator:
             return False
         decodes = (lane.batch, lane.context(), lane.longest())
         lane.allocate(1)
-        plan = sched.schedule(beside=lane.batch)
+        plan = sched.schedule(num_parked_decodes=lane.batch)
         assert not plan.preempted
         lane.order(sched.running)
         self._price(rep, index, t, plan, StepShape.of(plan, self.config.block_size, decodes))
