@@ -38,9 +38,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from sendpath.engine.scheduler import Scheduler
-from sendpath.engine.steps import StepShape
 from sendpath.kvcache.manager import KVCacheManager
 from sendpath.request import Request
+from sendpath.runner.cpu_step import CpuStepShape, padded_decode_kv
 from sendpath.sim.cost_model import CostModel
 from sendpath.trace import EventType
 
@@ -67,13 +67,12 @@ def decode_seconds(
         seconds: list[float] = fast(batch, context, steps)
         return seconds
     seconds = []
-    bs = block_size
     for _ in range(steps):
         context += batch
-        longest += 1  # the batch the CPU runner gathers, padded to the longest
-        gathered = batch * -(-longest // bs) * bs
-        seconds.append(cost.step_seconds(StepShape(batch, batch, context, context,
-                                                   kv_gathered=gathered)))  # fmt: skip
+        longest += 1
+        gathered = padded_decode_kv(batch, longest, block_size)
+        shape = CpuStepShape(batch, batch, context, context, kv_gathered=gathered)
+        seconds.append(cost.step_seconds(shape))
     return seconds
 
 

@@ -49,8 +49,9 @@ from sendpath.request import Request, RequestStatus, SamplingParams
 from sendpath.router.policy import RouteRequest, RoutingPolicy, make_policy
 from sendpath.router.pool import ReplicaPool
 from sendpath.router.prefix_aware import PrefixAware
+from sendpath.runner.cpu_step import CpuStepShape
 from sendpath.sim.config import ITL_SAMPLE, MODES, SimConfig, SimResult
-from sendpath.sim.cost_model import CostModel, StepShape
+from sendpath.sim.cost_model import CostModel
 from sendpath.sim.decode_lane import DecodeLane
 from sendpath.sim.results import client_view, token_times
 from sendpath.sim.traffic import SimRequest, Traffic
@@ -254,10 +255,10 @@ class Simulator:
         if plan.is_empty:
             rep.busy = False
             return
-        self._price(rep, index, t, plan, StepShape.of(plan, self.config.block_size))
+        self._price(rep, index, t, plan, CpuStepShape.of(plan, self.config.block_size))
 
     def _price(self, rep: _Replica, index: int, t: float, plan: SchedulerOutput,
-               shape: StepShape) -> None:  # fmt: skip
+               shape: CpuStepShape) -> None:  # fmt: skip
         seconds = self.cost.step_seconds(shape)
         rep.busy_s += seconds
         self.num_steps += 1
@@ -321,7 +322,7 @@ class Simulator:
         plan = sched.schedule(num_parked_decodes=lane.batch)
         assert not plan.preempted
         lane.order(sched.running)
-        self._price(rep, index, t, plan, StepShape.of(plan, self.config.block_size, decodes))
+        self._price(rep, index, t, plan, CpuStepShape.of(plan, self.config.block_size, decodes))
         return True
 
     def _unpark(self, rep: _Replica, lane: DecodeLane) -> None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from sendpath.engine.scheduler import RunnerOutput, Scheduler
-from sendpath.sim.decode_lane import DecodeLane
+from sendpath.runner.cpu_step import CpuStepShape
+from sendpath.sim.decode_lane import DecodeLane, decode_seconds
 from tests.factories import make_request, make_scheduler
 
 
@@ -38,3 +39,22 @@ def test_parked_decodes_get_blocks_when_they_cross_and_finish_at_their_step() ->
     assert lane.unpark(bases, s) == {"a": [1.0, 2.0]} and lane.batch == 0
     [a] = s.running
     assert a.output_token_ids == [7, 1007, 1008] and a.num_computed_tokens == 8
+
+
+class Recorded:
+    """A cost model that prices a step at its gathered KV, and keeps every shape."""
+
+    def __init__(self) -> None:
+        self.shapes: list[CpuStepShape] = []
+
+    def step_seconds(self, shape: CpuStepShape) -> float:
+        self.shapes.append(shape)
+        return float(shape.kv_gathered)
+
+
+def test_decode_seconds_prices_each_step_of_the_batch_as_the_cpu_runner_gathers_it() -> None:
+    cost = Recorded()
+    # 2 decodes with 9 tokens computed in all, the longest 6: contexts 7 then 8 (2 blocks)
+    assert decode_seconds(cost, 2, 9, 6, 3, 4) == [16.0, 16.0, 24.0]
+    assert cost.shapes[0] == CpuStepShape(2, 2, 11, 11, kv_gathered=16)
+    assert cost.shapes[2] == CpuStepShape(2, 2, 15, 15, kv_gathered=24)
