@@ -146,11 +146,10 @@ class KVCacheManager:
         crossing = []
         for request in requests:
             record = records.get(request.request_id)
-            if record is None or not record.blocks:
+            room = len(record.blocks) * bs if record is not None else 0
+            if not room or request.num_computed_tokens > room:
                 return False
-            if request.num_computed_tokens > len(record.blocks) * bs:
-                return False
-            if request.num_computed_tokens == len(record.blocks) * bs:
+            if request.num_computed_tokens == room:
                 crossing.append(request.request_id)
         if crossing:
             if len(crossing) > self.pool.num_free_blocks:
