@@ -59,7 +59,7 @@ from sendpath.bench.runner import Load, run
 from sendpath.bench.workload import LengthSpec, build
 from sendpath.config import SchedulerConfig
 from sendpath.fleet import free_port, wait_healthy
-from sendpath.sim.cost_model import Calibrated, CostModel, StepShape
+from sendpath.sim.cost_model import Calibrated, CostModel, CpuStepShape
 from sendpath.sim.profile_served import DEFAULT_SERVED, profile_served, step_kind, step_times
 from sendpath.sim.served_loads import LoadDriver
 from sendpath.sim.simulator import SimConfig, Simulator
@@ -203,7 +203,7 @@ class AtSpeed:
     def __init__(self, base: CostModel, speed: float) -> None:
         self.base, self.speed = base, speed
 
-    def step_seconds(self, shape: StepShape) -> float:
+    def step_seconds(self, shape: CpuStepShape) -> float:
         return self.base.step_seconds(shape) / self.speed
 
 

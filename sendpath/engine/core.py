@@ -22,11 +22,12 @@ from sendpath.clock import Clock, RealClock
 from sendpath.config import EngineConfig, SchedulerConfig
 from sendpath.engine.outputs import EngineOutput, OutputStream
 from sendpath.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput, SchedulerStats
-from sendpath.engine.steps import StepLog, StepShape
+from sendpath.engine.steps import StepLog
 from sendpath.errors import InvalidRequestError, PromptTooLongError
 from sendpath.kvcache.manager import KVCacheManager
 from sendpath.model.tokenizer import Chat, ChatMessage, Tokenizer
 from sendpath.request import Request, RequestStatus, SamplingParams, TokenLogprobs
+from sendpath.runner.cpu_step import CpuStepShape
 from sendpath.trace import EventType
 
 if TYPE_CHECKING:
@@ -87,7 +88,8 @@ class EngineCore:
         self.scheduler = Scheduler(scheduler_config, kv, self.clock)
         self._streams: dict[str, OutputStream] = {}
         self._ids = itertools.count()
-        self.steps = StepLog()  # every step's shape and time: calibration from a live server
+        # every step's shape and time: calibration from a live server
+        self.steps: StepLog[CpuStepShape] = StepLog()
 
     @classmethod
     def from_config(cls, config: EngineConfig, clock: Clock | None = None) -> EngineCore:
@@ -260,7 +262,7 @@ class EngineCore:
             outputs.append(self._output(request, stream, [token], text, logprobs))
         if not plan.is_empty:
             busy = self.scheduler.has_unfinished_requests()
-            shape = StepShape.of(plan, self.scheduler.kv.block_size)
+            shape = CpuStepShape.of(plan, self.scheduler.kv.block_size)
             self.steps.record(start, self.clock.now() - start, busy, shape)
         return outputs
 

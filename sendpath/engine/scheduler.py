@@ -129,15 +129,18 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
 
-    def schedule(self, beside: int = 0) -> SchedulerOutput:
+    def schedule(self, num_parked_decodes: int = 0) -> SchedulerOutput:
         """Plan the next step (mutates queues, block tables and request status).
 
-        ``beside``: decodes the step carries that are not in the running list (the fleet
-        simulator's parked ones, their blocks taken): a token of the budget and a
-        sequence slot each, planned before everyone here."""
+        ``num_parked_decodes``: decoding requests that run in this step although they are
+        not in ``running``. Only the simulator's fleet mode passes it: it takes requests
+        that only decode out of the running list and advances them itself, all at once
+        (``sim/decode_lane.py``), having allocated their blocks already. Each still takes
+        a token of the budget and a sequence slot, before anyone here, as it would in the
+        running list (decodes are planned first). The engine always passes 0."""
         now = self.clock.now()
-        budget = self.config.max_num_batched_tokens - beside
-        max_seqs = self.config.max_num_seqs - beside
+        budget = self.config.max_num_batched_tokens - num_parked_decodes
+        max_seqs = self.config.max_num_seqs - num_parked_decodes
         planned: dict[str, tuple[Request, int]] = {}  # id -> tokens this step, in plan order
         preempted: list[str] = []
 
@@ -186,7 +189,7 @@ class Scheduler:
             budget -= n
 
         out = SchedulerOutput(preempted=preempted)
-        items, tables = out.requests, self.kv.block_tables
+        items, block_ids = out.requests, self.kv.block_ids
         for request_id, (request, n) in planned.items():
             start = request.num_computed_tokens
             end = start + n
@@ -195,7 +198,8 @@ class Scheduler:
                 ids = request.output_token_ids[-1:] or request.prompt_token_ids[-1:]
             else:
                 ids = request.token_ids(start, end)
-            items.append(ScheduledRequest(request_id, ids, start, tables[request_id], end == known))
+            table = block_ids(request_id)  # the KV manager's live list
+            items.append(ScheduledRequest(request_id, ids, start, table, end == known))
         return out
 
     def _plan(

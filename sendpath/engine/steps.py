@@ -1,10 +1,11 @@
 """Engine steps as the engine ran them: each step's shape and how long it took.
 
-``StepShape`` is what a step's cost depends on (tokens computed, sequences, the context
-they attend to, the KV they read); the simulator's cost models price it, and the engine
-core records every real step's shape with its wall time in a ``StepLog`` (a bounded ring,
-read by the replica's ``GET /v1/steps``), so a live server can be calibrated as it serves
-(`sendpath profile --url`).
+``StepShape`` is what a step's cost depends on whatever runs it (tokens computed,
+sequences, the context they attend to, the KV they read); the simulator's cost models
+price it, and the engine core records every real step's shape with its wall time in a
+``StepLog`` (a bounded ring, read by the replica's ``GET /v1/steps``), so a live server
+can be calibrated as it serves (`sendpath profile --url`). What one runner adds to that
+(the KV the CPU runner gathers) lives with the runner: ``runner/cpu_step.py``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from sendpath.engine.scheduler import SchedulerOutput
 
@@ -30,67 +32,50 @@ class StepShape:
     # token), and how many chunks; 0 where unknown (steps logged before they were kept)
     prompt_tokens: int = 0
     prefills: int = 0
-    resumed: int = 0  # prefill chunks not starting at 0 (attended through an explicit mask)
-    # KV slots the CPU runner gathers for attention: each prefill chunk's whole context,
-    # and the decodes as one batch padded to the longest (B x its blocks)
-    kv_gathered: int = 0
+    resumed: int = 0  # prefill chunks not starting at position 0 (a later chunk, a cache hit)
 
     @classmethod
-    def of(
-        cls,
-        plan: SchedulerOutput,
-        block_size: int = 16,
-        more_decodes: tuple[int, int, int] = (0, 0, 0),
-    ) -> StepShape:
-        """``more_decodes``: decodes in the step beside the plan's (how many, their computed
-        tokens summed, the most computed), as the fleet simulator keeps its parked ones."""
-        decodes, computed, most = more_decodes
-        tokens = decodes
-        context = kv = computed + decodes
-        longest = most + 1 if decodes else 0
-        prompt = prefills = resumed = gathered = 0
+    def of(cls, plan: SchedulerOutput) -> StepShape:
+        """The shape of the step that runs ``plan``."""
+        tokens = context = kv = prompt = prefills = resumed = 0
         for item in plan.requests:
             n, start = len(item.token_ids), item.start_pos
             tokens += n
             context += n * start + n * (n + 1) // 2
             kv += start + n
-            if n == 1 and start > 0:  # a decode, as the runner tells them apart
-                decodes += 1
-                if start >= longest:
-                    longest = start + 1
-            else:
+            if not (n == 1 and start > 0):  # a prefill chunk, not a decode
                 prompt += n
                 prefills += 1
                 resumed += start > 0
-                gathered += start + n
-        gathered += decodes * -(-longest // block_size) * block_size
-        seqs = len(plan.requests) + more_decodes[0]
-        return cls(tokens, seqs, context, kv, prompt, prefills, resumed, gathered)
+        return cls(tokens, len(plan.requests), context, kv, prompt, prefills, resumed)
+
+
+Shape = TypeVar("Shape", bound=StepShape)  # what the engine's runner logs of a step
 
 
 @dataclass(frozen=True)
-class StepRecord:
+class StepRecord(Generic[Shape]):
     seq: int  # 1, 2, 3, ... since the engine started
     start: float  # clock seconds
     seconds: float  # schedule + forward + update
     busy_after: bool  # requests were left: the next step followed at once
-    shape: StepShape
+    shape: Shape
 
 
-class StepLog:
+class StepLog(Generic[Shape]):
     """The last ``capacity`` steps (written by the engine thread only)."""
 
     def __init__(self, capacity: int = 8192) -> None:
-        self._steps: deque[StepRecord] = deque(maxlen=capacity)
+        self._steps: deque[StepRecord[Shape]] = deque(maxlen=capacity)
         self._seq = itertools.count(1)
 
-    def record(self, start: float, seconds: float, busy_after: bool, shape: StepShape) -> None:
+    def record(self, start: float, seconds: float, busy_after: bool, shape: Shape) -> None:
         self._steps.append(StepRecord(next(self._seq), start, seconds, busy_after, shape))
 
     @property
-    def last(self) -> StepRecord | None:
+    def last(self) -> StepRecord[Shape] | None:
         return self._steps[-1] if self._steps else None
 
-    def since(self, seq: int) -> list[StepRecord]:
+    def since(self, seq: int) -> list[StepRecord[Shape]]:
         """Steps after ``seq`` (0: all kept), oldest first."""
         return [s for s in self._steps if s.seq > seq]

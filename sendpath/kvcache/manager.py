@@ -11,12 +11,24 @@ pass is what produces the first output token.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from sendpath.kvcache.block_pool import BlockPool, KVBlock
 from sendpath.kvcache.hashing import BlockHash, block_hashes
 from sendpath.request import Request
 
 __all__ = ["KVCacheManager"]
+
+
+@dataclass(slots=True)
+class _RequestBlocks:
+    """What the manager keeps for one request, from its first lookup until ``free``."""
+
+    blocks: list[KVBlock] = field(default_factory=list)  # its block table, in token order
+    block_ids: list[int] = field(default_factory=list)  # the same table as block ids
+    hashes: list[BlockHash] = field(default_factory=list)  # of its full blocks' tokens so far
+    packed: list[bytes] = field(default_factory=list)  # and those blocks' token ids, packed
+    num_cached: int = 0  # leading blocks already offered to the prefix cache
 
 
 class KVCacheManager:
@@ -30,11 +42,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
-        self._blocks: dict[str, list[KVBlock]] = {}
-        self._block_ids: dict[str, list[int]] = {}  # the same tables as block ids
-        self._hashes: dict[str, list[BlockHash]] = {}  # hashes of the request's full blocks
-        self._packed: dict[str, list[bytes]] = {}  # and their token ids, packed
-        self._num_cached: dict[str, int] = {}  # leading blocks already offered to the index
+        self._requests: dict[str, _RequestBlocks] = {}
         self.num_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_hits = 0  # of those, tokens served from it
 
@@ -46,33 +54,33 @@ class KVCacheManager:
     def capacity_tokens(self) -> int:
         return self.pool.num_blocks * self.block_size
 
-    @property
-    def block_tables(self) -> dict[str, list[int]]:
-        """Every request's block table by request id (the live lists ``block_ids`` gives)."""
-        return self._block_ids
-
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table (block ids in token order).
 
         The manager's own list, not a copy: it grows as the request does, and is dropped
         when the request is freed. Read it before the next ``allocate_slots``/``free``.
         """
-        return self._block_ids.get(request_id, [])
+        record = self._requests.get(request_id)
+        return record.block_ids if record is not None else []
 
-    def _request_hashes(self, request: Request) -> list[BlockHash]:
-        """Hashes of every full block of the request's known tokens (extended lazily)."""
-        hashes = self._hashes.get(request.request_id)
-        if hashes is None:
-            hashes = self._hashes[request.request_id] = []
-            self._packed[request.request_id] = []
-        bs, done = self.block_size, len(hashes)
-        full = request.num_tokens // bs
-        if full > done:  # hash only the blocks filled since (not the whole history again)
+    def _record(self, request_id: str) -> _RequestBlocks:
+        """The request's record, made empty on first use."""
+        record = self._requests.get(request_id)
+        if record is None:
+            record = self._requests[request_id] = _RequestBlocks()
+        return record
+
+    def _request_hashes(self, request: Request) -> _RequestBlocks:
+        """The request's record, its ``hashes`` (and ``packed``) extended to every full
+        block of its known tokens (only the blocks filled since, not the whole history)."""
+        record = self._record(request.request_id)
+        hashes, bs = record.hashes, self.block_size
+        done, full = len(hashes), request.num_tokens // bs
+        if full > done:
             parent = hashes[-1] if hashes else None
             new = request.token_ids(done * bs, full * bs)
-            packed = self._packed[request.request_id]
-            hashes += block_hashes(new, bs, request.cache_salt, 0, parent, packed)
-        return hashes
+            hashes += block_hashes(new, bs, request.cache_salt, 0, parent, record.packed)
+        return record
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of the request (blocks, tokens), leaving one token to compute.
@@ -83,8 +91,8 @@ class KVCacheManager:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
-        hashes = self._request_hashes(request)
-        packed = self._packed[request.request_id]
+        record = self._request_hashes(request)
+        hashes, packed = record.hashes, record.packed
         for i in range(min(max_blocks, len(hashes))):
             block = self.pool.lookup(hashes[i], packed[i])
             if block is None:
@@ -105,12 +113,8 @@ class KVCacheManager:
         On success the hit blocks are taken (ref count +1) and appended to the request's
         table, followed by the newly allocated blocks, which are returned.
         """
-        rid = request.request_id
-        held = self._blocks.get(rid)
-        if held is None:
-            held = self._blocks[rid] = []
-            self._block_ids[rid] = []
-        bs = self.block_size
+        record = self._record(request.request_id)
+        held, bs = record.blocks, self.block_size
         computed = request.num_computed_tokens + len(new_computed_blocks) * bs
         if not new_computed_blocks and computed + num_new_tokens <= len(held) * bs:
             return []  # most decode steps: the last block still has room
@@ -118,10 +122,8 @@ class KVCacheManager:
         needed = max(0, total_blocks - len(held) - len(new_computed_blocks))
         hits_now_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if needed > self.pool.num_free_blocks - hits_now_free:
-            if not held:
-                del self._blocks[rid], self._block_ids[rid]
             return None
-        ids = self._block_ids[rid]
+        ids = record.block_ids
         if new_computed_blocks:
             self.pool.touch(new_computed_blocks)
             held += new_computed_blocks
@@ -137,16 +139,17 @@ class KVCacheManager:
 
         The ones whose last block is full get a new block each, in this order, as
         ``allocate_slots(request, 1)`` would hand them out one at a time; ``False`` (and
-        nothing taken) when fewer blocks are free than that, or one has no block table
+        nothing taken) when fewer blocks are free than that, or one holds no blocks
         or needs more than one block (then ``allocate_slots`` one at a time).
         """
-        bs, tables = self.block_size, self._block_ids
+        bs, records = self.block_size, self._requests
         crossing = []
         for request in requests:
-            table = tables.get(request.request_id)
-            if table is None or request.num_computed_tokens > len(table) * bs:
+            record = records.get(request.request_id)
+            room = len(record.blocks) * bs if record is not None else 0
+            if not room or request.num_computed_tokens > room:
                 return False
-            if request.num_computed_tokens == len(table) * bs:
+            if request.num_computed_tokens == room:
                 crossing.append(request.request_id)
         if crossing:
             if len(crossing) > self.pool.num_free_blocks:
@@ -161,29 +164,27 @@ class KVCacheManager:
         new = self.pool.allocate(len(request_ids))
         if new is None:
             raise RuntimeError(f"{len(request_ids)} blocks asked for, fewer free")
-        blocks, ids = self._blocks, self._block_ids
+        records = self._requests
         for rid, block in zip(request_ids, new, strict=True):
-            blocks[rid].append(block)
-            ids[rid].append(block.block_id)
+            record = records[rid]
+            record.blocks.append(block)
+            record.block_ids.append(block.block_id)
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Make the request's full, computed blocks findable by later requests."""
         num_full = request.num_computed_tokens // self.block_size
-        start = self._num_cached.get(request.request_id, 0)
+        record = self._requests.get(request.request_id)
+        start = record.num_cached if record is not None else 0
         if num_full <= start or not self.enable_prefix_caching:
             return  # most decode steps: no block filled up
-        blocks = self._blocks.get(request.request_id, [])
-        num_full = min(num_full, len(blocks))
-        hashes = self._request_hashes(request)
-        packed = self._packed[request.request_id]
-        self.pool.cache_all(blocks[start:num_full], hashes[start:num_full], packed[start:num_full])
-        self._num_cached[request.request_id] = num_full
+        record = self._request_hashes(request)
+        num_full = min(num_full, len(record.blocks))
+        span = slice(start, num_full)
+        self.pool.cache_all(record.blocks[span], record.hashes[span], record.packed[span])
+        record.num_cached = num_full
 
     def free(self, request: Request) -> None:
         """Give back all of the request's blocks, last block first (its tail is evicted first)."""
-        blocks = self._blocks.pop(request.request_id, [])
-        self._block_ids.pop(request.request_id, None)
-        self._hashes.pop(request.request_id, None)
-        self._packed.pop(request.request_id, None)
-        self._num_cached.pop(request.request_id, None)
-        self.pool.release(reversed(blocks))
+        record = self._requests.pop(request.request_id, None)
+        if record is not None:
+            self.pool.release(reversed(record.blocks))

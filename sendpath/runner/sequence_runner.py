@@ -1,7 +1,8 @@
 """Run one sequence at a time over a contiguous KV cache: prefill, then decode token by token.
 
-The simplest correct way to generate, used by the offline ``LLM`` API and kept as the
-reference that batched execution must match token for token.
+The simplest correct way to generate, kept as the reference that batched execution must
+match token for token: the model and engine tests run it beside the paged engine (the
+offline ``LLM`` API runs the engine, as the servers do).
 """
 
 from __future__ import annotations

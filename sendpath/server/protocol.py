@@ -1,9 +1,13 @@
-"""The replica's reading of a request: the shared schema, then what this engine supports.
+"""The replica's reading of a request: JSON within limits, what this engine refuses, the schema.
 
-The body is read by ``api.json_body`` (size, depth and finite-number limits) and checked
-against ``api.schema`` (the same models the gateway checks and both publish); then the
-options this engine does not implement are refused by name, and the rest becomes a
-``SamplingParams``. Every mistake is an ``InvalidRequestError`` (400, OpenAI's shape).
+``parse_chat`` / ``parse_completion`` take the raw body (its size capped by the app
+before): ``api.json_body.load_json`` makes it a JSON object within depth, value-count and
+finite-number limits; the options this engine does not implement are refused by name
+(``UNSUPPORTED``); pydantic validates the rest against ``api.schema`` (the same models the
+gateway checks and both publish in ``/openapi.json``); and what the schema cannot say
+(``top_logprobs`` without ``logprobs``, an empty prompt, ``echo``, JSON output with
+``ignore_eos``) is checked here before it becomes a ``SamplingParams``. Every mistake is
+an ``InvalidRequestError`` (400, OpenAI's shape).
 
 The schema ignores fields it does not know, as OpenAI does; but a field OpenAI or vLLM
 define that would change the answer (beam search, audio, vLLM's guided_* fields, ...) must not be

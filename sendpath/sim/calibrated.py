@@ -36,7 +36,7 @@ differently:
 - ``c_context``: attention FLOPs, ``sum over tokens of the positions each attends to``
   (quadratic in a prefill chunk, linear in a decode's context).
 - ``c_kv``: KV the runner gathers for attention once a step: each chunk's context, and
-  the decodes as one batch padded to the longest (``StepShape.kv_gathered``).
+  the decodes as one batch padded to the longest (``CpuStepShape.kv_gathered``).
 Files of versions 1 and 2 (written before steps told prompt from decode tokens) keep
 their form: ``c_token * num_tokens + c_kv * kv_tokens + seqs(num_seqs)`` (version 1 a
 straight ``c_seq * num_seqs``) and still load.
@@ -66,11 +66,11 @@ from typing import Any
 
 import numpy as np
 
-from sendpath.engine.steps import StepShape
+from sendpath.runner.cpu_step import CpuStepShape
 from sendpath.sim.nnls import nnls
 
-__all__ = ["TERMS", "Calibrated", "CostModelFileError", "FitError", "PointKind", "ProfilePoint",
-           "StepShape"]  # fmt: skip
+__all__ = ["TERMS", "Calibrated", "CostModelFileError", "CpuStepShape", "FitError", "PointKind",
+           "ProfilePoint"]  # fmt: skip
 
 TERMS = ("step", "token", "seq", "context", "kv")  # the linear form
 SPLIT_TERMS = ("step", "prompt", "prefill", "prefilling", "resume", "context", "kv",
@@ -111,7 +111,7 @@ def _bends(s: int, knots: tuple[int, ...]) -> list[float]:
     return weights
 
 
-def _features(shape: StepShape, knots: tuple[int, ...] = (), split: bool = False) -> list[float]:
+def _features(shape: CpuStepShape, knots: tuple[int, ...] = (), split: bool = False) -> list[float]:
     """The step's amount of each of ``_terms(knots, split)``, in order."""
     if split:
         decodes = shape.num_seqs - shape.prefills
@@ -168,7 +168,7 @@ class ProfilePoint:
 
     kind: PointKind
     label: str
-    shape: StepShape
+    shape: CpuStepShape
     seconds: float
     steps: int = 1
 
@@ -265,7 +265,7 @@ class Calibrated:
         }
         return cls(coefficients, points, meta, knots, split)
 
-    def step_seconds(self, shape: StepShape) -> float:
+    def step_seconds(self, shape: CpuStepShape) -> float:
         features = _features(shape, self.seq_knots, self.split)
         return sum(c * f for c, f in zip(self._c, features, strict=True))
 
@@ -372,10 +372,10 @@ class Calibrated:
                 ProfilePoint(
                     PointKind(p["kind"]),
                     str(p["label"]),
-                    StepShape(
+                    CpuStepShape(
                         **{
                             f.name: int(p[f.name])
-                            for f in fields(StepShape)
+                            for f in fields(CpuStepShape)
                             if f.name in p or f.default is MISSING
                         }
                     ),

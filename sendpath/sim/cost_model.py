@@ -27,6 +27,7 @@ from sendpath.sim.calibrated import (
     TERMS,
     Calibrated,
     CostModelFileError,
+    CpuStepShape,
     FitError,
     PointKind,
     ProfilePoint,
@@ -40,6 +41,7 @@ __all__ = [
     "Calibrated",
     "CostModel",
     "CostModelFileError",
+    "CpuStepShape",
     "FitError",
     "PointKind",
     "ProfilePoint",
@@ -52,7 +54,10 @@ MEMORY_EFF = 0.8
 
 
 class CostModel(Protocol):
-    def step_seconds(self, shape: StepShape) -> float: ...
+    """Seconds one engine step takes. It is handed the step as the CPU runner runs it:
+    the step's shape and the KV slots it gathers (which only ``Calibrated`` reads)."""
+
+    def step_seconds(self, shape: CpuStepShape) -> float: ...
 
 
 class Roofline:

@@ -41,7 +41,7 @@ from sendpath.config import EngineConfig
 from sendpath.engine.core import EngineCore
 from sendpath.engine.scheduler import RunnerOutput
 from sendpath.request import SamplingParams
-from sendpath.sim.cost_model import Calibrated, PointKind, ProfilePoint, StepShape
+from sendpath.sim.cost_model import Calibrated, CpuStepShape, PointKind, ProfilePoint
 from sendpath.sim.interference import Interference
 
 __all__ = ["DEFAULT_GRID", "QUICK_GRID", "Grid", "profile"]
@@ -76,7 +76,7 @@ QUICK_GRID = Grid(
 )
 
 
-Timed = tuple[float, StepShape, bool]  # wall seconds, the step's shape, clean of neighbours
+Timed = tuple[float, CpuStepShape, bool]  # wall seconds, the step's shape, clean of neighbours
 MAX_TRIES = 3  # timed steps per point at most, in repeats: past that, keep what was measured
 
 
@@ -154,8 +154,8 @@ class _Profiler:
         were tried): the median time; the shape of the middle one (they differ only by the
         tokens decodes add a step)."""
         once()
-        clean: list[tuple[float, StepShape]] = []
-        every: list[tuple[float, StepShape]] = []
+        clean: list[tuple[float, CpuStepShape]] = []
+        every: list[tuple[float, CpuStepShape]] = []
         for _ in range(MAX_TRIES * self.grid.repeats):
             seconds, shape, ok = once()
             every.append((seconds, shape))

@@ -56,7 +56,7 @@ from typing import Any
 
 import httpx
 
-from sendpath.engine.steps import StepShape
+from sendpath.runner.cpu_step import CpuStepShape
 from sendpath.sim.cost_model import Calibrated, PointKind, ProfilePoint
 from sendpath.sim.served_loads import RIDER_PROMPT, LoadDriver, ServedProfileError
 
@@ -106,7 +106,7 @@ QUICK_SERVED = ServedGrid(
 )  # fmt: skip
 
 
-def step_kind(shape: StepShape) -> PointKind:
+def step_kind(shape: CpuStepShape) -> PointKind:
     """Decode (one-token steps only), prefill (prompt chunks only) or mixed."""
     if shape.prefills == 0 and shape.num_tokens == shape.num_seqs:
         return PointKind.DECODE
@@ -145,7 +145,7 @@ async def _steps(client: httpx.AsyncClient, replica: str, after: int) -> dict[st
     return found
 
 
-def step_times(steps: list[dict[str, Any]]) -> list[tuple[StepShape, float]]:
+def step_times(steps: list[dict[str, Any]]) -> list[tuple[CpuStepShape, float]]:
     """Each logged step's shape and time (``GET /v1/steps``' records): its period when
     the next step followed at once."""
     out = []
@@ -153,15 +153,15 @@ def step_times(steps: list[dict[str, Any]]) -> list[tuple[StepShape, float]]:
         seconds = step["seconds"]
         if step["busy_after"] and nxt is not None and nxt["seq"] == step["seq"] + 1:
             seconds = max(seconds, nxt["start"] - step["start"])
-        shape = StepShape(**{f.name: int(step[f.name]) for f in fields(StepShape)
+        shape = CpuStepShape(**{f.name: int(step[f.name]) for f in fields(CpuStepShape)
                              if f.name in step})  # fmt: skip
         out.append((shape, seconds))
     return out
 
 
-def _points(label: str, timed: list[tuple[StepShape, float]]) -> list[ProfilePoint]:
+def _points(label: str, timed: list[tuple[CpuStepShape, float]]) -> list[ProfilePoint]:
     """One point per kind and size: the median step (by time) of each group."""
-    groups: dict[tuple[PointKind, int, int], list[tuple[StepShape, float]]] = defaultdict(list)
+    groups: dict[tuple[PointKind, int, int], list[tuple[CpuStepShape, float]]] = defaultdict(list)
     for shape, seconds in timed:
         groups[(step_kind(shape), shape.num_seqs, shape.num_tokens)].append((shape, seconds))
     points = []
@@ -228,7 +228,7 @@ async def _profile(
         references: list[float] = []  # seconds the reference request's steps took, each time
         takes: list[list[_Take]] = [[] for _ in runnable]  # each load's (repeats apart)
 
-        async def logged() -> list[tuple[StepShape, float]]:
+        async def logged() -> list[tuple[CpuStepShape, float]]:
             nonlocal last
             found = await _steps(driver.client, replica, last)
             if found["steps"]:

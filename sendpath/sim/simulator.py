@@ -16,14 +16,14 @@ Events, in time order from one heap:
 
 Two speeds (``SimConfig.mode``). ``detailed`` runs every step through the scheduler,
 every running request in it. ``fleet`` parks each request that only decodes in the
-replica's ``DecodeLane`` (``fleet.py``): a step counter advances them all, they get
-their KV blocks every ``block_size`` steps and their tokens when they finish. The
+replica's ``DecodeLane`` (``decode_lane.py``): a step counter advances them all, they
+get their KV blocks every ``block_size`` steps and their tokens when they finish. The
 scheduler plans the rest of each step (prefills, admissions) with the parked decodes'
-share of the budget and slots taken out (``schedule(beside=n)``), and a step that might
-preempt runs with everyone back in the scheduler. While a replica has only parked
-decodes (and nobody who could start), the steps up to the next finish are one ``bulk``
-event, cut after the step in flight by a request reaching the replica. Times, steps and
-cache contents are the detailed mode's.
+share of the budget and slots taken out (``schedule(num_parked_decodes=n)``), and a
+step that might preempt runs with everyone back in the scheduler. While a replica has
+only parked decodes (and nobody who could start), the steps up to the next finish are
+one ``bulk`` event, cut after the step in flight by a request reaching the replica.
+Times, steps and cache contents are the detailed mode's.
 Finished requests become what a client would have measured (``results.py``).
 """
 
@@ -49,9 +49,10 @@ from sendpath.request import Request, RequestStatus, SamplingParams
 from sendpath.router.policy import RouteRequest, RoutingPolicy, make_policy
 from sendpath.router.pool import ReplicaPool
 from sendpath.router.prefix_aware import PrefixAware
+from sendpath.runner.cpu_step import CpuStepShape
 from sendpath.sim.config import ITL_SAMPLE, MODES, SimConfig, SimResult
-from sendpath.sim.cost_model import CostModel, StepShape
-from sendpath.sim.fleet import DecodeLane
+from sendpath.sim.cost_model import CostModel
+from sendpath.sim.decode_lane import DecodeLane
 from sendpath.sim.results import client_view, token_times
 from sendpath.sim.traffic import SimRequest, Traffic
 from sendpath.trace import EventType
@@ -254,10 +255,10 @@ class Simulator:
         if plan.is_empty:
             rep.busy = False
             return
-        self._price(rep, index, t, plan, StepShape.of(plan, self.config.block_size))
+        self._price(rep, index, t, plan, CpuStepShape.of(plan, self.config.block_size))
 
     def _price(self, rep: _Replica, index: int, t: float, plan: SchedulerOutput,
-               shape: StepShape) -> None:  # fmt: skip
+               shape: CpuStepShape) -> None:  # fmt: skip
         seconds = self.cost.step_seconds(shape)
         rep.busy_s += seconds
         self.num_steps += 1
@@ -314,14 +315,14 @@ class Simulator:
             rep.bulk = _Bulk(t, ends, rep.epoch)
             self._push(now, "bulk", (index, rep.epoch))
             return True
-        if not lane.beside(sched):
+        if not lane.can_schedule_beside(sched):
             return False
         decodes = (lane.batch, lane.context(), lane.longest())
         lane.allocate(1)
-        plan = sched.schedule(beside=lane.batch)
+        plan = sched.schedule(num_parked_decodes=lane.batch)
         assert not plan.preempted
         lane.order(sched.running)
-        self._price(rep, index, t, plan, StepShape.of(plan, self.config.block_size, decodes))
+        self._price(rep, index, t, plan, CpuStepShape.of(plan, self.config.block_size, decodes))
         return True
 
     def _unpark(self, rep: _Replica, lane: DecodeLane) -> None:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -32,6 +35,33 @@ def make_engine(tiny: LoadedModel, max_queued_requests: int | None = None) -> As
 async def collect(engine: AsyncEngine, prompt: list[int], n: int) -> list[EngineOutput]:
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     return [out async for out in engine.generate(prompt, params)]
+
+
+async def on_engine_thread_until(
+    engine: AsyncEngine, read: Callable[[EngineCore], object], want: object, timeout: float = 20
+) -> None:
+    """Poll ``read(core)`` between steps until it gives ``want`` (AssertionError with the
+    last value after ``timeout`` seconds)."""
+    deadline = time.monotonic() + timeout
+    while (got := await asyncio.wrap_future(engine.call(read))) != want:
+        assert time.monotonic() < deadline, f"still {got!r}, waiting for {want!r}"
+        await asyncio.sleep(0.01)
+
+
+def hold_steps(engine: AsyncEngine, after: int) -> tuple[threading.Event, threading.Event]:
+    """Let the engine run ``after`` steps, then hold each step until the gate opens:
+    (a held step is in flight, the gate)."""
+    inside, gate = threading.Event(), threading.Event()
+    execute, steps = engine.core.runner.execute, itertools.count()
+
+    def held(plan: Any) -> Any:
+        if next(steps) >= after:
+            inside.set()
+            assert gate.wait(20)
+        return execute(plan)
+
+    engine.core.runner.execute = held  # type: ignore[method-assign]
+    return inside, gate
 
 
 def test_concurrent_streams_match_sequential(tiny: LoadedModel) -> None:
@@ -64,18 +94,10 @@ def test_leaving_early_aborts_and_frees_blocks(tiny: LoadedModel) -> None:
                 break
         await agen.aclose()  # what a server does when the client disconnects
 
-        async def stats() -> tuple[int, int]:
-            fut = engine.call(
-                lambda c: (c.scheduler.kv.pool.num_free_blocks, len(c.scheduler.requests))
-            )
-            free, live = await asyncio.wrap_future(fut)
-            return int(free), int(live)
+        def free_and_live(c: EngineCore) -> tuple[int, int]:
+            return c.scheduler.kv.pool.num_free_blocks, len(c.scheduler.requests)
 
-        for _ in range(100):
-            if await stats() == (BLOCKS, 0):
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError(f"blocks not freed: {await stats()}")
+        await on_engine_thread_until(engine, free_and_live, (BLOCKS, 0))
 
     asyncio.run(main())
     engine.shutdown()
@@ -83,19 +105,17 @@ def test_leaving_early_aborts_and_frees_blocks(tiny: LoadedModel) -> None:
 
 def test_cancelled_task_aborts(tiny: LoadedModel) -> None:
     engine = make_engine(tiny)
+    inside, gate = hold_steps(engine, after=1)  # the prompt's step, then held
 
     async def main() -> None:
         task = asyncio.create_task(collect(engine, list(range(100, 140)), 400))
-        await asyncio.sleep(0.2)
+        assert await asyncio.to_thread(inside.wait, 20)  # its first decode step: running
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(100):
-            n = await asyncio.wrap_future(engine.call(lambda c: len(c.scheduler.requests)))
-            if n == 0:
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError("cancelled request still in the engine")
+        gate.set()
+        await on_engine_thread_until(engine, lambda c: len(c.scheduler.requests), 0)
+        assert task.cancelled()
 
     asyncio.run(main())
     engine.shutdown()
@@ -137,22 +157,22 @@ def test_a_request_is_tokenized_off_the_engine_thread_and_queues_behind_the_step
 ) -> None:
     engine = make_engine(tiny)
     core = engine.core
-    inside, gate = threading.Event(), threading.Event()
-    execute = core.runner.execute
+    inside, gate = hold_steps(engine, after=0)  # every step waits for the gate
+    handed_over, submit = threading.Event(), engine._submit
 
-    def held(plan: Any) -> Any:  # every step waits for the gate
-        inside.set()
-        assert gate.wait(10)
-        return execute(plan)
+    def submitted(command: Callable[[], None]) -> None:  # to the engine thread's inbox
+        submit(command)
+        handed_over.set()
 
-    core.runner.execute = held  # type: ignore[method-assign]
+    engine._submit = submitted  # type: ignore[method-assign]
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 
     async def main() -> tuple[float, Any]:
         first = asyncio.ensure_future(collect(engine, [7] * 8, 2))
-        await asyncio.to_thread(inside.wait, 10)  # a step in flight
+        assert await asyncio.to_thread(inside.wait, 20)  # a step in flight
+        handed_over.clear()  # the first request's hand-over
         second = asyncio.ensure_future(engine.add("a few words to tokenize", params))
-        await asyncio.sleep(0.3)
+        assert await asyncio.to_thread(handed_over.wait, 20)  # tokenized, handed over
         released = core.clock.now()
         gate.set()
         stream = await second

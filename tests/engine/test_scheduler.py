@@ -35,8 +35,9 @@ def test_decodes_planned_elsewhere_take_their_budget_and_slots_first() -> None:
     s = make_scheduler(max_num_batched_tokens=8, max_num_seqs=3, block_size=4)
     for name in ("a", "b", "c"):
         s.add_request(make_request(name, 10))
-    # two decodes carried beside this plan leave 6 tokens and one sequence slot
-    plan = s.schedule(beside=2)
+    # two decodes run beside this plan (parked by the simulator) leave 6 tokens and one
+    # sequence slot
+    plan = s.schedule(num_parked_decodes=2)
     assert plan_of(plan) == [("a", 0, 6, False)] and len(s.waiting) == 2
 
 

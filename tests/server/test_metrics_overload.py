@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from sendpath.model.loader import LoadedModel
+from tests.conftest import wait_for
 from tests.server.conftest import Server, serve
 
 NAMES = [
@@ -97,12 +97,15 @@ def test_overload_answers_503_with_retry_after(tiny: LoadedModel) -> None:
                     if stop.is_set():
                         return
 
+        def load() -> tuple[int, int]:
+            found = httpx.get(f"{server.url}/load").json()
+            return found["num_requests_running"], found["num_requests_waiting"]
+
         holders = [threading.Thread(target=hold) for _ in range(2)]
-        for t in holders:
-            t.start()
-            time.sleep(0.2)  # the first runs, the second waits
-        load = httpx.get(f"{server.url}/load").json()
-        assert (load["num_requests_running"], load["num_requests_waiting"]) == (1, 1)
+        holders[0].start()
+        wait_for(lambda: load() == (1, 0))  # the first runs
+        holders[1].start()
+        wait_for(lambda: load() == (1, 1))  # the second waits
         r = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": False})
         assert r.status_code == 503
         assert r.headers["retry-after"] == "1"

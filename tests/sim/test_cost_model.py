@@ -4,23 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sendpath.engine.scheduler import ScheduledRequest, SchedulerOutput
 from sendpath.sim.cost_model import Roofline, StepShape
 from sendpath.sim.hardware import hardware, model_spec
-
-
-def test_step_shape_counts_tokens_context_and_kv() -> None:
-    plan = SchedulerOutput(
-        [
-            ScheduledRequest("a", [1] * 4, 0, [0], True),  # prefill of 4: attends 1+2+3+4
-            ScheduledRequest("b", [1], 99, [1], True),  # decode at position 99: attends 100
-            ScheduledRequest("c", [1], 20, [2], True),  # decode at 20: attends 21
-        ]
-    )
-    # the CPU runner gathers the decodes as one batch padded to the longest: 2 x 7 blocks
-    assert StepShape.of(plan) == StepShape(num_tokens=6, num_seqs=3, context_tokens=131,
-                                           kv_tokens=125, prompt_tokens=4, prefills=1, resumed=0,
-                                           kv_gathered=4 + 2 * 112)  # fmt: skip
 
 
 def test_h200_decodes_1_43x_faster_than_h100_and_prefills_the_same() -> None:

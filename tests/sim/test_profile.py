@@ -17,9 +17,9 @@ from sendpath.sim.cost_model import (
     TERMS,
     Calibrated,
     CostModelFileError,
+    CpuStepShape,
     PointKind,
     ProfilePoint,
-    StepShape,
 )
 from sendpath.sim.interference import Interference
 from sendpath.sim.nnls import nnls
@@ -28,13 +28,13 @@ from sendpath.sim.profile_command import print_fit
 
 KNOWN = {"step": 0.03, "token": 0.0015, "seq": 0.0004, "context": 2e-8, "kv": 0.0}
 SHAPES = [
-    (PointKind.PREFILL, StepShape(16, 1, 136, 16)),
-    (PointKind.PREFILL, StepShape(512, 1, 131_328, 512)),
-    (PointKind.PREFILL, StepShape(256, 1, 295_040, 1280)),
-    (PointKind.DECODE, StepShape(1, 1, 65, 65)),
-    (PointKind.DECODE, StepShape(8, 8, 8200, 8200)),
-    (PointKind.DECODE, StepShape(64, 64, 4160, 4160)),
-    (PointKind.MIXED, StepShape(20, 5, 2000, 1050)),
+    (PointKind.PREFILL, CpuStepShape(16, 1, 136, 16)),
+    (PointKind.PREFILL, CpuStepShape(512, 1, 131_328, 512)),
+    (PointKind.PREFILL, CpuStepShape(256, 1, 295_040, 1280)),
+    (PointKind.DECODE, CpuStepShape(1, 1, 65, 65)),
+    (PointKind.DECODE, CpuStepShape(8, 8, 8200, 8200)),
+    (PointKind.DECODE, CpuStepShape(64, 64, 4160, 4160)),
+    (PointKind.MIXED, CpuStepShape(20, 5, 2000, 1050)),
 ]
 META = {
     "model": "Tiny-Test",
@@ -109,7 +109,7 @@ def test_a_split_profile_from_before_versions_4_and_5_loads_with_its_old_prices(
     data = {**v5.to_json(), "version": 3, "coefficients_s": split}  # neither key
     (tmp_path / "v3.json").write_text(json.dumps(data))
     old = Calibrated.load(tmp_path / "v3.json")
-    shape = StepShape(70, 3, 2000, 300, 64, 1, 0, 300)
+    shape = CpuStepShape(70, 3, 2000, 300, 64, 1, 0, 300)
     assert old.step_seconds(shape) == pytest.approx(0.04 + 64 * 0.0015 + 0.03 + 2e-6 + 3e-3
                                                     + 2 * 0.002)  # fmt: skip
     v4 = {**data, "version": 4, "coefficients_s": {**split, "prefilling": 0.01}}
@@ -159,18 +159,18 @@ def test_quick_profile_measures_every_kind_of_step(tiny_llama_dir: Path) -> None
     )
     cal = profile(config, QUICK_GRID, guard=False)  # every step counts: exact shapes
     assert [(p.label, p.shape) for p in cal.points] == [
-        ("prefill 8 @ 0", StepShape(8, 1, 36, 8, 8, 1, kv_gathered=8)),
-        ("prefill 32 @ 0", StepShape(32, 1, 528, 32, 32, 1, kv_gathered=32)),
-        ("prefill 16 @ 32", StepShape(16, 1, 16 * 32 + 136, 48, 16, 1, 1, 48)),
+        ("prefill 8 @ 0", CpuStepShape(8, 1, 36, 8, 8, 1, kv_gathered=8)),
+        ("prefill 32 @ 0", CpuStepShape(32, 1, 528, 32, 32, 1, kv_gathered=32)),
+        ("prefill 16 @ 32", CpuStepShape(16, 1, 16 * 32 + 136, 48, 16, 1, 1, 48)),
         # each batch is timed after the larger one, one token further on per step; the
         # decodes' KV gathered in whole blocks of 16
-        ("decode 4 x 16", StepShape(4, 4, 4 * 19, 4 * 19, kv_gathered=4 * 32)),
-        ("decode 1 x 16", StepShape(1, 1, 22, 22, kv_gathered=32)),
-        ("decode 4 x 64", StepShape(4, 4, 4 * 67, 4 * 67, kv_gathered=4 * 80)),
-        ("decode 1 x 64", StepShape(1, 1, 70, 70, kv_gathered=80)),
+        ("decode 4 x 16", CpuStepShape(4, 4, 4 * 19, 4 * 19, kv_gathered=4 * 32)),
+        ("decode 1 x 16", CpuStepShape(1, 1, 22, 22, kv_gathered=32)),
+        ("decode 4 x 64", CpuStepShape(4, 4, 4 * 67, 4 * 67, kv_gathered=4 * 80)),
+        ("decode 1 x 64", CpuStepShape(1, 1, 70, 70, kv_gathered=80)),
         (
             "mixed 2 x 32 + 16 @ 0",
-            StepShape(18, 3, 2 * 35 + 136, 2 * 35 + 16, 16, 1, kv_gathered=2 * 48 + 16),
+            CpuStepShape(18, 3, 2 * 35 + 136, 2 * 35 + 16, 16, 1, kv_gathered=2 * 48 + 16),
         ),
     ]
     assert {p.kind for p in cal.points} == set(PointKind)
@@ -245,8 +245,8 @@ def test_the_per_sequence_cost_may_bend_at_each_batch_size(
     costs = {"step": 0.04, "token": 0.0015, "context": 1e-8, "kv": 1e-6,
              "seqs@2": 0.02, "seqs@4": 0.055, "seqs@8": 0.06}  # fmt: skip
     truth = Calibrated(costs, seq_knots=knots)
-    shapes = [StepShape(n, 1, n * (n + 1) // 2, n) for n in (16, 64, 256)]
-    shapes += [StepShape(b, b, b * c, b * c) for b in (1, 2, 3, 4, 6, 8) for c in (64, 512)]
+    shapes = [CpuStepShape(n, 1, n * (n + 1) // 2, n) for n in (16, 64, 256)]
+    shapes += [CpuStepShape(b, b, b * c, b * c) for b in (1, 2, 3, 4, 6, 8) for c in (64, 512)]
     points = [ProfilePoint(PointKind.DECODE if s.num_seqs > 1 or s.num_tokens == 1
                            else PointKind.PREFILL, str(s), s, truth.step_seconds(s))
               for s in shapes]  # fmt: skip
@@ -255,11 +255,11 @@ def test_the_per_sequence_cost_may_bend_at_each_batch_size(
     for term, value in truth.coefficients.items():
         assert fitted.coefficients[term] == pytest.approx(value, rel=1e-6, abs=1e-12)
     # 3 sequences: halfway between the knots at 2 and 4; 12: the last slope carried on
-    three = StepShape(3, 3, 3, 3)
+    three = CpuStepShape(3, 3, 3, 3)
     assert truth.step_seconds(three) == pytest.approx(
         0.04 + 3 * 0.0015 + 3e-8 + 3e-6 + (0.02 + 0.055) / 2
     )
-    twelve = StepShape(12, 12, 12, 12)
+    twelve = CpuStepShape(12, 12, 12, 12)
     assert truth.step_seconds(twelve) == pytest.approx(
         0.04 + 12 * 0.0015 + 12e-8 + 12e-6 + 0.06 + (0.06 - 0.055)
     )
@@ -285,16 +285,16 @@ def test_a_split_fit_prices_prompt_chunks_resumed_chunks_and_riding_decodes_apar
         seq_knots=(1, 2, 4, 8), split=True,
     )  # fmt: skip
 
-    def prefill(n: int, start: int) -> StepShape:
-        return StepShape(n, 1, n * start + n * (n + 1) // 2, start + n, n, 1, int(start > 0),
+    def prefill(n: int, start: int) -> CpuStepShape:
+        return CpuStepShape(n, 1, n * start + n * (n + 1) // 2, start + n, n, 1, int(start > 0),
                          start + n)  # fmt: skip
 
-    def decode(b: int, ctx: int) -> StepShape:
-        return StepShape(b, b, b * ctx, b * ctx, kv_gathered=b * -(-ctx // 16) * 16)
+    def decode(b: int, ctx: int) -> CpuStepShape:
+        return CpuStepShape(b, b, b * ctx, b * ctx, kv_gathered=b * -(-ctx // 16) * 16)
 
-    def mixed(b: int, ctx: int, n: int, start: int) -> StepShape:
+    def mixed(b: int, ctx: int, n: int, start: int) -> CpuStepShape:
         p, d = prefill(n, start), decode(b, ctx)
-        return StepShape(n + b, b + 1, p.context_tokens + d.context_tokens,
+        return CpuStepShape(n + b, b + 1, p.context_tokens + d.context_tokens,
                          p.kv_tokens + d.kv_tokens, n, 1, p.resumed,
                          p.kv_gathered + d.kv_gathered)  # fmt: skip
 
@@ -304,7 +304,7 @@ def test_a_split_fit_prices_prompt_chunks_resumed_chunks_and_riding_decodes_apar
                for s in (0, 32)]  # fmt: skip
     for chunks in (2, 4):  # several prompts' chunks in one step, 3 decodes riding (fitted)
         one = mixed(3, 100, 48, 0)
-        shapes.append((PointKind.PREFILL, StepShape(
+        shapes.append((PointKind.PREFILL, CpuStepShape(
             48 * chunks + 3, 3 + chunks, one.context_tokens + (chunks - 1) * 48 * 49 // 2,
             one.kv_tokens + (chunks - 1) * 48, 48 * chunks, chunks, 0,
             one.kv_gathered + (chunks - 1) * 48)))  # fmt: skip

@@ -132,10 +132,10 @@ def test_fleet_mode_gives_the_detailed_modes_answers_with_fewer_scheduler_calls(
             for rep in sim.replicas:
                 real = rep.scheduler.schedule
 
-                def counted(beside: int = 0, real: Any = real) -> Any:
+                def counted(num_parked_decodes: int = 0, real: Any = real) -> Any:
                     nonlocal calls
                     calls += 1
-                    return real(beside)
+                    return real(num_parked_decodes)
 
                 rep.scheduler.schedule = counted  # type: ignore[method-assign]
             result = sim.run(traffic)

@@ -1,5 +1,5 @@
-"""The fleet mode's lane of parked decodes: a replica's decoding requests advanced by a
-step counter instead of one by one.
+"""A decode lane: a replica's decoding requests, parked out of its scheduler and advanced
+by a step counter instead of one by one (the simulator's ``fleet`` mode).
 
 A request whose prompt is computed only decodes from then on: every step computes one
 token for it, and every ``block_size`` steps it needs one more KV block. Once parked
@@ -18,13 +18,14 @@ here (taken out of the scheduler's running list) it costs nothing per step:
 
 The scheduler keeps deciding everything else (admissions, prefill chunks, preemption):
 the simulator hands it the replica's unparked requests with the parked decodes' share
-of the budget and of the sequence cap taken out, after allocating their blocks, which
-is the order the scheduler itself would go in (decodes first, in running order). A
-step that might preempt is run with everyone unparked. ``order`` keys keep the running
-order (admission order), which parking would otherwise change when a request admitted
-later finishes its prefill first. Block ids may come out in another order than in the
-detailed mode (they are labels); which blocks are freed, cached and evicted when, and
-so every time, is the same, as the equality test checks.
+of the budget and of the sequence cap taken out (``schedule(num_parked_decodes=n)``),
+after allocating their blocks, which is the order the scheduler itself would go in
+(decodes first, in running order). A step that might preempt is run with everyone
+unparked. ``order`` keys keep the running order (admission order), which parking would
+otherwise change when a request admitted later finishes its prefill first. Block ids
+may come out in another order than in the detailed mode (they are labels); which blocks
+are freed, cached and evicted when, and so every time, is the same, as the equality
+test checks.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from sendpath.engine.scheduler import Scheduler
-from sendpath.engine.steps import StepShape
 from sendpath.kvcache.manager import KVCacheManager
 from sendpath.request import Request
+from sendpath.runner.cpu_step import CpuStepShape, padded_decode_kv
 from sendpath.sim.cost_model import CostModel
 from sendpath.trace import EventType
 
@@ -66,13 +67,12 @@ def decode_seconds(
         seconds: list[float] = fast(batch, context, steps)
         return seconds
     seconds = []
-    bs = block_size
     for _ in range(steps):
         context += batch
-        longest += 1  # the batch the CPU runner gathers, padded to the longest
-        gathered = batch * -(-longest // bs) * bs
-        seconds.append(cost.step_seconds(StepShape(batch, batch, context, context,
-                                                   kv_gathered=gathered)))  # fmt: skip
+        longest += 1
+        gathered = padded_decode_kv(batch, longest, block_size)
+        shape = CpuStepShape(batch, batch, context, context, kv_gathered=gathered)
+        seconds.append(cost.step_seconds(shape))
     return seconds
 
 
@@ -131,10 +131,11 @@ class DecodeLane:
             return None
         return decode_seconds(cost, self.batch, self.context(), self.longest(), steps, self.bs)
 
-    def beside(self, sched: Scheduler) -> bool:
+    def can_schedule_beside(self, sched: Scheduler) -> bool:
         """Whether the scheduler can plan the rest of the next step beside the parked
-        decodes (``schedule(beside=batch)``): not when that step might preempt, or when
-        the budget runs out within the decodes; then everyone goes back to it."""
+        decodes (``schedule(num_parked_decodes=batch)``): not when that step might
+        preempt, or when the budget runs out within the decodes; then everyone goes back
+        to it."""
         batch, bs = len(self._parked), self.bs
         budget = sched.config.max_num_batched_tokens - batch
         if budget <= 0:

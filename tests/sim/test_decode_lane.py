@@ -1,0 +1,60 @@
+"""DecodeLane: parked decodes advanced by a step counter, their blocks and finishes."""
+
+from __future__ import annotations
+
+from sendpath.engine.scheduler import RunnerOutput, Scheduler
+from sendpath.runner.cpu_step import CpuStepShape
+from sendpath.sim.decode_lane import DecodeLane, decode_seconds
+from tests.factories import make_request, make_scheduler
+
+
+def prefilled(s: Scheduler) -> None:
+    """One step that computes every waiting prompt and samples its first token (7)."""
+    plan = s.schedule()
+    s.update(plan, RunnerOutput({item.request_id: 7 for item in plan.requests}))
+
+
+def test_parked_decodes_get_blocks_when_they_cross_and_finish_at_their_step() -> None:
+    s = make_scheduler(block_size=4)
+    s.add_request(make_request("a", 6, max_tokens=6))  # 2 blocks, 2 slots left
+    s.add_request(make_request("b", 3, max_tokens=3))  # 1 block, 1 slot left
+    prefilled(s)
+    lane = DecodeLane(s.kv)
+    lane.order(s.running)
+    lane.park(s)
+    assert not s.running and lane.batch == 2
+    assert (lane.context(), lane.longest(), lane.next_finish()) == (9, 6, 2)
+    # b crosses into a new block in step 2, a in step 3, and both every 4 steps after
+    assert [lane.crossers(n) for n in (1, 2, 3, 5)] == [0, 1, 2, 2]
+    lane.allocate(2)
+    assert s.kv.block_ids("b") == [2, 3] and s.kv.block_ids("a") == [0, 1]
+    lane.ran([1.0, 2.0])
+    bases = {"a": 1000, "b": 2000}
+    [(b, times)] = lane.finishing(bases, s, continued=lambda _: False)
+    assert b.request_id == "b" and times == [1.0, 2.0] and s.running == [b]
+    assert b.output_token_ids == [7, 2004, 2005] and b.num_computed_tokens == 5
+    assert (lane.batch, lane.context(), lane.longest()) == (1, 8, 8)
+    s.running.remove(b)
+    # the rest back in the scheduler: a, written up to the 2 steps it ran parked
+    assert lane.unpark(bases, s) == {"a": [1.0, 2.0]} and lane.batch == 0
+    [a] = s.running
+    assert a.output_token_ids == [7, 1007, 1008] and a.num_computed_tokens == 8
+
+
+class Recorded:
+    """A cost model that prices a step at its gathered KV, and keeps every shape."""
+
+    def __init__(self) -> None:
+        self.shapes: list[CpuStepShape] = []
+
+    def step_seconds(self, shape: CpuStepShape) -> float:
+        self.shapes.append(shape)
+        return float(shape.kv_gathered)
+
+
+def test_decode_seconds_prices_each_step_of_the_batch_as_the_cpu_runner_gathers_it() -> None:
+    cost = Recorded()
+    # 2 decodes with 9 tokens computed in all, the longest 6: contexts 7 then 8 (2 blocks)
+    assert decode_seconds(cost, 2, 9, 6, 3, 4) == [16.0, 16.0, 24.0]
+    assert cost.shapes[0] == CpuStepShape(2, 2, 11, 11, kv_gathered=16)
+    assert cost.shapes[2] == CpuStepShape(2, 2, 15, 15, kv_gathered=24)
