@@ -7,6 +7,7 @@ import asyncio
 import httpx
 import pytest
 
+from sendpath.sim.profile import Load
 from sendpath.sim.served_loads import LoadDriver, ServedProfileError
 
 
@@ -20,7 +21,8 @@ def test_a_refused_request_ends_the_profile_with_its_error_not_a_hang() -> None:
                                           base_url="http://server.test")  # fmt: skip
         async with driver.client:
             # the riders wait for each other's first token: a refusal must not leave them
-            await asyncio.wait_for(driver.riders("m", 4, (16,), 8), timeout=10)
+            riders = Load("4 riding", 4, 16, 8, late=(16,))
+            await asyncio.wait_for(driver.run("m", riders), timeout=10)
 
     with pytest.raises(ServedProfileError, match="refused \\(503\\)"):
         asyncio.run(ride())
