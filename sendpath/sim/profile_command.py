@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -43,6 +44,9 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
                    "replica) from its own step log, as served (engine flags are then the "
                    "server's own)")  # fmt: skip
     p.add_argument("--api-key", default=None, help="with --url: the gateway's API key")
+    p.add_argument("--replica-api-key", default=os.environ.get("SENDPATH_REPLICA_API_KEY"),
+                   help="with --url: the key the replica wants for its step log, as given to "
+                   "`sendpath serve` (default: $SENDPATH_REPLICA_API_KEY)")  # fmt: skip
     add_engine_args(p)
 
 
@@ -52,7 +56,7 @@ def run_profile(args: argparse.Namespace) -> int:
     try:
         if args.url is not None:
             print(f"sendpath profile: loading {args.url} and reading its steps", flush=True)
-            cal = profile_served(args.url, args.api_key, grid, _progress)
+            cal = profile_served(args.url, args.api_key, grid, _progress, args.replica_api_key)
         else:
             config = engine_config(args)
             print("sendpath profile: running loads on the engine", flush=True)

@@ -36,15 +36,16 @@ def profile_served(
     api_key: str | None = None,
     grid: Grid = DEFAULT_GRID,
     progress: Callable[[ProfilePoint], None] = lambda p: None,
+    replica_key: str | None = None,
 ) -> Calibrated:
-    """Send ``grid``'s loads to the server at ``url`` and fit the steps it logged."""
-    return asyncio.run(_profile(url, api_key, grid, progress))
+    """Send ``grid``'s loads to the server at ``url`` and fit the steps it logged;
+    ``replica_key``: the key the replica wants for them (`sendpath serve`'s replicas')."""
+    return asyncio.run(_profile(LoadDriver(url, api_key, replica_key), url, grid, progress))
 
 
 async def _profile(
-    url: str, api_key: str | None, grid: Grid, progress: Callable[[ProfilePoint], None]
+    driver: LoadDriver, url: str, grid: Grid, progress: Callable[[ProfilePoint], None]
 ) -> Calibrated:
-    driver = LoadDriver(url, api_key)
     async with driver.client:
         model = await driver.connect()
         await driver.cache_preamble(model)  # and warms the server up

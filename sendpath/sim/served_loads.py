@@ -31,8 +31,10 @@ class LoadDriver:
     the client sees (time to first token, the output filter's holds) and the replica's
     step log."""
 
-    def __init__(self, url: str, api_key: str | None) -> None:
+    def __init__(self, url: str, api_key: str | None, replica_key: str | None = None) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # the replicas `sendpath serve` starts want its replica key on /v1/steps
+        self.replica_headers = {"Authorization": f"Bearer {replica_key}"} if replica_key else {}
         self.client = httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=600)
         self.rng = random.Random(0)
         self.preamble = random_text(random.Random(1), PREAMBLE)
@@ -61,7 +63,12 @@ class LoadDriver:
 
     async def steps(self, after: int) -> dict[str, Any]:
         """The replica's step log after step ``after`` and its engine (``GET /v1/steps``)."""
-        r = await self.client.get(f"{self.replica}/v1/steps", params={"after": after})
+        r = await self.client.get(f"{self.replica}/v1/steps", params={"after": after},
+                                  headers=self.replica_headers or None)  # fmt: skip
+        if r.status_code == 401:
+            raise ServedProfileError(f"{self.replica} wants its replica key for GET /v1/steps: "
+                                     "give --replica-api-key (or $SENDPATH_REPLICA_API_KEY), "
+                                     "as `sendpath serve` was given it")  # fmt: skip
         if r.status_code != 200:
             raise ServedProfileError(f"{self.replica} has no step log (GET /v1/steps: "
                                      f"{r.status_code})")  # fmt: skip
@@ -111,9 +118,12 @@ class LoadDriver:
         started = [asyncio.Event() for _ in range(load.count if load.late else 1)]
         one = partial(self.one, model, load.tokens, load.answer)
         first = [asyncio.create_task(one(event, load.cached_prefix)) for event in started]
-        await asyncio.gather(*(event.wait() for event in started))
-        for tokens in load.late:
-            await self.one(model, tokens, 2)
-        others = 0 if load.late else load.count - 1
-        await asyncio.gather(*(one() for _ in range(others)))
+        try:
+            await asyncio.gather(*(event.wait() for event in started))
+            for tokens in load.late:
+                await self.one(model, tokens, 2)
+            await asyncio.gather(*(one() for _ in range(0 if load.late else load.count - 1)))
+        except BaseException:
+            await asyncio.gather(*first, return_exceptions=True)  # theirs are not left unread
+            raise
         return (await asyncio.gather(*first))[0]

@@ -26,3 +26,22 @@ def test_a_refused_request_ends_the_profile_with_its_error_not_a_hang() -> None:
 
     with pytest.raises(ServedProfileError, match="refused \\(503\\)"):
         asyncio.run(ride())
+
+
+def test_the_step_log_is_read_with_the_replica_key() -> None:
+    def replica(request: httpx.Request) -> httpx.Response:
+        if request.headers.get("authorization") != "Bearer rk":  # as `sendpath serve` starts it
+            return httpx.Response(401, json={"error": {"message": "needs its API key"}})
+        return httpx.Response(200, json={"engine": {}, "steps": [{"seq": 1}]})
+
+    async def steps(replica_key: str | None) -> object:
+        driver = LoadDriver("http://replica.test", "gateway-key", replica_key)
+        driver.client = httpx.AsyncClient(transport=httpx.MockTransport(replica),
+                                          headers={"Authorization": "Bearer gateway-key"},
+                                          base_url="http://replica.test")  # fmt: skip
+        async with driver.client:
+            return await driver.steps(0)
+
+    assert asyncio.run(steps("rk")) == {"engine": {}, "steps": [{"seq": 1}]}
+    with pytest.raises(ServedProfileError, match="give --replica-api-key"):
+        asyncio.run(steps(None))
