@@ -32,6 +32,7 @@ import json
 import os
 import platform
 import random
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -47,7 +48,7 @@ from sendpath.bench.report import summarize
 from sendpath.bench.runner import Load, run
 from sendpath.bench.workload import LengthSpec, build
 from sendpath.config import SchedulerConfig
-from sendpath.fleet import free_port, wait_healthy
+from sendpath.fleet import free_port
 from sendpath.sim.cost_model import Calibrated, CostModel, StepShape
 from sendpath.sim.profile import step_kind, step_times
 from sendpath.sim.profile_served import profile_served
@@ -68,6 +69,7 @@ WORKLOADS = (
 LOADS = (0.25, 0.55, 0.85)
 METRICS = ("ttft", "tpot", "e2el")
 ENGINE = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512)  # the serve defaults
+REPLICA_KEY = secrets.token_urlsafe(16)  # the server's replicas want it for their step log
 
 
 def bench(url: str, words: LengthSpec, out: LengthSpec, n: int, load: Load,
@@ -112,7 +114,9 @@ def compare(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, float]:
 def logged_steps(url: str, after: int) -> list[dict[str, Any]]:
     """The replica's own step log since step ``after`` (``GET /v1/steps``)."""
     replica = httpx.get(f"{url}/fleet", timeout=30).json()["replicas"][0]["url"]
-    found = httpx.get(f"{replica}/v1/steps", params={"after": after}, timeout=60).json()
+    key = {"Authorization": f"Bearer {REPLICA_KEY}"}
+    found = httpx.get(f"{replica}/v1/steps", params={"after": after}, headers=key,
+                      timeout=60).json()  # fmt: skip
     steps: list[dict[str, Any]] = found["steps"]
     return steps
 
@@ -214,6 +218,20 @@ def measure(url: str, cost: Calibrated, workloads: list[str], loads: list[float]
     return runs, step_log
 
 
+def wait_served(url: str, server: subprocess.Popen[bytes], timeout_s: float = 600) -> None:
+    """Until the gateway at ``url`` has a healthy replica (``GET /health``; a gateway has
+    no ``/ready``, which ``fleet.wait_healthy`` asks replicas)."""
+    deadline = time.monotonic() + timeout_s
+    while server.poll() is None and time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).json().get("healthy"):
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"sendpath serve at {url} did not come up (exit code {server.poll()})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=48, help="per load level")
@@ -222,15 +240,15 @@ def main() -> None:
     args = parser.parse_args()
     data = Path(tempfile.mkdtemp(prefix="sendpath-fidelity-"))
     port = free_port()
-    env = {**os.environ, "SENDPATH_DATA_DIR": str(data)}
+    env = {**os.environ, "SENDPATH_DATA_DIR": str(data), "SENDPATH_REPLICA_API_KEY": REPLICA_KEY}
     cmd = [sys.executable, "-m", "sendpath.cli", "serve", "--port", str(port), "--no-auth"]
     server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy({url: server}, 300)
+        wait_served(url, server)
         httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
         started = time.perf_counter()
-        cost = profile_served(url)
+        cost = profile_served(url, replica_key=REPLICA_KEY)
         PROFILE.parent.mkdir(exist_ok=True)
         cost.save(PROFILE)
         print(f"served profile: {time.perf_counter() - started:.0f} s; fit {cost.error()}; "
