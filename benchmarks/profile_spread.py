@@ -22,7 +22,7 @@ import statistics
 from pathlib import Path
 
 from sendpath.sim.cost_model import Calibrated
-from sendpath.sim.profile_served import step_kind, step_times
+from sendpath.sim.profile import step_kind, step_times
 
 
 def main() -> None:

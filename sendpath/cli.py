@@ -21,6 +21,7 @@ from sendpath.launch import (
     run_serve,
 )
 from sendpath.sim.command import add_sim_args, run_sim
+from sendpath.sim.profile_command import DESCRIPTION as PROFILE_DESCRIPTION
 from sendpath.sim.profile_command import add_profile_args, run_profile
 
 if TYPE_CHECKING:
@@ -108,21 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof = sub.add_parser(
         "profile",
         help="time the real engine's steps and fit a cost model for `sendpath sim --cost-model`",
-        description="Load the engine `sendpath replica` would run with the same flags (the "
-        "built-in SmolLM2-135M by default), time one engine step (schedule + forward + update) "
-        "over a grid of prefill chunks, decode batches and context lengths, fit step = c_step "
-        "+ c_prompt*prompt tokens + c_prefilling (a step with prompt chunks) + c_prefill*chunks "
-        "+ c_resume*chunks past position 0 + c_context*attended + c_kv*KV gathered + the "
-        "decodes' cost (c_ride each beside a prefill chunk and c_riding once, else "
-        "seqs(batch size), a line through each measured batch size) by non-negative least "
-        "squares on relative error "
-        "(every second mixed step held out to check it), print measured vs fitted and write "
-        "the model as JSON (sim/calibrated.py explains the terms). About 2 minutes on 2 idle "
-        "CPU cores (steps that other processes slow are retaken). With --url, fit the steps a "
-        "running server logs while it serves a grid of loads instead (single prompts, B at "
-        "once, B short requests decoding while prompts arrive; a short reference request "
-        "after each, and a load during which the machine's speed drifted more than 8% is "
-        "taken again; about 4 minutes).",
+        description=PROFILE_DESCRIPTION,
     )
     add_profile_args(prof)
     srv = sub.add_parser(

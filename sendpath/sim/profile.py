@@ -1,304 +1,225 @@
-"""Time the real engine's steps on a grid and fit ``Calibrated`` to them.
+"""Calibrate from the engine's own step log: run a grid of loads, fit the steps it logged.
 
-What is timed is the wall time of one ``EngineCore.step()`` (schedule -> model forward ->
-update), as the server's engine loop runs it, on the engine `sendpath replica` builds
-from the same flags (model, dtype resolution, device, block size, KV-cache memory). Grid:
+The engine logs every step it runs (``EngineCore.steps``: the step's shape and wall time;
+a replica serves the log as ``GET /v1/steps``). `sendpath profile` runs the grid's loads
+on the engine `sendpath replica` builds from the same flags, in this process;
+`sendpath profile --url` sends the same loads to a running server (``profile_served.py``).
+The loads, as a server meets them:
 
-- prefill: one request's chunk of N tokens from position 0, and later chunks (N tokens
-  from position S > 0) whose attention also reads the earlier context;
-- decode: B requests at context C, one token each per step;
-- mixed: B decodes plus one prefill chunk. Every second one is held out to check the fit
-  (the others price the decodes riding beside a chunk).
+- single prompts of N tokens, every second one after a cached prefix (``PREAMBLE``
+  tokens a short request cached first): its chunk resumes there, as a chat request's
+  does after its system prompt;
+- B requests of C tokens: one first, the others once it decodes (their prefill chunks
+  beside its decodes), each answer long enough that all B then decode together for
+  about ``answer`` steps;
+- B short requests decoding while prompts of each ``late`` size come one at a time (a
+  chat server's mixed steps).
 
-Each point: one untimed warm-up step, then ``repeats`` timed ones; the median is kept. A
-step during which other processes used the CPU is retaken (``sim/interference.py``).
-Points that cannot run on this engine (a batch that does not fit the KV cache or
-``max_num_seqs``, a context past ``max_model_len``) are skipped and listed in ``meta``.
+A step's time is its period, up to the next step's start when the engine went straight
+on (what the simulator's back-to-back steps stand for). Each load's steps are grouped by
+kind and size; a group's median step is a point standing for its steps in the fit. Loads
+that do not fit the engine are skipped and listed in ``meta``.
 
-Two liberties, both outside the timed step: (1) to reach a context without paying for its
-prefill, the profiler runs the scheduler's bookkeeping alone (``schedule()`` + ``update()``
-with a dummy token, no forward pass): blocks are allocated as for real and the cache
-holds whatever was there, which changes no shape and no memory traffic, so no cost; (2) it
-sets the step's token budget per point so the step has exactly the shape asked (the
-server's budget only decides how prompts are cut into steps, not what a step costs).
+Nothing here checks what else the machine runs: profile on an idle machine. A process
+that shares the cores slows every step it overlaps (on a shared host the same steps took
+up to 45% longer some minutes than others), and the fit takes that for the engine's cost.
 """
 
 from __future__ import annotations
 
 import os
-import platform
 import random
-import statistics
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
-from functools import partial
 from typing import Any
 
 from sendpath.config import EngineConfig
 from sendpath.engine.core import EngineCore
-from sendpath.engine.scheduler import RunnerOutput
 from sendpath.request import SamplingParams
-from sendpath.sim.cost_model import Calibrated, CpuStepShape, PointKind, ProfilePoint
-from sendpath.sim.interference import Interference
+from sendpath.runner.cpu_step import CpuStepShape
+from sendpath.sim.calibrated import Calibrated, PointKind, ProfilePoint
 
-__all__ = ["DEFAULT_GRID", "QUICK_GRID", "Grid", "profile"]
+__all__ = ["DEFAULT_GRID", "PREAMBLE", "QUICK_GRID", "RIDER_PROMPT", "Grid", "Load", "loads",
+           "points", "profile", "step_kind", "step_times"]  # fmt: skip
+
+PREAMBLE = 32  # tokens (words, over HTTP) of the shared prompt start: two KV blocks
+RIDER_PROMPT = 16  # tokens of a riding request's prompt
 
 
 @dataclass(frozen=True)
 class Grid:
-    """The steps to time; ``repeats`` timed steps per point (after one warm-up)."""
+    prefill: tuple[int, ...]  # prompt tokens of single requests
+    repeats: int  # of each single prompt
+    batches: tuple[int, ...]  # B requests at once
+    contexts: tuple[int, ...]  # of C prompt tokens each
+    answer: int  # tokens of answer (B x C: plus the steps the other prompts take)
+    riders: tuple[int, ...] = ()  # B short requests decoding while ``late`` prompts come
+    late: tuple[int, ...] = ()
+    chats: int = 16  # --url: greedy chat answers for the output filter's hold (not fitted)
 
-    prefill: tuple[tuple[int, int], ...]  # (chunk tokens, start position)
-    decode_batches: tuple[int, ...]
-    decode_contexts: tuple[int, ...]
-    mixed: tuple[tuple[int, int, int, int], ...]  # (decodes, their context, chunk, its start)
-    repeats: int = 5
 
-
-# SmolLM2-135M in float32 on 2 idle CPU cores: about 75 s of timed steps, 1.5-2 minutes in all
+# about 4 minutes on 2 idle cores with the built-in model over HTTP, less in process
 DEFAULT_GRID = Grid(
-    prefill=((16, 0), (64, 0), (128, 0), (256, 0), (512, 0), (1024, 0),
-             (128, 512), (512, 512), (256, 1024), (64, 2048)),
-    decode_batches=(1, 2, 4, 8, 16, 32, 64),
-    decode_contexts=(64, 512, 1024, 2048),
-    mixed=((4, 1024, 256, 0), (16, 512, 128, 0), (32, 128, 64, 0), (8, 256, 256, 512),
-           (64, 64, 32, 0), (2, 2048, 512, 0)),
+    prefill=(16, 64, 128, 256, 512, 1024), repeats=3, batches=(1, 2, 4, 8, 16, 32, 64),
+    contexts=(64, 512), answer=24, riders=(4, 16, 32), late=(32, 128, 384),
 )  # fmt: skip
-QUICK_GRID = Grid(
-    prefill=((8, 0), (32, 0), (16, 32)),
-    decode_batches=(1, 4),
-    decode_contexts=(16, 64),
-    mixed=((2, 32, 16, 0),),
-    repeats=2,
-)
+QUICK_GRID = Grid(prefill=(8, 48), repeats=2, batches=(1, 4), contexts=(16,), answer=32,
+                  riders=(4,), late=(16,), chats=4)  # fmt: skip
 
 
-Timed = tuple[float, CpuStepShape, bool]  # wall seconds, the step's shape, clean of neighbours
-MAX_TRIES = 3  # timed steps per point at most, in repeats: past that, keep what was measured
+@dataclass(frozen=True)
+class Load:
+    label: str
+    count: int  # requests
+    tokens: int  # prompt tokens each
+    answer: int  # answer tokens each
+    cached_prefix: bool = False  # the prompt starts with the cached preamble
+    late: tuple[int, ...] = ()  # riders: prompts sent one at a time while they decode
 
 
-class _Profiler:
-    """Drives one engine through the grid; every request is aborted after its point.
+def loads(grid: Grid, engine: dict[str, Any]) -> tuple[list[Load], list[str]]:
+    """The grid's loads that fit ``engine`` (its ``GET /v1/steps`` settings), and the
+    labels of those that do not."""
+    found = [Load(f"prompt {n}" + (" after a cached prefix" if r % 2 else ""), 1, n, 1, r % 2 == 1)
+             for n in grid.prefill for r in range(grid.repeats)]  # fmt: skip
+    budget = engine["max_num_batched_tokens"]  # the other B - 1 prompts' steps, then ``answer``
+    found += [Load(f"{b} x {c}", b, c, grid.answer + -(-(b - 1) * c // budget))
+              for c in grid.contexts for b in grid.batches]  # fmt: skip
+    ride = grid.answer + 8 * len(grid.late)  # riders outlast the late prompts
+    found += [Load(f"{b} riding", b, RIDER_PROMPT, ride, late=grid.late) for b in grid.riders]
 
-    ``watch``: retake steps during which other processes used the CPU (``None``: keep all).
-    """
+    def fits(x: Load) -> bool:
+        late = max(x.late, default=0) + 2
+        size = x.count * (x.tokens + x.answer + 16) + (late + 16 if x.late else 0)
+        seqs, blocks = int(engine["max_num_seqs"]), int(engine["num_blocks"])
+        return (x.count + bool(x.late) <= seqs and size <= blocks * int(engine["block_size"])
+                and max(x.tokens + x.answer, late) <= int(engine["max_model_len"]))  # fmt: skip
 
-    def __init__(self, core: EngineCore, grid: Grid, watch: Interference | None) -> None:
-        self.core, self.grid, self.watch = core, grid, watch
-        self.base = core.scheduler.config
-        kv = core.scheduler.kv
-        self.block_size, self.num_blocks = kv.block_size, kv.capacity_tokens // kv.block_size
+    return [x for x in found if fits(x)], [x.label for x in found if not fits(x)]
+
+
+def step_kind(shape: CpuStepShape) -> PointKind:
+    """Decode (one-token steps only), prefill (prompt chunks only) or mixed."""
+    if shape.prefills == 0 and shape.num_tokens == shape.num_seqs:
+        return PointKind.DECODE
+    if shape.num_seqs == 1 or shape.num_seqs == shape.prefills:  # 1: logs before prefills
+        return PointKind.PREFILL
+    return PointKind.MIXED
+
+
+def step_times(steps: list[dict[str, Any]]) -> list[tuple[CpuStepShape, float]]:
+    """Each logged step's shape and time (``GET /v1/steps``' records): its period when
+    the next step followed at once."""
+    out = []
+    for step, nxt in zip(steps, [*steps[1:], None], strict=True):
+        seconds = step["seconds"]
+        if step["busy_after"] and nxt is not None and nxt["seq"] == step["seq"] + 1:
+            seconds = max(seconds, nxt["start"] - step["start"])
+        shape = CpuStepShape(**{f.name: int(step[f.name]) for f in fields(CpuStepShape)
+                             if f.name in step})  # fmt: skip
+        out.append((shape, seconds))
+    return out
+
+
+def points(label: str, timed: list[tuple[CpuStepShape, float]]) -> list[ProfilePoint]:
+    """One point per kind and size: the median step (by time) of each group."""
+    groups: dict[tuple[PointKind, int, int], list[tuple[CpuStepShape, float]]] = defaultdict(list)
+    for shape, seconds in timed:
+        groups[(step_kind(shape), shape.num_seqs, shape.num_tokens)].append((shape, seconds))
+    found = []
+    for (kind, seqs, tokens), items in sorted(groups.items()):
+        shape, seconds = sorted(items, key=lambda item: item[1])[len(items) // 2]
+        name = f"{label}: {kind.value} {tokens} tok / {seqs} seq ({len(items)} steps)"
+        found.append(ProfilePoint(kind, name, shape, seconds, len(items)))
+    return found
+
+
+class _Engine:
+    """Runs loads on an engine in this process, as a server's loop would step it."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core, self.rng = core, random.Random(0)
         self.vocab = core.loaded.config.vocab_size if core.loaded else 32
-        self.rng = random.Random(0)
-        self.skipped: list[str] = []  # points this engine cannot run
-        self.noisy: list[str] = []  # points with fewer than ``repeats`` clean steps
-        self.retaken = 0
-        # tokens a decode batch grows by while it is timed (warm-up + every try)
-        tries = 1 + MAX_TRIES * grid.repeats
-        self.decode_growth = len(grid.decode_batches) * tries + 2
-        self.mixed_growth = 2 * tries + 2
+        self.preamble = self.tokens(PREAMBLE)
+        self.decoding: set[str] = set()  # requests that have a token out
+        self.done: set[str] = set()
 
-    def fits(self, label: str, seqs: int, context: int, extra_tokens: int = 0) -> bool:
-        """Whether ``seqs`` sequences of ``context`` tokens (+ one of ``extra_tokens``) fit."""
-        blocks = seqs * -(-context // self.block_size) + -(-extra_tokens // self.block_size)
-        longest = max(context, extra_tokens)
-        ok = (
-            seqs + (extra_tokens > 0) <= self.base.max_num_seqs
-            and blocks <= self.num_blocks
-            and longest < self.core.max_model_len
-        )
-        if not ok:
-            self.skipped.append(label)
-        return ok
+    def tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(self.vocab) for _ in range(n)]
 
-    def add(self, length: int, max_tokens: int = 1) -> str:
-        prompt = [self.rng.randrange(self.vocab) for _ in range(length)]
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        return self.core.add_request(prompt, params).request_id
+    def send(self, tokens: int, answer: int, cached_prefix: bool = False) -> str:
+        prompt = self.preamble + self.tokens(max(1, tokens - PREAMBLE)) if cached_prefix else []
+        params = SamplingParams(max_tokens=answer, ignore_eos=True)
+        return self.core.add_request(prompt or self.tokens(tokens), params).request_id
 
-    @contextmanager
-    def budget(self, tokens: int) -> Iterator[None]:
-        """The scheduler's per-step token budget is ``tokens`` inside the block."""
-        self.core.scheduler.config = replace(self.base, max_num_batched_tokens=tokens)
-        try:
-            yield
-        finally:
-            self.core.scheduler.config = self.base
+    def until(self, ids: list[str], state: set[str]) -> None:
+        """Step until every one of ``ids`` is in ``state`` (``decoding`` or ``done``)."""
+        while not state.issuperset(ids):
+            if not self.core.has_unfinished_requests():
+                raise RuntimeError(f"the engine dropped some of {ids}")
+            for out in self.core.step():
+                self.decoding.add(out.request_id)
+                if out.finished:
+                    self.done.add(out.request_id)
 
-    def advance(self, tokens: int) -> None:
-        """One step of bookkeeping without the model (see the module docstring)."""
-        with self.budget(tokens):
-            plan = self.core.scheduler.schedule()
-        sampled = {item.request_id: 0 for item in plan.requests if item.sample}
-        self.core.scheduler.update(plan, RunnerOutput(sampled))
+    def run(self, load: Load) -> None:
+        first = [self.send(load.tokens, load.answer, load.cached_prefix)]
+        if load.late:  # riders: all of them first, then each late prompt alone beside them
+            first += [self.send(load.tokens, load.answer) for _ in range(load.count - 1)]
+            self.until(first, self.decoding)
+            for tokens in load.late:
+                self.until([self.send(tokens, 2)], self.done)
+        elif load.count > 1:
+            self.until(first, self.decoding)
+            first += [self.send(load.tokens, load.answer) for _ in range(load.count - 1)]
+        self.until(first, self.done)
 
-    def timed(self, tokens: int) -> Timed:
-        """One real ``step()`` with a budget of ``tokens``: its wall time and shape."""
-        watch = self.watch
-        with self.budget(tokens):
-            others = watch.others_s() if watch else 0.0
-            start = time.perf_counter()
-            self.core.step()
-            seconds = time.perf_counter() - start
-            others = watch.others_s() - others if watch else 0.0
-        clean = watch is None or watch.clean(seconds, others)
-        step = self.core.steps.last  # the engine's own record of the step it just ran
-        assert step is not None
-        return seconds, step.shape, clean
-
-    def measure(self, kind: PointKind, label: str, once: Callable[[], Timed]) -> ProfilePoint:
-        """One warm-up, then steps until ``repeats`` are clean (or ``MAX_TRIES`` x as many
-        were tried): the median time; the shape of the middle one (they differ only by the
-        tokens decodes add a step)."""
-        once()
-        clean: list[tuple[float, CpuStepShape]] = []
-        every: list[tuple[float, CpuStepShape]] = []
-        for _ in range(MAX_TRIES * self.grid.repeats):
-            seconds, shape, ok = once()
-            every.append((seconds, shape))
-            if ok:
-                clean.append((seconds, shape))
-                if len(clean) == self.grid.repeats:
-                    break
-            elif self.watch is not None:
-                self.retaken += 1
-                self.watch.wait()
-        if len(clean) < self.grid.repeats:
-            self.noisy.append(label)
-        runs = clean or every
-        return ProfilePoint(
-            kind, label, runs[len(runs) // 2][1], statistics.median(t for t, _ in runs)
-        )
-
-    def abort(self, ids: list[str]) -> None:
-        for request_id in ids:
-            self.core.abort(request_id)
-
-    def chunk(self, tokens: int, start: int, decodes: int = 0) -> Timed:
-        """A new request's chunk of ``tokens`` from ``start``, after ``decodes`` decodes."""
-        request_id = self.add(start + tokens)
-        if start:
-            self.advance(decodes + start)  # decodes go first, then the prompt's first part
-        timed = self.timed(decodes + tokens)
-        self.abort([request_id])
-        return timed
-
-    def prefill(self, tokens: int, start: int) -> ProfilePoint | None:
-        label = f"prefill {tokens} @ {start}"
-        if not self.fits(label, 0, 0, start + tokens):
-            return None
-        return self.measure(PointKind.PREFILL, label, lambda: self.chunk(tokens, start))
-
-    def decoders(self, count: int, context: int) -> list[str]:
-        """``count`` requests at ``context`` tokens, each with one (dummy) token out."""
-        max_tokens = self.core.max_model_len - context - 1
-        ids = [self.add(context, max_tokens) for _ in range(count)]
-        while any(self.core.scheduler.requests[i].num_computed_tokens < context for i in ids):
-            self.advance(count * context)
-        return ids
-
-    def decodes(self, context: int) -> Iterator[ProfilePoint]:
-        """Every batch size at ``context``, largest first, aborting down to the next."""
-        sizes = [
-            b for b in sorted(self.grid.decode_batches, reverse=True)
-            if self.fits(f"decode {b} x {context}", b, context + self.decode_growth)
-        ]  # fmt: skip
-        if not sizes:
-            return
-        ids = self.decoders(sizes[0], context)
-        for size in sizes:
-            self.abort(ids[size:])
-            ids = ids[:size]
-            label = f"decode {size} x {context}"
-            yield self.measure(PointKind.DECODE, label, partial(self.timed, size))
-        self.abort(ids)
-
-    def mixed(self, seqs: int, context: int, tokens: int, start: int) -> ProfilePoint | None:
-        label = f"mixed {seqs} x {context} + {tokens} @ {start}"
-        if not self.fits(label, seqs, context + self.mixed_growth, start + tokens):
-            return None
-        ids = self.decoders(seqs, context)
-        point = self.measure(PointKind.MIXED, label, lambda: self.chunk(tokens, start, seqs))
-        self.abort(ids)
-        return point
-
-    def run(self, progress: Callable[[ProfilePoint], None]) -> list[ProfilePoint]:
-        g = self.grid
-        warm = self.decoders(2, 32)  # first calls pay for allocations and kernel selection
-        for _ in range(3):
-            self.timed(2)
-        self.abort(warm)
-        found: list[ProfilePoint | None] = []
-        for tokens, start in g.prefill:
-            found.append(self.prefill(tokens, start))
-            self._report(found[-1], progress)
-        for context in g.decode_contexts:
-            for p in self.decodes(context):
-                found.append(p)
-                progress(p)
-        for spec in g.mixed:
-            found.append(self.mixed(*spec))
-            self._report(found[-1], progress)
-        return [p for p in found if p is not None]
-
-    @staticmethod
-    def _report(p: ProfilePoint | None, progress: Callable[[ProfilePoint], None]) -> None:
-        if p is not None:
-            progress(p)
+    def logged(self, after: int) -> list[dict[str, Any]]:
+        """The step log after step ``after``, as ``GET /v1/steps`` serves it."""
+        return [{"seq": r.seq, "start": r.start, "seconds": r.seconds,
+                 "busy_after": r.busy_after, **asdict(r.shape)}
+                for r in self.core.steps.since(after)]  # fmt: skip
 
 
 def profile(
     config: EngineConfig,
     grid: Grid = DEFAULT_GRID,
-    progress: Callable[[ProfilePoint], None] | None = None,
-    guard: bool = True,
+    progress: Callable[[ProfilePoint], None] = lambda p: None,
 ) -> Calibrated:
-    """Load the engine ``config`` describes, time ``grid`` on it, fit and return the model.
-
-    ``guard``: retake steps during which other processes used the CPU (see
-    ``sim/interference.py``); off, every step counts (deterministic shapes, for tests).
-    """
-    started = time.perf_counter()
+    """Load the engine ``config`` describes, run ``grid``'s loads on it, fit its steps."""
     core = EngineCore.from_config(config)
-    profiler = _Profiler(core, grid, Interference() if guard else None)
-    points = profiler.run(progress or (lambda p: None))
-    meta = _meta(core, config, grid)
-    meta.update(
-        skipped=profiler.skipped,
-        noisy=profiler.noisy,
-        retaken_steps=profiler.retaken,
-        wall_s=round(time.perf_counter() - started, 1),
-    )
-    return Calibrated.fit(points, meta)
+    meta = _meta(core)
+    engine = _Engine(core)
+    engine.run(Load("warm-up and cache the preamble", 1, 8, 2, cached_prefix=True))
+    last = core.steps.last.seq if core.steps.last else 0
+    runnable, skipped = loads(grid, meta["engine"])
+    found = []
+    for load in runnable:
+        engine.run(load)
+        steps = engine.logged(last)
+        last = steps[-1]["seq"] if steps else last
+        for point in points(load.label, step_times(steps)):
+            progress(point)
+            found.append(point)
+    return Calibrated.fit(found, {**meta, "skipped": skipped})
 
 
-def _meta(core: EngineCore, config: EngineConfig, grid: Grid) -> dict[str, Any]:
+def _meta(core: EngineCore) -> dict[str, Any]:
     from sendpath.runner.model_runner import ModelRunner
 
     assert core.loaded is not None and isinstance(core.runner, ModelRunner)
-    runs_on = core.runner.describe()
-    sched, kv = core.scheduler.config, core.scheduler.kv
+    runs_on, sched, kv = core.runner.describe(), core.scheduler.config, core.scheduler.kv
     return {
-        "model": core.model_name,
-        "model_path": str(core.loaded.path),
-        "dtype": runs_on["dtype"],
-        "device": runs_on["device"],
-        "torch": runs_on["torch"],
-        "torch_threads": runs_on["torch_threads"],
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
+        "model": core.model_name, "model_path": str(core.loaded.path),
+        "dtype": runs_on["dtype"], "device": runs_on["device"], "torch": runs_on["torch"],
+        "torch_threads": runs_on["torch_threads"], "cpu_count": os.cpu_count(),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "engine": {
-            "max_model_len": core.max_model_len,
-            "max_num_seqs": sched.max_num_seqs,
+            "max_model_len": core.max_model_len, "max_num_seqs": sched.max_num_seqs,
             "max_num_batched_tokens": sched.max_num_batched_tokens,
-            "block_size": kv.block_size,
-            "num_blocks": kv.capacity_tokens // kv.block_size,
-            "kv_cache_memory_gib": config.cache.kv_cache_memory_gib,
+            "block_size": kv.block_size, "num_blocks": kv.capacity_tokens // kv.block_size,
             "prefix_caching": kv.enable_prefix_caching,
         },
-        "grid": {"name": "quick" if grid == QUICK_GRID else "default", "repeats": grid.repeats},
-    }
+    }  # fmt: skip

@@ -1,4 +1,4 @@
-"""`sendpath profile`: time this machine's engine, print the fit, write it for `sendpath sim`."""
+"""`sendpath profile`: fit this machine's engine steps, print the fit, write it for `sim`."""
 
 from __future__ import annotations
 
@@ -8,99 +8,76 @@ import sys
 from pathlib import Path
 
 from sendpath.engine.args import add_engine_args, engine_config
-from sendpath.sim.cost_model import Calibrated, ProfilePoint
+from sendpath.sim.calibrated import Calibrated, ProfilePoint
 from sendpath.sim.profile import DEFAULT_GRID, QUICK_GRID, profile
-from sendpath.sim.profile_served import DEFAULT_SERVED, QUICK_SERVED, profile_served
+from sendpath.sim.profile_served import profile_served
 
-__all__ = ["DEFAULT_OUT", "add_profile_args", "print_fit", "run_profile"]
+__all__ = ["DEFAULT_OUT", "DESCRIPTION", "add_profile_args", "print_fit", "run_profile"]
 
 DEFAULT_OUT = Path("sendpath-profile.json")
+DESCRIPTION = (
+    "Run the engine `sendpath replica` would run with the same flags (the built-in "
+    "SmolLM2-135M by default) through a grid of loads (single prompts, some after a cached "
+    "prefix; B prompts at once; short requests decoding while prompts arrive), read each "
+    "step's shape and time from the engine's own step log, fit step = c_step + "
+    "c_prompt*prompt tokens + c_prefill*chunks + c_prefilling (a step with chunks) + "
+    "c_resume*chunks past position 0 + c_context*attended + c_kv*KV gathered + the decodes' "
+    "cost (c_ride each and c_riding once beside a chunk, else seqs(batch size), a line "
+    "through each measured power-of-two batch size) by non-negative least squares on "
+    "relative error (every second mixed step held out to check it), print measured vs "
+    "fitted and write the model as JSON (sim/calibrated.py explains the terms). With --url, "
+    "send the same loads to a running server and fit the steps it logs (GET /v1/steps), "
+    "as served. About 4 minutes on 2 CPU cores. Profile on an idle machine: nothing checks "
+    "for other processes, and one that shares the cores slows every step it overlaps, "
+    "which the fit then takes for the engine's own cost."
+)
 
 
 def add_profile_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=DEFAULT_OUT,
-        metavar="FILE",
-        help=f"where the fitted model goes (default: ./{DEFAULT_OUT})",
-    )
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="a tiny grid (seconds): checks the pipeline, too few points for a good fit",
-    )
-    p.add_argument(
-        "--url",
-        default=None,
-        help="profile a running server instead (sendpath serve --replicas 1, or one replica): "
-        "drive it with a grid of loads and fit the steps it ran, as served (engine flags "
-        "are then the server's own)",
-    )
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, metavar="FILE",
+                   help=f"where the fitted model goes (default: ./{DEFAULT_OUT})")  # fmt: skip
+    p.add_argument("--quick", action="store_true",
+                   help="a tiny grid (seconds): checks the pipeline, too few points for a "
+                   "good fit")  # fmt: skip
+    p.add_argument("--url", default=None,
+                   help="profile a running server instead (sendpath serve --replicas 1, or one "
+                   "replica) from its own step log, as served (engine flags are then the "
+                   "server's own)")  # fmt: skip
     p.add_argument("--api-key", default=None, help="with --url: the gateway's API key")
+    p.add_argument("--replica-api-key", default=os.environ.get("SENDPATH_REPLICA_API_KEY"),
+                   help="with --url: the key the replica wants for its step log, as given to "
+                   "`sendpath serve` (default: $SENDPATH_REPLICA_API_KEY)")  # fmt: skip
     add_engine_args(p)
 
 
 def run_profile(args: argparse.Namespace) -> int:
     """The `sendpath profile` command."""
-    if args.url is not None:
-        return _served(args)
-    try:
-        config = engine_config(args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     grid = QUICK_GRID if args.quick else DEFAULT_GRID
-    span = "a quick grid" if args.quick else "about 2 minutes on 2 idle cores"
-    print(f"sendpath profile: timing engine steps ({span})", flush=True)
-    load = os.getloadavg()[0]
-    if load > 0.5:
-        print(
-            f"warning: load average {load:.1f}: something else is running; steps it slows "
-            "are retaken, so this takes longer",
-            flush=True,
-        )
-    cal = profile(config, grid, _progress)
-    return _write(cal, args.out)
-
-
-def _served(args: argparse.Namespace) -> int:
-    grid = QUICK_SERVED if args.quick else DEFAULT_SERVED
-    span = "a quick grid" if args.quick else "about 4 minutes with the built-in model on 2 cores"
-    print(f"sendpath profile: loading {args.url} and reading its steps ({span})", flush=True)
     try:
-        cal = profile_served(args.url, args.api_key, grid, _progress)
+        if args.url is not None:
+            print(f"sendpath profile: loading {args.url} and reading its steps", flush=True)
+            cal = profile_served(args.url, args.api_key, grid, _progress, args.replica_api_key)
+        else:
+            config = engine_config(args)
+            print("sendpath profile: running loads on the engine", flush=True)
+            cal = profile(config, grid, _progress)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    reference, drifted = cal.meta["reference"], cal.meta["drifted"]
-    print(f"speed reference: {reference['median_s'] * 1e3:.0f} ms median over "
-          f"{reference['times']} runs; taken again as the machine drifted: "
-          f"{', '.join(cal.meta['retaken']) or 'none'}")  # fmt: skip
-    if drifted:
-        off = ", ".join(f"{label} (references took {ratio:.2f}x their median)"
-                        for label, ratio in drifted)  # fmt: skip
-        print(f"warning: kept though more than {grid.drift:.0%} off the usual speed: {off}")
-    return _write(cal, args.out)
+    print_fit(cal)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    cal.save(args.out)
+    print(f"wrote {args.out} ({cal.model_name}, {cal.meta.get('dtype')}, {cal.device}). "
+          f"Use it: sendpath sim --cost-model {args.out} ...")  # fmt: skip
+    return 0
 
 
 def _progress(p: ProfilePoint) -> None:
     print(f"  {p.label}: {p.seconds * 1e3:.1f} ms", flush=True)
 
 
-def _write(cal: Calibrated, out: Path) -> int:
-    print_fit(cal)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    cal.save(out)
-    print(
-        f"wrote {out} ({cal.model_name}, {cal.meta.get('dtype')}, {cal.device}; profiled in "
-        f"{cal.meta['wall_s']:.0f} s). Use it: sendpath sim --cost-model {out} ..."
-    )
-    return 0
-
-
-# the split model's terms as `sendpath profile` prints them: name, scale, format, unit
-SPLIT_TERMS = (
+# the terms as `sendpath profile` prints them: name, scale, format, unit
+UNITS = (
     ("step", 1e3, ".2f", "ms a step"),
     ("prompt", 1e3, ".3f", "ms a prompt token"),
     ("prefilling", 1e3, ".2f", "ms a step with prefill chunks"),
@@ -125,31 +102,16 @@ def print_fit(cal: Calibrated) -> None:
         print(f"{label:<34}{s.num_tokens:>7}{s.num_seqs:>6}{s.context_tokens:>9}"
               f"{s.kv_tokens:>7}{p.seconds * 1e3:>13.1f}{fitted * 1e3:>11.1f}"
               f"{(fitted - p.seconds) / p.seconds:>+8.1%}")  # fmt: skip
-    c = cal.coefficients
-    if cal.seq_knots:
-        bends = ", ".join(f"{k}: {c[f'seqs@{k}'] * 1e3:.1f}" for k in cal.seq_knots[1:])
-        per_seq = f"per-sequence ms by batch size (1: 0, {bends})"
-    else:
-        per_seq = f"{c['seq'] * 1e3:.3f} ms a sequence"
-    if cal.split:
-        off = cal.unfitted
-        if off:  # its price is in another term's: say so, not "0.00 ms"
-            print(f"not fitted (the grid cannot tell them apart from other terms): "
-                  f"{', '.join(sorted(off))}")  # fmt: skip
-        terms = " + ".join(
-            f"{'n/a' if name in off else format(c[name] * scale, spec)} {what}"
-            for name, scale, spec, what in SPLIT_TERMS
-        )
-        print(f"fitted: {terms}; decode-only steps: {per_seq}")
-    else:
-        print(
-            f"fitted: {c['step'] * 1e3:.2f} ms a step + {c['token'] * 1e3:.3f} ms a token + "
-            f"{c['context'] * 1e9:.1f} ns a context token attended + {c['kv'] * 1e6:.2f} us a "
-            f"KV token read + {per_seq}"
-        )
+    c, off = cal.coefficients, cal.unfitted
+    if off:  # its price is in another term's: say so, not "0.00 ms"
+        print(f"not fitted (the grid cannot tell them apart from other terms): "
+              f"{', '.join(sorted(off))}")  # fmt: skip
+    terms = " + ".join(f"{'n/a' if name in off else format(c[name] * scale, spec)} {what}"
+                       for name, scale, spec, what in UNITS)  # fmt: skip
+    bends = ", ".join(f"{k}: {c[f'seqs@{k}'] * 1e3:.1f}" for k in cal.seq_knots[1:])
+    print(f"fitted: {terms}; decode-only steps: per-sequence ms by batch size (1: 0, {bends})")
     for name, err in (("fit points", cal.error()), ("held-out mixed steps", cal.error(True))):
         if err is not None:
             print(f"relative error on {err.count} {name}: max {err.max:.1%}, mean {err.mean:.1%}")
-    for key, why in (("skipped", "do not fit this engine"), ("noisy", "machine busy")):
-        if cal.meta.get(key):
-            print(f"{key} ({why}): {', '.join(cal.meta[key])}")
+    if cal.meta.get("skipped"):
+        print(f"skipped (do not fit this engine): {', '.join(cal.meta['skipped'])}")

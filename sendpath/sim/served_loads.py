@@ -1,8 +1,8 @@
-"""The loads `sendpath profile --url` sends: streamed requests as clients send them.
+"""The grid's loads over HTTP (`sendpath profile --url`), as clients send them.
 
-Text prompts (common words, about a token each), so that the gateway's filters and the
-replica's tokenizer do the work they do for clients: one request; B at once, one first
-and the rest once it decodes; B short requests decoding while prompts come one at a time.
+Streamed text prompts (common words, about a token each), so that the gateway's filters
+and the replica's tokenizer do the work they do for clients; the loads are sent as the
+in-process profiler runs them (``profile.py``), and the replica's step log is read back.
 """
 
 from __future__ import annotations
@@ -11,18 +11,15 @@ import asyncio
 import json
 import random
 import time
+from functools import partial
 from typing import Any
 
 import httpx
 
 from sendpath.bench.workload import random_text
+from sendpath.sim.profile import PREAMBLE, Load
 
-__all__ = ["PREAMBLE_WORDS", "RIDER_PROMPT", "LoadDriver", "ServedProfileError"]
-
-RIDER_PROMPT = 16  # tokens of a riding request's prompt
-
-
-PREAMBLE_WORDS = 32  # two KV blocks of a shared prompt start
+__all__ = ["LoadDriver", "ServedProfileError"]
 
 
 class ServedProfileError(ValueError):
@@ -30,79 +27,76 @@ class ServedProfileError(ValueError):
 
 
 class LoadDriver:
-    """Sends the loads to ``url`` (a gateway with one replica, or a replica) and reads
-    what the client sees: time to first token, and the output filter's holds."""
+    """Sends the loads to ``url`` (a gateway with one replica, or a replica), reads what
+    the client sees (time to first token, the output filter's holds) and the replica's
+    step log."""
 
-    def __init__(self, url: str, api_key: str | None) -> None:
+    def __init__(self, url: str, api_key: str | None, replica_key: str | None = None) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # the replicas `sendpath serve` starts want its replica key on /v1/steps
+        self.replica_headers = {"Authorization": f"Bearer {replica_key}"} if replica_key else {}
         self.client = httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=600)
         self.rng = random.Random(0)
-        self.preamble = random_text(random.Random(1), PREAMBLE_WORDS)
+        self.preamble = random_text(random.Random(1), PREAMBLE)
         self.holds: list[int] = []  # per answer: tokens the output filter held its first for
+        self.replica = str(self.client.base_url).rstrip("/")  # whose steps to read (``connect``)
 
-    async def replica(self) -> str:
-        """The replica whose steps to read: the URL itself, or the gateway's only one."""
+    async def connect(self) -> str:
+        """Find the replica whose steps to read (the URL itself, or the gateway's only
+        one) and return the name of the model it serves."""
         try:
             r = await self.client.get("/fleet")
         except httpx.HTTPError as exc:
             raise ServedProfileError(f"cannot reach {self.client.base_url}: {exc}") from None
-        if r.status_code != 200:
-            return str(self.client.base_url)
-        replicas = r.json()["replicas"]
-        if len(replicas) != 1:
-            raise ServedProfileError(
-                f"the gateway has {len(replicas)} replicas; profile one (sendpath serve "
-                "--replicas 1), so that every request's steps are on the replica read"
-            )
-        return str(replicas[0]["url"])
-
-    async def model(self) -> str:
+        if r.status_code == 200:
+            replicas = r.json()["replicas"]
+            if len(replicas) != 1:
+                raise ServedProfileError(
+                    f"the gateway has {len(replicas)} replicas; profile one (sendpath serve "
+                    "--replicas 1), so that every request's steps are on the replica read"
+                )
+            self.replica = str(replicas[0]["url"]).rstrip("/")
         r = await self.client.get("/v1/models")
         if r.status_code != 200:
             raise ServedProfileError(f"GET /v1/models said {r.status_code}: {r.text[:200]}")
         return str(r.json()["data"][0]["id"])
 
-    async def one(
-        self,
-        model: str,
-        prompt_tokens: int,
-        answer: int,
-        first: asyncio.Event | None = None,
-        cached_prefix: bool = False,
-        chat: bool = False,
-    ) -> float:
-        """One streamed request; ``first`` is set when its first token arrives. Returns the
-        seconds from sending it to its first token, as a client sees them. Text, as
-        clients send it (the gateway and the tokenizer run as they do in use): common
-        words, about one token each; the step log has the exact counts. With
-        ``cached_prefix`` it starts with the preamble every such prompt shares (as chat
-        requests share a system prompt), whose blocks the prefix cache holds. With
-        ``chat``, the prompt is a user message, and the answer's first-token hold (the
-        output filter's) is kept in ``holds``."""
+    async def steps(self, after: int) -> dict[str, Any]:
+        """The replica's step log after step ``after`` and its engine (``GET /v1/steps``)."""
+        r = await self.client.get(f"{self.replica}/v1/steps", params={"after": after},
+                                  headers=self.replica_headers or None)  # fmt: skip
+        if r.status_code == 401:
+            raise ServedProfileError(f"{self.replica} wants its replica key for GET /v1/steps: "
+                                     "give --replica-api-key (or $SENDPATH_REPLICA_API_KEY), "
+                                     "as `sendpath serve` was given it")  # fmt: skip
+        if r.status_code != 200:
+            raise ServedProfileError(f"{self.replica} has no step log (GET /v1/steps: "
+                                     f"{r.status_code})")  # fmt: skip
+        found: dict[str, Any] = r.json()
+        return found
+
+    async def one(self, model: str, tokens: int, answer: int, first: asyncio.Event | None = None,
+                  cached_prefix: bool = False, chat: bool = False) -> float:  # fmt: skip
+        """One streamed request of about ``tokens`` words (the step log has the exact
+        count), after the cached preamble with ``cached_prefix``; a user message with
+        ``chat``, whose first token's hold by the output filter goes in ``holds``. Sets
+        ``first`` at its first token; returns the seconds to it, as the client saw them."""
         sent, ttft = time.perf_counter(), 0.0
-        if cached_prefix:
-            rest = random_text(self.rng, max(1, prompt_tokens - 1 - PREAMBLE_WORDS))
-            prompt = f"{self.preamble} {rest}"
-        else:
-            prompt = random_text(self.rng, max(1, prompt_tokens - 1))
+        prompt = random_text(self.rng, max(1, tokens - 1 - PREAMBLE * cached_prefix))
+        prompt = f"{self.preamble} {prompt}" if cached_prefix else prompt
         body: dict[str, Any] = {"model": model, "max_tokens": answer, "ignore_eos": True,
                                 "temperature": 0, "stream": True}  # fmt: skip
-        if chat:
-            body["messages"] = [{"role": "user", "content": prompt}]
-        else:
-            body["prompt"] = prompt
-        path = "/v1/chat/completions" if chat else "/v1/completions"
+        body.update({"messages": [{"role": "user", "content": prompt}]} if chat else
+                    {"prompt": prompt})  # fmt: skip
         try:
+            path = "/v1/chat/completions" if chat else "/v1/completions"
             async with self.client.stream("POST", path, json=body) as r:
                 if r.status_code != 200:
                     text = (await r.aread()).decode(errors="replace")
-                    raise ServedProfileError(
-                        f"a request was refused ({r.status_code}): {text[:300]}"
-                    )
+                    raise ServedProfileError(f"a request was refused ({r.status_code}): "
+                                             f"{text[:300]}")  # fmt: skip
                 async for line in r.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    if not ttft:
+                    if line.startswith("data:") and not ttft:
                         ttft = time.perf_counter() - sent
                         if first is not None:
                             first.set()
@@ -114,31 +108,22 @@ class LoadDriver:
         return ttft
 
     async def cache_preamble(self, model: str) -> None:
-        """A short request that starts with the preamble, so that its blocks are cached
-        for the ``cached_prefix`` requests after it."""
+        """A short request that starts with the preamble: its blocks are cached after."""
         await self.one(model, 8, 2, cached_prefix=True)
 
-    async def load(self, model: str, count: int, prompt_tokens: int, answer: int) -> float:
-        """``count`` requests: one first, the others once it decodes (so their prefills
-        share steps with its decodes: mixed steps, whatever the token budget). Returns
-        the first one's time to first token."""
-        first = asyncio.Event()
-        leader = asyncio.create_task(self.one(model, prompt_tokens, answer, first))
-        if count > 1:
-            await first.wait()
-            await asyncio.gather(
-                *(self.one(model, prompt_tokens, answer) for _ in range(count - 1))
-            )
-        return await leader
-
-    async def riders(self, model: str, count: int, late: tuple[int, ...], answer: int) -> None:
-        """``count`` short requests, then, once they all decode, one prompt of each
-        ``late`` size at a time (two tokens of answer each), whose prefills ride with
-        their decodes."""
-        started = [asyncio.Event() for _ in range(count)]
-        riding = [asyncio.create_task(self.one(model, RIDER_PROMPT, answer, first))
-                  for first in started]  # fmt: skip
-        await asyncio.gather(*(first.wait() for first in started))
-        for tokens in late:
-            await self.one(model, tokens, 2)
-        await asyncio.gather(*riding)
+    async def run(self, model: str, load: Load) -> float:
+        """Send ``load`` as the in-process profiler runs it; the first request's seconds to
+        its first token. Its first request (riders: all of them) goes first; once it
+        decodes, the others at once, or (riders) each late prompt alone beside them."""
+        started = [asyncio.Event() for _ in range(load.count if load.late else 1)]
+        one = partial(self.one, model, load.tokens, load.answer)
+        first = [asyncio.create_task(one(event, load.cached_prefix)) for event in started]
+        try:
+            await asyncio.gather(*(event.wait() for event in started))
+            for tokens in load.late:
+                await self.one(model, tokens, 2)
+            await asyncio.gather(*(one() for _ in range(0 if load.late else load.count - 1)))
+        except BaseException:
+            await asyncio.gather(*first, return_exceptions=True)  # theirs are not left unread
+            raise
+        return (await asyncio.gather(*first))[0]
