@@ -42,8 +42,11 @@ _GGUF_QUANTS = {
 
 
 def read_gguf(
-    path: Path,
+    path: Path, dtype: torch.dtype = torch.float32
 ) -> tuple[LlamaConfig, dict[str, torch.Tensor], Tokenizer, str, dict[str, Codes]]:
+    """The file's config, weights (each dequantized and turned into ``dtype`` one tensor at
+    a time, so no float32 copy of the whole model exists), tokenizer, name, and the
+    four-bit tensors' own codes."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -73,7 +76,8 @@ def read_gguf(
     n_heads = int(key("attention.head_count"))
     n_kv = int(key("attention.head_count_kv", n_heads))
     hidden = int(key("embedding_length"))
-    tensors: dict[str, np.ndarray[Any, Any]] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    freq_factors = None  # Llama 3.1's rope_freqs, kept in float32
     four_bit: dict[str, Codes] = {}  # the Q4_0 / Q4_1 tensors' own codes, by GGUF name
     for t in reader.tensors:
         if t.tensor_type.name not in _GGUF_QUANTS:
@@ -81,7 +85,13 @@ def read_gguf(
                 f"{path.name}: tensor {t.name} uses quantization {t.tensor_type.name}, "
                 f"which sendpath cannot dequantize; supported: {sorted(_GGUF_QUANTS)}."
             )
-        tensors[t.name] = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a copy
+        values = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if not values.flags.writeable:  # an F32 tensor's values: a view of the mapped file
+            values = values.copy()
+        if t.name == "rope_freqs.weight":
+            freq_factors = values
+        tensors[t.name] = torch.from_numpy(values).to(dtype)  # float32: the same memory
+        del values
         if t.tensor_type.name in ("Q4_0", "Q4_1") and len(t.data.shape) == 2:
             read = q4_1_codes if t.tensor_type.name == "Q4_1" else q4_0_codes
             four_bit[t.name] = read(t.data)
@@ -98,7 +108,7 @@ def read_gguf(
         rope_theta=float(key("rope.freq_base", 10000.0)),
         max_position_embeddings=int(key("context_length")),
         tie_word_embeddings="output.weight" not in tensors,
-        rope_scaling=_gguf_rope_scaling(meta, arch, tensors.get("rope_freqs.weight")),
+        rope_scaling=_gguf_rope_scaling(meta, arch, freq_factors),
         architecture=arch,
         qkv_bias=arch == "qwen2",
         qk_norm=arch == "qwen3",
@@ -107,17 +117,17 @@ def read_gguf(
     # pairs neighbours); Qwen's keep Hugging Face's order
     permuted = arch == "llama"
 
-    def unpermute(w: np.ndarray[Any, Any], heads: int) -> torch.Tensor:
+    def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
         # llama.cpp stored rows as (head, Dh/2, 2); HF's rotate-half layout is (head, 2, Dh/2).
         rows = w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:])
-        return torch.from_numpy(np.ascontiguousarray(rows.swapaxes(1, 2)).reshape(w.shape))
+        return rows.transpose(1, 2).contiguous().reshape(w.shape)
 
     weights = {
-        "embed_tokens.weight": torch.from_numpy(tensors["token_embd.weight"]),
-        "norm.weight": torch.from_numpy(tensors["output_norm.weight"]),
+        "embed_tokens.weight": tensors.pop("token_embd.weight"),
+        "norm.weight": tensors.pop("output_norm.weight"),
     }
     if "output.weight" in tensors:
-        weights["lm_head.weight"] = torch.from_numpy(tensors["output.weight"])
+        weights["lm_head.weight"] = tensors.pop("output.weight")
     names = {
         "attn_output": "self_attn.o_proj",
         "ffn_gate": "mlp.gate_proj",
@@ -131,20 +141,17 @@ def read_gguf(
         for i in range(config.num_layers):
             src, dst = f"blk.{i}.", f"layers.{i}."
             for g, h, heads in (("attn_q", "q_proj", n_heads), ("attn_k", "k_proj", n_kv)):
-                w = tensors[src + g + ".weight"]
-                weights[dst + f"self_attn.{h}.weight"] = (
-                    unpermute(w, heads) if permuted else torch.from_numpy(w)
-                )
+                w = tensors.pop(src + g + ".weight")
+                weights[dst + f"self_attn.{h}.weight"] = unpermute(w, heads) if permuted else w
             for g, h in names.items():
-                weights[dst + h + ".weight"] = torch.from_numpy(tensors[src + g + ".weight"])
+                weights[dst + h + ".weight"] = tensors.pop(src + g + ".weight")
             if config.qkv_bias:
                 for n in "qkv":
-                    bias = tensors[src + f"attn_{n}.bias"]
-                    weights[dst + f"self_attn.{n}_proj.bias"] = torch.from_numpy(bias)
+                    weights[dst + f"self_attn.{n}_proj.bias"] = tensors.pop(src + f"attn_{n}.bias")
             if config.qk_norm:
                 for n in "qk":
-                    norm = tensors[src + f"attn_{n}_norm.weight"]
-                    weights[dst + f"self_attn.{n}_norm.weight"] = torch.from_numpy(norm)
+                    norm = tensors.pop(src + f"attn_{n}_norm.weight")
+                    weights[dst + f"self_attn.{n}_norm.weight"] = norm
     except KeyError as exc:
         raise ModelLoadError(
             f"{path.name}: missing tensor {exc.args[0]}; the file is incomplete."

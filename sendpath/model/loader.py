@@ -128,9 +128,9 @@ def load_model(
         )
     codes: dict[str, Codes] = {}
     if model_path.is_dir():
-        config, weights, tokenizer, name = _read_hf_dir(model_path)
+        config, weights, tokenizer, name = _read_hf_dir(model_path, DTYPES[dtype])
     else:
-        config, weights, tokenizer, name, codes = read_gguf(model_path)
+        config, weights, tokenizer, name, codes = read_gguf(model_path, DTYPES[dtype])
     with torch.device("meta"):
         model = LlamaModel(config)
     model = _materialize(model, weights, DTYPES[dtype], dev)
@@ -142,33 +142,36 @@ def load_model(
 def _materialize(
     model: LlamaModel, weights: dict[str, torch.Tensor], dtype: torch.dtype, dev: torch.device
 ) -> LlamaModel:
-    """Move a meta-device model onto ``dev`` with the given weights (names in our layout)."""
+    """Move a meta-device model onto ``dev`` with the given weights (names in our layout).
+    Each part goes from ``weights`` as it is fused (q/k/v, gate/up), so the parts and the
+    fused tensors never all exist at once."""
     cfg = model.config
+    take = weights.pop
+    head = weights["embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
     fused: dict[str, torch.Tensor] = {
-        "embed_tokens.weight": weights["embed_tokens.weight"],
-        "norm.weight": weights["norm.weight"],
+        "embed_tokens.weight": take("embed_tokens.weight"),
+        "norm.weight": take("norm.weight"),
+        "lm_head.weight": head,
     }
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         fused[p + "self_attn.qkv_proj.weight"] = torch.cat(
-            [weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]
+            [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
         )
-        fused[p + "self_attn.o_proj.weight"] = weights[p + "self_attn.o_proj.weight"]
+        fused[p + "self_attn.o_proj.weight"] = take(p + "self_attn.o_proj.weight")
         if cfg.qkv_bias:
             fused[p + "self_attn.qkv_bias"] = torch.cat(
-                [weights[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]
+                [take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
             )
         if cfg.qk_norm:
             for n in "qk":
-                fused[p + f"self_attn.{n}_norm.weight"] = weights[p + f"self_attn.{n}_norm.weight"]
+                fused[p + f"self_attn.{n}_norm.weight"] = take(p + f"self_attn.{n}_norm.weight")
         fused[p + "mlp.gate_up_proj.weight"] = torch.cat(
-            [weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]
+            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
         )
-        fused[p + "mlp.down_proj.weight"] = weights[p + "mlp.down_proj.weight"]
+        fused[p + "mlp.down_proj.weight"] = take(p + "mlp.down_proj.weight")
         for norm in ("input_layernorm", "post_attention_layernorm"):
-            fused[p + norm + ".weight"] = weights[p + norm + ".weight"]
-    head = weights["embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
-    fused["lm_head.weight"] = head
+            fused[p + norm + ".weight"] = take(p + norm + ".weight")
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     for key, shape in expected.items():
         if key not in fused:
@@ -179,8 +182,9 @@ def _materialize(
                 "the checkpoint does not match its config."
             )
     model = model.to_empty(device=dev)
-    state = {k: v.to(device=dev, dtype=dtype).contiguous() for k, v in fused.items()}
-    model.load_state_dict(state, strict=False, assign=True)
+    for key in list(fused):  # one tensor at a time onto the device (a no-op on the CPU)
+        fused[key] = fused[key].to(device=dev, dtype=dtype).contiguous()
+    model.load_state_dict(fused, strict=False, assign=True)
     model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(
         dev
     )  # buffers built on "meta" hold no values
@@ -194,8 +198,12 @@ def _materialize(
 # ----------------------------------------------------------------------------- HF directory
 
 
-def _read_hf_dir(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], Tokenizer, str]:
-    from safetensors.torch import load_file
+def _read_hf_dir(
+    path: Path, dtype: torch.dtype
+) -> tuple[LlamaConfig, dict[str, torch.Tensor], Tokenizer, str]:
+    """The directory's config, weights (each read in ``dtype`` as it comes off the file),
+    tokenizer and name."""
+    from safetensors import safe_open
 
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -241,13 +249,14 @@ def _read_hf_dir(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], Toke
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{str(path)!r} has no *.safetensors weight files.")
-    state: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor] = {}
     for f in files:
         try:
-            state.update(load_file(str(f)))
+            with safe_open(str(f), framework="pt") as opened:
+                for key in opened.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    weights[key.removeprefix("model.")] = opened.get_tensor(key).to(dtype)
         except Exception as exc:  # safetensors raises its own SafetensorError
             raise ModelLoadError(f"Could not read weights from {f}: {exc}") from exc
-    weights = {k.removeprefix("model."): v.float() for k, v in state.items()}
     tokenizer = tokenizer_from_hf_dir(path, raw)
     return config, weights, tokenizer, path.name
 
