@@ -1,0 +1,131 @@
+"""The overloaded scenario, sized from what the server can do: probe, then offer twice that.
+
+A fixed rate overloads one machine and idles another (16/s once left a CPU server's batch
+of 64 half full, so decode, not the queue, dominated). The probe measures the capacity
+first: bursts of ``c`` requests sent at once (c = 4, 8, 16, ... up to ``MAX_PROBE``), each
+level's throughput ``c / makespan``; once doubling ``c`` no longer raises it by
+``SATURATED`` (the batch is full: more requests only wait), the best level's throughput is
+the capacity ``mu`` (requests/s) and its median latency the service time ``S`` (a request's
+time in a full batch).
+
+Then requests arrive (Poisson) at ``OVERLOAD`` x ``mu`` for a window of ``T`` seconds.
+The backlog grows by ``(OVERLOAD - 1) * mu`` a second, so a request arriving at ``t``
+waits about ``(OVERLOAD - 1) * t``: the last waits ``(OVERLOAD - 1) * T``, the mean is
+half that. ``T`` makes the mean wait ``QUEUE_OVER_SERVICE`` x ``S``, so the queue outweighs
+everything else a request does, except that the longest wait is kept under
+``MAX_WAIT_S`` (a sendpath gateway refuses requests after 30 s in its queue,
+``--queue-timeout``). Where ``S`` is so long that this cap bites hardest (over
+``MAX_WAIT_S / 2``), the mean wait cannot exceed the service time; the report's
+``overload`` says so.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from sendpath.bench.runner import Load, run
+from sendpath.bench.workload import LengthSpec, build
+
+__all__ = ["OVERLOAD", "OverloadPlan", "ProbeLevel", "plan", "probe"]
+
+OVERLOAD = 2.0  # offered load / measured capacity
+QUEUE_OVER_SERVICE = 2.0  # the mean queue wait aimed at, in service times
+MAX_WAIT_S = 20.0  # the longest wait aimed at: under a sendpath gateway's 30 s queue timeout
+FIRST_PROBE = 4
+MAX_PROBE = 256  # requests at once; a server with more room is measured at this level
+SATURATED = 1.15  # doubling the burst must raise the throughput this much to go on
+MAX_REQUESTS = 2000  # the backlog (about half of them) stays under a gateway's 1,024 queue
+PROBE_SEED = 1_000_003  # probe prompts differ from the run's (no prefix-cache head start)
+
+
+@dataclass(frozen=True)
+class ProbeLevel:
+    """One burst of the probe: ``concurrency`` requests sent at once."""
+
+    concurrency: int
+    requests_per_s: float
+    median_latency_s: float
+
+
+@dataclass(frozen=True)
+class OverloadPlan:
+    """What the probe measured and the load sized from it."""
+
+    probe: tuple[ProbeLevel, ...]
+    capacity_rps: float  # the best probe level's throughput
+    service_s: float  # that level's median latency
+    offered_rps: float
+    window_s: float  # arrivals span about this long
+    num_requests: int
+    expected_mean_wait_s: float  # (OVERLOAD - 1) * window / 2, from the plan (not measured)
+
+    @property
+    def factor(self) -> float:
+        return self.offered_rps / self.capacity_rps
+
+    def report(self) -> dict[str, Any]:
+        """The plan as the JSON report's ``overload`` entry."""
+        out = asdict(self)
+        out["probe"] = [asdict(level) for level in self.probe]
+        out["offered_over_capacity"] = round(self.factor, 3)
+        out["summary"] = self.describe()
+        return out
+
+    def describe(self) -> str:
+        """One line: offered load against capacity, and how the probe found it."""
+        levels = ", ".join(f"{p.concurrency}: {p.requests_per_s:.2f}/s" for p in self.probe)
+        return (
+            f"offered {self.offered_rps:.2f} requests/s = {self.factor:.1f}x the measured "
+            f"capacity of {self.capacity_rps:.2f}/s, {self.num_requests} requests over "
+            f"{self.window_s:.0f} s (probe, requests at once: {levels}; service time "
+            f"{self.service_s:.1f} s, expected mean queue wait {self.expected_mean_wait_s:.1f} s)"
+        )
+
+
+def plan(levels: list[ProbeLevel], num_requests: int | None = None) -> OverloadPlan:
+    """The overload for these probe results (``num_requests``: a fixed count instead)."""
+    if not levels:
+        raise ValueError("the capacity probe measured nothing")
+    best = max(levels, key=lambda p: p.requests_per_s)
+    mu, service = best.requests_per_s, best.median_latency_s
+    offered = OVERLOAD * mu
+    window = min(2 * QUEUE_OVER_SERVICE * service, MAX_WAIT_S) / (OVERLOAD - 1)
+    n = num_requests or min(MAX_REQUESTS, max(2, math.ceil(offered * window)))
+    window = n / offered
+    return OverloadPlan(tuple(levels), mu, service, offered, window, n, (OVERLOAD - 1) * window / 2)
+
+
+async def probe(
+    url: str,
+    model: str,
+    input_len: LengthSpec,
+    output_len: LengthSpec,
+    api_key: str | None = None,
+    extra: dict[str, object] | None = None,
+    on_level: Callable[[ProbeLevel], None] = lambda p: None,
+) -> list[ProbeLevel]:
+    """Bursts of 4, 8, 16, ... requests at once until the throughput stops rising."""
+    levels: list[ProbeLevel] = []
+    c = FIRST_PROBE
+    while c <= MAX_PROBE:
+        burst = build("random", c, input_len, output_len, PROBE_SEED + c)
+        results, duration = await run(url, model, burst, Load(concurrency=c), api_key, extra)
+        failed = [r for r in results if not r.success]
+        if failed:
+            raise ValueError(
+                f"the capacity probe's {len(failed)} of {c} requests failed: {failed[0].error}"
+            )
+        level = ProbeLevel(
+            c, c / max(duration, 1e-9), statistics.median(r.latency for r in results)
+        )
+        on_level(level)
+        best = max((p.requests_per_s for p in levels), default=0.0)
+        levels.append(level)
+        if best and level.requests_per_s < SATURATED * best:
+            break
+        c *= 2
+    return levels

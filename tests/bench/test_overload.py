@@ -1,0 +1,74 @@
+"""The overloaded scenario: a capacity probe, then twice that load, against a real server
+(a replica of the tiny model whose batch holds 2 sequences, behind a gateway)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sendpath.bench.overload import MAX_WAIT_S, OVERLOAD, ProbeLevel, plan
+from sendpath.cli import main
+from sendpath.model.loader import LoadedModel
+from tests.gateway.conftest import gateway
+from tests.server.conftest import Server, serve
+
+
+@pytest.fixture(scope="module")
+def small_batch(tiny: LoadedModel) -> Iterator[Server]:
+    with serve(tiny, max_num_seqs=2) as s:
+        yield s
+
+
+def test_plan_offers_twice_the_best_level_for_a_queue_of_two_service_times() -> None:
+    levels = [ProbeLevel(4, 2.0, 1.5), ProbeLevel(8, 4.0, 2.0), ProbeLevel(16, 4.2, 3.5)]
+    p = plan(levels)
+    assert OVERLOAD == 2.0 and p.capacity_rps == 4.2 and p.service_s == 3.5
+    # mean wait = 2 x 3.5 s -> window 14 s -> 8.4/s x 14 s = 117.6 -> 118 requests
+    assert p.offered_rps == pytest.approx(8.4) and p.num_requests == 118
+    assert p.window_s == pytest.approx(118 / 8.4)
+    assert p.expected_mean_wait_s == pytest.approx(p.window_s / 2)
+    # a slow server: the longest wait stays under the cap, so fewer requests
+    slow = plan([ProbeLevel(64, 2.0, 30.0)])
+    assert slow.num_requests == 4 * MAX_WAIT_S and slow.window_s == MAX_WAIT_S
+    assert plan(levels, num_requests=10).num_requests == 10
+    assert "8.40 requests/s = 2.0x the measured capacity of 4.20/s" in p.describe()
+    with pytest.raises(ValueError, match="measured nothing"):
+        plan([])
+
+
+def test_overloaded_scenario_probes_then_offers_twice_the_capacity(
+    small_batch: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "overloaded.json"
+    with gateway(small_batch, tmp_path / "gw") as gw:
+        argv = ["bench", "--url", gw.url, "--api-key", gw.key("bench"),
+                "--scenario", "overloaded", "--json", str(out)]  # fmt: skip
+        assert main(argv) == 0
+    report: dict[str, Any] = json.loads(out.read_text())
+    overload = report["overload"]
+    probed = [level["concurrency"] for level in overload["probe"]]
+    assert probed[:2] == [4, 8] and probed == [4 * 2**i for i in range(len(probed))]
+    assert overload["capacity_rps"] == max(lv["requests_per_s"] for lv in overload["probe"])
+    assert overload["offered_rps"] == pytest.approx(2 * overload["capacity_rps"])
+    assert overload["offered_over_capacity"] == 2.0
+    assert report["request_rate"] == overload["offered_rps"]
+    assert report["completed"] == overload["num_requests"] and report["failed"] == 0
+    printed = capsys.readouterr()
+    assert "capacity probe: 4 requests at once" in printed.err
+    assert "2.0x the measured capacity" in printed.out and "dominated" in printed.out
+
+
+def test_a_given_rate_skips_the_probe(
+    small_batch: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "given.json"
+    argv = ["bench", "--url", small_batch.url, "--scenario", "overloaded", "--rate", "50",
+            "--num-requests", "4", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert "overload" not in report and report["request_rate"] == 50.0
+    assert report["completed"] == 4 and "capacity probe" not in capsys.readouterr().err
