@@ -199,6 +199,10 @@ def _size_overload(
             f"{level.requests_per_s:.2f} requests/s (median {level.median_latency_s:.1f} s)"
         )
 
+    console.print(
+        "capacity probe: one warm-up request, then bursts of 4, 8, 16, ... requests at once "
+        "until the throughput stops rising"
+    )
     levels = asyncio.run(probe(args.url, model, input_len, output_len, args.api_key, extra, show))
     return plan(levels, args.num_requests)
 

@@ -6,7 +6,8 @@ first: bursts of ``c`` requests sent at once (c = 4, 8, 16, ... up to ``MAX_PROB
 level's throughput ``c / makespan``; once doubling ``c`` no longer raises it by
 ``SATURATED`` (the batch is full: more requests only wait), the best level's throughput is
 the capacity ``mu`` (requests/s) and its median latency the service time ``S`` (a request's
-time in a full batch).
+time in a full batch). One request runs first, uncounted: a server's first steps can be
+slow (weights re-laid out, caches filled).
 
 Then requests arrive (Poisson) at ``OVERLOAD`` x ``mu`` for a window of ``T`` seconds.
 The backlog grows by ``(OVERLOAD - 1) * mu`` a second, so a request arriving at ``t``
@@ -14,9 +15,15 @@ waits about ``(OVERLOAD - 1) * t``: the last waits ``(OVERLOAD - 1) * T``, the m
 half that. ``T`` makes the mean wait ``QUEUE_OVER_SERVICE`` x ``S``, so the queue outweighs
 everything else a request does, except that the longest wait is kept under
 ``MAX_WAIT_S`` (a sendpath gateway refuses requests after 30 s in its queue,
-``--queue-timeout``). Where ``S`` is so long that this cap bites hardest (over
-``MAX_WAIT_S / 2``), the mean wait cannot exceed the service time; the report's
-``overload`` says so.
+``--queue-timeout``). Where ``S`` is longer than ``MAX_WAIT_S / 2`` (a slow or busy
+machine), the mean wait cannot exceed the service time; the plan's ``queue_can_dominate``
+and its summary say so (shorter requests, ``--input-len`` / ``--output-len``, help).
+
+A queue forms only where the server stops admitting: a sendpath gateway forwards 64
+requests per replica (``--max-inflight-per-replica``) and the engine batches 64. A CPU's
+throughput can top out at a smaller batch (measured here: 16 at once on a busy 2-core
+host), so during the overload the batch fills past the best probe level and each request
+spends longer in it than ``S``; decode can then still dominate, and the report shows it.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from sendpath.bench.client import RequestResult
 from sendpath.bench.runner import Load, run
 from sendpath.bench.workload import LengthSpec, build
 
@@ -67,23 +75,36 @@ class OverloadPlan:
     def factor(self) -> float:
         return self.offered_rps / self.capacity_rps
 
+    @property
+    def queue_can_dominate(self) -> bool:
+        """Whether the planned mean wait exceeds a request's service time."""
+        return self.expected_mean_wait_s > self.service_s
+
     def report(self) -> dict[str, Any]:
         """The plan as the JSON report's ``overload`` entry."""
         out = asdict(self)
         out["probe"] = [asdict(level) for level in self.probe]
         out["offered_over_capacity"] = round(self.factor, 3)
+        out["queue_can_dominate"] = self.queue_can_dominate
         out["summary"] = self.describe()
         return out
 
     def describe(self) -> str:
         """One line: offered load against capacity, and how the probe found it."""
         levels = ", ".join(f"{p.concurrency}: {p.requests_per_s:.2f}/s" for p in self.probe)
-        return (
+        line = (
             f"offered {self.offered_rps:.2f} requests/s = {self.factor:.1f}x the measured "
             f"capacity of {self.capacity_rps:.2f}/s, {self.num_requests} requests over "
             f"{self.window_s:.0f} s (probe, requests at once: {levels}; service time "
             f"{self.service_s:.1f} s, expected mean queue wait {self.expected_mean_wait_s:.1f} s)"
         )
+        if not self.queue_can_dominate:
+            line += (
+                f". A request's own {self.service_s:.1f} s outlasts the mean wait a queue may "
+                f"build before a gateway's 30 s timeout, so the queue cannot dominate here: "
+                f"shorter requests (--input-len, --output-len) would let it"
+            )
+        return line
 
 
 def plan(levels: list[ProbeLevel], num_requests: int | None = None) -> OverloadPlan:
@@ -108,17 +129,17 @@ async def probe(
     extra: dict[str, object] | None = None,
     on_level: Callable[[ProbeLevel], None] = lambda p: None,
 ) -> list[ProbeLevel]:
-    """Bursts of 4, 8, 16, ... requests at once until the throughput stops rising."""
+    """Bursts of 4, 8, 16, ... requests at once until the throughput stops rising (after
+    one uncounted request)."""
+    warm_up = build("random", 1, input_len, output_len, PROBE_SEED)
+    results, _ = await run(url, model, warm_up, Load(concurrency=1), api_key, extra)
+    _check(results)
     levels: list[ProbeLevel] = []
     c = FIRST_PROBE
     while c <= MAX_PROBE:
         burst = build("random", c, input_len, output_len, PROBE_SEED + c)
         results, duration = await run(url, model, burst, Load(concurrency=c), api_key, extra)
-        failed = [r for r in results if not r.success]
-        if failed:
-            raise ValueError(
-                f"the capacity probe's {len(failed)} of {c} requests failed: {failed[0].error}"
-            )
+        _check(results)
         level = ProbeLevel(
             c, c / max(duration, 1e-9), statistics.median(r.latency for r in results)
         )
@@ -129,3 +150,12 @@ async def probe(
             break
         c *= 2
     return levels
+
+
+def _check(results: list[RequestResult]) -> None:
+    failed = [r for r in results if not r.success]
+    if failed:
+        raise ValueError(
+            f"the capacity probe's {len(failed)} of {len(results)} requests failed: "
+            f"{failed[0].error}"
+        )

@@ -31,9 +31,13 @@ def test_plan_offers_twice_the_best_level_for_a_queue_of_two_service_times() -> 
     assert p.offered_rps == pytest.approx(8.4) and p.num_requests == 118
     assert p.window_s == pytest.approx(118 / 8.4)
     assert p.expected_mean_wait_s == pytest.approx(p.window_s / 2)
-    # a slow server: the longest wait stays under the cap, so fewer requests
+    assert p.queue_can_dominate and "cannot dominate" not in p.describe()
+    # a slow server: the longest wait stays under the cap, so fewer requests, and a mean
+    # wait (10 s) shorter than the service time (30 s), which the summary says
     slow = plan([ProbeLevel(64, 2.0, 30.0)])
     assert slow.num_requests == 4 * MAX_WAIT_S and slow.window_s == MAX_WAIT_S
+    assert not slow.queue_can_dominate and "the queue cannot dominate here" in slow.describe()
+    assert slow.report()["queue_can_dominate"] is False
     assert plan(levels, num_requests=10).num_requests == 10
     assert "8.40 requests/s = 2.0x the measured capacity of 4.20/s" in p.describe()
     with pytest.raises(ValueError, match="measured nothing"):
