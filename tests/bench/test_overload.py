@@ -24,12 +24,13 @@ def small_batch(tiny: LoadedModel) -> Iterator[Server]:
 
 
 def test_plan_offers_twice_the_best_level_for_a_queue_of_two_service_times() -> None:
-    levels = [ProbeLevel(4, 2.0, 1.5), ProbeLevel(8, 4.0, 2.0), ProbeLevel(16, 4.2, 3.5)]
+    levels = [ProbeLevel(4, 2.0, 1.5), ProbeLevel(8, 4.0, 2.0), ProbeLevel(16, 3.9, 4.1)]
     p = plan(levels)
-    assert OVERLOAD == 2.0 and p.capacity_rps == 4.2 and p.service_s == 3.5
-    # mean wait = 2 x 3.5 s -> window 14 s -> 8.4/s x 14 s = 117.6 -> 118 requests
-    assert p.offered_rps == pytest.approx(8.4) and p.num_requests == 118
-    assert p.window_s == pytest.approx(118 / 8.4)
+    # capacity: the best level; service time: the last (saturated) level's latency
+    assert OVERLOAD == 2.0 and p.capacity_rps == 4.0 and p.service_s == 4.1
+    # mean wait = 2 x 4.1 s -> window 16.4 s -> 8/s x 16.4 s = 131.2 -> 132 requests
+    assert p.offered_rps == pytest.approx(8.0) and p.num_requests == 132
+    assert p.window_s == pytest.approx(132 / 8.0)
     assert p.expected_mean_wait_s == pytest.approx(p.window_s / 2)
     assert p.queue_can_dominate and "cannot dominate" not in p.describe()
     # a slow server: the longest wait stays under the cap, so fewer requests, and a mean
@@ -39,7 +40,7 @@ def test_plan_offers_twice_the_best_level_for_a_queue_of_two_service_times() -> 
     assert not slow.queue_can_dominate and "the queue cannot dominate here" in slow.describe()
     assert slow.report()["queue_can_dominate"] is False
     assert plan(levels, num_requests=10).num_requests == 10
-    assert "8.40 requests/s = 2.0x the measured capacity of 4.20/s" in p.describe()
+    assert "8.00 requests/s = 2.0x the measured capacity of 4.00/s" in p.describe()
     with pytest.raises(ValueError, match="measured nothing"):
         plan([])
 
