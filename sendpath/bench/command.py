@@ -194,9 +194,11 @@ def _size_overload(
     """Probe the server's capacity with the scenario's requests; the load twice that."""
 
     def show(level: ProbeLevel) -> None:
+        refused = f", {level.refused} refused: saturated" if level.refused else ""
         console.print(
             f"capacity probe: {level.concurrency} requests at once -> "
             f"{level.requests_per_s:.2f} requests/s (median {level.median_latency_s:.1f} s)"
+            + refused
         )
 
     console.print(

@@ -4,11 +4,12 @@ A fixed rate overloads one machine and idles another (16/s once left a CPU serve
 of 64 half full, so decode, not the queue, dominated). The probe measures the capacity
 first: bursts of ``c`` requests sent at once (c = 4, 8, 16, ... up to ``MAX_PROBE``), each
 level's throughput ``c / makespan``; once doubling ``c`` no longer raises it by
-``SATURATED`` (more requests only wait, in a queue or in a batch that grows no faster),
-the best level's throughput is the capacity ``mu`` (requests/s) and the last level's median
-latency the service time ``S`` (a request's time while the server holds more than it can
-speed up on). One request runs first, uncounted: a server's first steps can be slow
-(weights re-laid out, caches filled).
+``SATURATED`` (more requests only wait, in a queue or in a batch that grows no faster), or
+once the server turns some away (a sendpath gateway after 30 s in its queue: a burst of
+128 did on a busy 2-core host), the best level's throughput is the capacity ``mu``
+(requests/s) and the last fully served level's median latency the service time ``S`` (a
+request's time while the server holds more than it can speed up on). One request runs
+first, uncounted: a server's first steps can be slow (weights re-laid out, caches filled).
 
 Then requests arrive (Poisson) at ``OVERLOAD`` x ``mu`` for a window of ``T`` seconds.
 The backlog grows by ``(OVERLOAD - 1) * mu`` a second, so a request arriving at ``t``
@@ -58,6 +59,7 @@ class ProbeLevel:
     concurrency: int
     requests_per_s: float
     median_latency_s: float
+    refused: int = 0  # requests the server turned away (a full queue, or one timed out)
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,11 @@ class OverloadPlan:
 
     def describe(self) -> str:
         """One line: offered load against capacity, and how the probe found it."""
-        levels = ", ".join(f"{p.concurrency}: {p.requests_per_s:.2f}/s" for p in self.probe)
+        levels = ", ".join(
+            f"{p.concurrency}: {p.refused} refused" if p.refused else
+            f"{p.concurrency}: {p.requests_per_s:.2f}/s"
+            for p in self.probe
+        )  # fmt: skip
         line = (
             f"offered {self.offered_rps:.2f} requests/s = {self.factor:.1f}x the measured "
             f"capacity of {self.capacity_rps:.2f}/s, {self.num_requests} requests over "
@@ -110,10 +116,11 @@ class OverloadPlan:
 
 def plan(levels: list[ProbeLevel], num_requests: int | None = None) -> OverloadPlan:
     """The overload for these probe results (``num_requests``: a fixed count instead)."""
-    if not levels:
+    served = [p for p in levels if not p.refused]
+    if not served:
         raise ValueError("the capacity probe measured nothing")
-    mu = max(p.requests_per_s for p in levels)
-    service = levels[-1].median_latency_s
+    mu = max(p.requests_per_s for p in served)
+    service = served[-1].median_latency_s
     offered = OVERLOAD * mu
     window = min(2 * QUEUE_OVER_SERVICE * service, MAX_WAIT_S) / (OVERLOAD - 1)
     n = num_requests or min(MAX_REQUESTS, max(2, math.ceil(offered * window)))
@@ -130,8 +137,9 @@ async def probe(
     extra: dict[str, object] | None = None,
     on_level: Callable[[ProbeLevel], None] = lambda p: None,
 ) -> list[ProbeLevel]:
-    """Bursts of 4, 8, 16, ... requests at once until the throughput stops rising (after
-    one uncounted request)."""
+    """Bursts of 4, 8, 16, ... requests at once until the throughput stops rising or the
+    server refuses some (after one uncounted request). Raises ValueError when the first
+    burst already fails."""
     warm_up = build("random", 1, input_len, output_len, PROBE_SEED)
     results, _ = await run(url, model, warm_up, Load(concurrency=1), api_key, extra)
     _check(results)
@@ -140,11 +148,16 @@ async def probe(
     while c <= MAX_PROBE:
         burst = build("random", c, input_len, output_len, PROBE_SEED + c)
         results, duration = await run(url, model, burst, Load(concurrency=c), api_key, extra)
-        _check(results)
+        refused = sum(1 for r in results if not r.success)
+        if refused and not levels:
+            _check(results)
         level = ProbeLevel(
-            c, c / max(duration, 1e-9), statistics.median(r.latency for r in results)
+            c, c / max(duration, 1e-9), statistics.median(r.latency for r in results), refused
         )
         on_level(level)
+        if refused:  # saturated past doubt: it turns requests away
+            levels.append(level)
+            break
         best = max((p.requests_per_s for p in levels), default=0.0)
         levels.append(level)
         if best and level.requests_per_s < SATURATED * best:

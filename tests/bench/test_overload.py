@@ -3,18 +3,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from sendpath.bench.overload import MAX_WAIT_S, OVERLOAD, ProbeLevel, plan
+from sendpath.bench.overload import MAX_WAIT_S, OVERLOAD, ProbeLevel, plan, probe
+from sendpath.bench.workload import LengthSpec
 from sendpath.cli import main
 from sendpath.model.loader import LoadedModel
 from tests.gateway.conftest import gateway
-from tests.server.conftest import Server, serve
+from tests.server.conftest import Server, serve, serve_app
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +44,13 @@ def test_plan_offers_twice_the_best_level_for_a_queue_of_two_service_times() -> 
     assert not slow.queue_can_dominate and "the queue cannot dominate here" in slow.describe()
     assert slow.report()["queue_can_dominate"] is False
     assert plan(levels, num_requests=10).num_requests == 10
+    # a level the server partly refused ends the probe and does not count
+    refused = plan([*levels, ProbeLevel(32, 2.0, 30.0, refused=5)])
+    assert (refused.capacity_rps, refused.service_s) == (p.capacity_rps, p.service_s)
+    assert "32: 5 refused" in refused.describe()
     assert "8.00 requests/s = 2.0x the measured capacity of 4.00/s" in p.describe()
     with pytest.raises(ValueError, match="measured nothing"):
-        plan([])
+        plan([ProbeLevel(4, 1.0, 4.0, refused=1)])
 
 
 def test_overloaded_scenario_probes_then_offers_twice_the_capacity(
@@ -77,3 +85,34 @@ def test_a_given_rate_skips_the_probe(
     report = json.loads(out.read_text())
     assert "overload" not in report and report["request_rate"] == 50.0
     assert report["completed"] == 4 and "capacity probe" not in capsys.readouterr().err
+
+
+def refusing_after(served: int) -> FastAPI:
+    """A stand-in server that answers its first ``served`` requests, then only 503s."""
+    app = FastAPI()
+    count = 0
+
+    @app.post("/v1/chat/completions")
+    async def chat() -> Response:
+        nonlocal count
+        count += 1
+        if count > served:
+            return JSONResponse({"error": {"message": "busy"}}, status_code=503)
+
+        async def events() -> AsyncIterator[str]:
+            yield 'data: {"choices": [{"index": 0, "delta": {"content": " w"}}]}\n\n'
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def test_probe_stops_at_the_first_burst_the_server_refuses() -> None:
+    one = LengthSpec(1, 1)
+    with serve_app(refusing_after(1 + 4)) as url:  # the warm-up, then a burst of 4
+        levels = asyncio.run(probe(url, "m", one, one))
+    assert [(p.concurrency, p.refused) for p in levels] == [(4, 0), (8, 8)]
+    assert plan(levels).capacity_rps == levels[0].requests_per_s
+    with serve_app(refusing_after(1 + 2)) as url, pytest.raises(ValueError, match="2 of 4"):
+        asyncio.run(probe(url, "m", one, one))
