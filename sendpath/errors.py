@@ -12,6 +12,7 @@ __all__ = [
     "InternalServerError",
     "InvalidRequestError",
     "InvalidSamplingParamsError",
+    "MissingExtraError",
     "ModelLoadError",
     "ModelNotFoundError",
     "PromptTooLongError",
@@ -231,3 +232,10 @@ class RequestTimeoutError(SendpathError):
     type = "invalid_request_error"
     code = "request_timeout"
     status_code = 408
+
+
+class MissingExtraError(SendpathError):
+    """A feature's optional dependency is not installed; the message names the extra."""
+
+    type = "missing_extra"
+    code = "missing_extra"

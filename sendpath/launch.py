@@ -20,6 +20,7 @@ from sendpath.config import (
     GatewayConfig,
 )
 from sendpath.engine.args import engine_argv, engine_config
+from sendpath.extras import require
 
 __all__ = [
     "add_gateway_args",
@@ -49,7 +50,8 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         "--redis",
         default=None,
         metavar="URL",
-        help="share rate limits across gateway processes (default: in this process)",
+        help="share rate limits across gateway processes (default: in this process); "
+        "needs the redis extra: pip install 'sendpath[redis]'",
     )
     p.add_argument(
         "--replica-api-key",
@@ -180,6 +182,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     from sendpath.gateway.app import CONFIG_ENV, config_to_env, create_gateway_app
     from sendpath.gateway.safety import SafetyRulesError
 
+    if args.redis:
+        require("redis")
     try:
         config = gateway_config(args, args.replica)
         if args.workers < 1:
@@ -233,6 +237,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.model is not None and not Path(args.model).expanduser().exists():
         print(f"error: model path {args.model!r} does not exist.", file=sys.stderr)
         return 2
+    if args.redis:
+        require("redis")
     _log_setup()
     # only this gateway can use the local replicas: their key is given, or made here
     replica_key = replica_api_key(args) or secrets.token_urlsafe(32)

@@ -19,7 +19,7 @@ T = TypeVar("T")
 
 
 class Stage(StrEnum):
-    """The stages of a message's path, in order (DESIGN.md's stage table)."""
+    """The stages of a message's path, in order (docs/architecture.md's stage table)."""
 
     NETWORK = "network"
     GATEWAY_AUTH = "gateway.auth"

@@ -2,8 +2,9 @@
 
 ``--scenario`` picks one of the seed's three situations (flags given explicitly win):
 - ``quiet``: one user at a time, a short question, a long answer: decode should dominate.
-- ``overloaded``: requests arrive faster than the server can answer (16/s suits the
-  built-in model on a CPU; raise ``--rate`` for a GPU): the queue should dominate.
+- ``overloaded``: a short probe measures the server's capacity, then requests arrive at
+  twice that for long enough that the queue dominates (`sendpath.bench.overload`; a
+  ``--rate`` given skips the probe and offers that instead).
 - ``long-document``: a ~1,500-token pasted document, a short answer: prefill shows.
 """
 
@@ -22,17 +23,18 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from sendpath.bench.overload import OverloadPlan, ProbeLevel, plan, probe
 from sendpath.bench.report import GOODPUT_METRICS, dominant, summarize
 from sendpath.bench.runner import Load, run
 from sendpath.bench.workload import DATASETS, LengthSpec, build
+from sendpath.extras import require
 
 __all__ = ["SCENARIOS", "add_bench_args", "print_report", "run_bench", "served_model"]
 
 SCENARIOS: dict[str, dict[str, Any]] = {
     "quiet": {"dataset": "random", "concurrency": 1, "num_requests": 6,
               "input_len": "32", "output_len": "128"},
-    "overloaded": {"dataset": "random", "rate": 16.0, "num_requests": 48,
-                   "input_len": "64", "output_len": "64"},
+    "overloaded": {"dataset": "random", "input_len": "64", "output_len": "16"},
     "long-document": {"dataset": "long-document", "concurrency": 1, "num_requests": 3,
                       "input_len": "1500", "output_len": "32"},
 }  # fmt: skip
@@ -52,8 +54,18 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", choices=list(SCENARIOS), default=None)
     p.add_argument("--dataset", choices=DATASETS, default=None, help="default: random")
     p.add_argument("--concurrency", type=int, default=None, help="requests in flight (cap)")
-    p.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second")
-    p.add_argument("--num-requests", type=int, default=None, help="default: 100")
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="Poisson arrivals per second (--scenario overloaded: twice the probed capacity)",
+    )
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="default: 100 (--scenario overloaded: sized from the probe)",
+    )
     p.add_argument("--input-len", default=None, help="tokens: N or LOW-HIGH (default 128)")
     p.add_argument("--output-len", default=None, help="tokens: N or LOW-HIGH (default 128)")
     p.add_argument("--turns", type=int, default=4, help="turns per shared-prefix conversation")
@@ -69,7 +81,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         help="SLOs for goodput, e.g. ttft:500 tpot:50 (names: ttft, tpot, e2el)",
     )
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the report")
-    p.add_argument("--plot", type=Path, default=None, metavar="FILE.png", help="stage chart")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="FILE.png",
+        help="stage chart (needs the plot extra: pip install 'sendpath[plot]')",
+    )
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -78,9 +96,14 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("dataset", "concurrency", "rate", "num_requests", "input_len", "output_len"):
         given = getattr(args, name)
         out[name] = given if given is not None else preset.get(name, DEFAULTS.get(name))
-    if out["concurrency"] is None and out["rate"] is None:
+    if out["concurrency"] is None and out["rate"] is None and not _probing(args):
         out["concurrency"] = 1
     return out
+
+
+def _probing(args: argparse.Namespace) -> bool:
+    """The overloaded scenario sizes its load from a capacity probe unless --rate is given."""
+    return bool(args.scenario == "overloaded" and args.rate is None)
 
 
 def _goodput(specs: list[str] | None) -> dict[str, float] | None:
@@ -109,25 +132,28 @@ async def served_model(url: str, api_key: str | None) -> str:
 def run_bench(args: argparse.Namespace) -> int:
     """The `sendpath bench` command."""
     console = Console(stderr=True)
-    try:
-        s = _settings(args)
-        load = Load(s["concurrency"], s["rate"], args.seed)
-        slos = _goodput(args.goodput)
-        conversations = build(
-            s["dataset"],
-            s["num_requests"],
-            LengthSpec.parse(str(s["input_len"])),
-            LengthSpec.parse(str(s["output_len"])),
-            args.seed,
-            args.turns,
-        )
-        model = args.model or asyncio.run(served_model(args.url, args.api_key))
-    except (ValueError, httpx.HTTPError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    if args.plot is not None:
+        require("plot")
     extra: dict[str, object] = {"temperature": 0.0}
     if not args.no_ignore_eos:
         extra["ignore_eos"] = True
+    overload: OverloadPlan | None = None
+    try:
+        s = _settings(args)
+        slos = _goodput(args.goodput)
+        input_len = LengthSpec.parse(str(s["input_len"]))
+        output_len = LengthSpec.parse(str(s["output_len"]))
+        model = args.model or asyncio.run(served_model(args.url, args.api_key))
+        if _probing(args):
+            overload = _size_overload(args, model, input_len, output_len, extra, console)
+            s["rate"], s["num_requests"] = overload.offered_rps, overload.num_requests
+        load = Load(s["concurrency"], s["rate"], args.seed)
+        conversations = build(
+            s["dataset"], s["num_requests"], input_len, output_len, args.seed, args.turns
+        )
+    except (ValueError, httpx.HTTPError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(f"{s['dataset']} x {s['num_requests']}", total=s["num_requests"])
         results, duration = asyncio.run(
@@ -142,6 +168,8 @@ def run_bench(args: argparse.Namespace) -> int:
         max_concurrency=s["concurrency"],
         request_rate=s["rate"] if s["rate"] is not None else "inf",
     )
+    if overload is not None:
+        report["overload"] = overload.report()
     found = dominant(report["stages"])
     if found is not None:
         report["dominant_stage"] = found[0]
@@ -155,11 +183,39 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0 if report["completed"] else 1
 
 
+def _size_overload(
+    args: argparse.Namespace,
+    model: str,
+    input_len: LengthSpec,
+    output_len: LengthSpec,
+    extra: dict[str, object],
+    console: Console,
+) -> OverloadPlan:
+    """Probe the server's capacity with the scenario's requests; the load twice that."""
+
+    def show(level: ProbeLevel) -> None:
+        refused = f", {level.refused} refused: saturated" if level.refused else ""
+        console.print(
+            f"capacity probe: {level.concurrency} requests at once -> "
+            f"{level.requests_per_s:.2f} requests/s (median {level.median_latency_s:.1f} s)"
+            + refused
+        )
+
+    console.print(
+        "capacity probe: one warm-up request, then bursts of 4, 8, 16, ... requests at once "
+        "until the throughput stops rising"
+    )
+    levels = asyncio.run(probe(args.url, model, input_len, output_len, args.api_key, extra, show))
+    return plan(levels, args.num_requests)
+
+
 def print_report(report: dict[str, Any], console: Console, title: str = "sendpath bench") -> None:
     """The summary table, the stage table and the dominant stage."""
     table = Table(title=title, title_justify="left", box=None)
     table.add_column("metric")
     table.add_column("value", justify="right")
+    if "overload" in report:
+        console.print(report["overload"]["summary"])
     rows = [
         ("completed / failed", f"{report['completed']} / {report['failed']}"),
         ("duration s", f"{report['duration']:.2f}"),

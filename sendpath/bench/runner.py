@@ -22,6 +22,8 @@ from sendpath.bench.workload import Conversation
 
 __all__ = ["Load", "run"]
 
+MAX_OPEN = 2048  # connections of an open loop at most
+
 
 @dataclass(frozen=True)
 class Load:
@@ -50,7 +52,9 @@ async def run(
     """Run every conversation; returns the results and the wall time in seconds."""
     results: list[RequestResult] = []
     slots = asyncio.Semaphore(load.concurrency or 1_000_000)
-    connections = (load.concurrency or 256) + 8
+    # open loop: a connection for every request that may be outstanding, so none waits for
+    # one here (that wait would count as network); overloading a server needs hundreds
+    connections = (load.concurrency or min(max(len(conversations), 256), MAX_OPEN)) + 8
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=3600, limits=limits) as client:
 

@@ -16,6 +16,7 @@ from rich.console import Console
 from sendpath.bench.command import print_report
 from sendpath.bench.workload import LengthSpec
 from sendpath.config import SchedulerConfig
+from sendpath.extras import require
 from sendpath.router.policy import POLICIES
 from sendpath.sim.capacity import plan
 from sendpath.sim.cost_model import Calibrated
@@ -120,7 +121,13 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", type=Path, default=None, metavar="FILE")
-    p.add_argument("--plot", type=Path, default=None, metavar="FILE.png")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="FILE.png",
+        help="stage chart (needs the plot extra: pip install 'sendpath[plot]')",
+    )
 
 
 def build_run(args: argparse.Namespace) -> Run:
@@ -189,6 +196,8 @@ def run_sim(args: argparse.Namespace) -> int:
     """The `sendpath sim` command."""
     if args.action == "plan":
         return _plan(args)
+    if args.plot is not None:
+        require("plot")
     try:
         run = build_run(args)
         start = time.perf_counter()
