@@ -33,7 +33,6 @@ __all__ = [
     "Message",
     "TextPart",
     "TokenizeBody",
-    "chat_text",
     "content_text",
     "validate",
 ]
@@ -187,11 +186,6 @@ def content_text(content: str | list[TextPart] | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     return "".join(p.text for p in content)
-
-
-def chat_text(messages: list[Message]) -> str:
-    """Every message's text, one per line: what an input filter reads of a chat."""
-    return "\n".join(content_text(m.content) for m in messages)
 
 
 def validate(model: type[BaseModel], body: dict[str, Any]) -> Any:

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from sendpath.api.sse import sse_data
 from sendpath.bench.workload import random_text
 
 __all__ = ["PREAMBLE_WORDS", "RIDER_PROMPT", "LoadDriver", "ServedProfileError"]
@@ -99,15 +100,13 @@ class LoadDriver:
                     raise ServedProfileError(
                         f"a request was refused ({r.status_code}): {text[:300]}"
                     )
-                async for line in r.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
+                async for payload in sse_data(r.aiter_lines()):
                     if not ttft:
                         ttft = time.perf_counter() - sent
                         if first is not None:
                             first.set()
-                    if chat and '"first_token_held"' in line:  # the last event, a gateway's
-                        self.holds.append(int(json.loads(line[5:])["first_token_held"]))
+                    if chat and '"first_token_held"' in payload:  # the last event, a gateway's
+                        self.holds.append(int(json.loads(payload)["first_token_held"]))
         finally:
             if first is not None:
                 first.set()  # whoever waits for it goes on (and meets the error, if any)
