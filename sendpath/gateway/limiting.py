@@ -34,17 +34,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sendpath.api.errors import send_error
 from sendpath.errors import QuotaExceededError, RateLimitError, SendpathError
-from sendpath.gateway.context import (
-    GatewayContext,
-    GenerationBody,
-    context,
-    estimate_prompt_tokens,
-    max_tokens_asked,
-)
+from sendpath.gateway.context import GatewayContext, GenerationBody, context, max_tokens_asked
 from sendpath.gateway.keys import KeyStore
 from sendpath.gateway.ledger import UsageLedger
 from sendpath.gateway.middleware import generates, shielded
 from sendpath.gateway.ratelimit import Decision, Limits, RateLimiter
+from sendpath.gateway.tokens import estimate_prompt_tokens
 from sendpath.trace import Stage
 
 __all__ = ["RateLimitMiddleware", "ratelimit_headers"]
