@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-import uuid
+import os
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -51,7 +51,7 @@ def request_id(scope: MutableMapping[str, Any]) -> str:
     """This request's id (made by ``RequestIdMiddleware``; one is made here if it did not run)."""
     state = scope.setdefault("state", {})
     if _SCOPE_KEY not in state:
-        state[_SCOPE_KEY] = f"req_{uuid.uuid4().hex}"
+        state[_SCOPE_KEY] = f"req_{os.urandom(16).hex()}"  # uuid4 costs 4x as much
     rid: str = state[_SCOPE_KEY]
     return rid
 

@@ -91,6 +91,10 @@ def _finite_float(text: str) -> float:
     return value
 
 
+# made once: json.loads with hooks builds a decoder (and its scanner) on every call
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
+
+
 def load_json(raw: bytes, max_depth: int = MAX_DEPTH) -> dict[str, Any]:
     """The body as a JSON object (``InvalidRequestError`` with what is wrong, else)."""
     try:
@@ -110,7 +114,7 @@ def load_json(raw: bytes, max_depth: int = MAX_DEPTH) -> dict[str, Any]:
             f"at most {MAX_VALUES} are accepted."
         )
     try:
-        body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+        body = _DECODER.decode(text)
     except json.JSONDecodeError as exc:
         raise InvalidRequestError(
             f"The request body is not valid JSON ({exc.msg} at line {exc.lineno}, "

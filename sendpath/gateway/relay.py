@@ -30,7 +30,7 @@ from typing import Any
 import aiohttp
 
 from sendpath.api.errors import error_body
-from sendpath.api.sse import DONE, data_of
+from sendpath.api.sse import DONE, data_of, event
 from sendpath.errors import ServiceUnavailableError
 from sendpath.gateway.chunks import SSELines, finished, numbers, text_of, with_text
 from sendpath.gateway.context import GatewayContext
@@ -38,7 +38,6 @@ from sendpath.gateway.safety import OutputGuard
 from sendpath.router.policy import RouteRequest
 from sendpath.router.pool import Endpoint
 from sendpath.router.router import Router
-from sendpath.server.responses import sse
 
 __all__ = ["StreamRelay"]
 
@@ -101,7 +100,7 @@ class StreamRelay:
         logger.warning("replica %s broke a stream: %s", self.endpoint.url, why)
         self.router.failed(self.endpoint, why)
         # what came before the break, then why
-        yield "".join(out) + sse(self._broken(why)), False
+        yield "".join(out) + event(self._broken(why)), False
 
     async def _batches(self) -> AsyncIterator[list[str]]:
         """The head with the rest of the read that brought its first token, then the
@@ -129,7 +128,7 @@ class StreamRelay:
             error = chunk["error"] if isinstance(chunk["error"], dict) else {}
             if error.get("code") != "request_failed":  # else the request's own fault
                 self.router.failed(self.endpoint, "an error event mid-stream")
-            out.append(sse(chunk))
+            out.append(event(chunk))
             return True
         timings = self._note(chunk)
         choices = chunk.get("choices") or []
@@ -142,7 +141,7 @@ class StreamRelay:
             return True
         # a chunk that goes on unchanged goes as it came (not re-encoded)
         as_came = f"data: {payload}\n\n" if timings is None else None
-        out.extend(as_came if c is chunk and as_came else sse(c) for c in sent)
+        out.extend(as_came if c is chunk and as_came else event(c) for c in sent)
         return False
 
     def _note(self, chunk: dict[str, Any]) -> Any:
@@ -223,7 +222,7 @@ class StreamRelay:
             if ctx.first_token_held is not None:
                 events[-1]["first_token_held"] = ctx.first_token_held
         self.on_done(ctx)
-        return [sse(c) for c in events] + ["data: [DONE]\n\n"]
+        return [event(c) for c in events] + ["data: [DONE]\n\n"]
 
     def _estimated_usage(self, chunk: dict[str, Any]) -> dict[str, Any]:
         prompt, completion = self.ctx.prompt_tokens, self.ctx.streamed_chunks
