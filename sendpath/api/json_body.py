@@ -7,8 +7,8 @@ top-level value that is not an object, nesting deeper than ``MAX_DEPTH``, and mo
 ``MAX_VALUES`` array items and object members in all. The last two are checked before
 parsing by ``shape``, one linear pass at C speed, so a body of ten thousand ``[`` never
 reaches the parser's recursion and a body of a million ``0,`` never becomes a million
-Python objects. The size cap is the caller's: it reads the body (and refuses it with 413)
-first.
+Python objects. The size cap comes first: ``read_body`` reads a route's body and refuses
+it with 413 past the limit (the gateway's ``BodyMiddleware`` does the same in ASGI).
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import math
 from typing import Any, NamedTuple
 
 import numpy as np
+from starlette.requests import Request
 
-from sendpath.errors import InvalidRequestError
+from sendpath.errors import InvalidRequestError, RequestTooLargeError
 
-__all__ = ["MAX_DEPTH", "MAX_VALUES", "Shape", "load_json", "shape"]
+__all__ = ["MAX_DEPTH", "MAX_VALUES", "Shape", "load_json", "read_body", "shape"]
 
 MAX_DEPTH = 64  # a chat body is 4-5 deep; JSON schemas in tools / response_format, ~20
 MAX_VALUES = 2**20 + 4096  # a prompt of a million token ids, and the rest of its body
@@ -90,6 +91,10 @@ def _finite_float(text: str) -> float:
     return value
 
 
+# made once: json.loads with hooks builds a decoder (and its scanner) on every call
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
+
+
 def load_json(raw: bytes, max_depth: int = MAX_DEPTH) -> dict[str, Any]:
     """The body as a JSON object (``InvalidRequestError`` with what is wrong, else)."""
     try:
@@ -109,7 +114,7 @@ def load_json(raw: bytes, max_depth: int = MAX_DEPTH) -> dict[str, Any]:
             f"at most {MAX_VALUES} are accepted."
         )
     try:
-        body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+        body = _DECODER.decode(text)
     except json.JSONDecodeError as exc:
         raise InvalidRequestError(
             f"The request body is not valid JSON ({exc.msg} at line {exc.lineno}, "
@@ -122,3 +127,17 @@ def load_json(raw: bytes, max_depth: int = MAX_DEPTH) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequestError("The request body must be a JSON object.")
     return body
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body; ``RequestTooLargeError`` (413) when its Content-Length says it is
+    over ``limit`` (unread), or as soon as what arrives passes it."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestTooLargeError(int(declared), limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise RequestTooLargeError(len(body), limit)
+    return bytes(body)

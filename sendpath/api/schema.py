@@ -36,7 +36,6 @@ __all__ = [
     "TokenizeBody",
     "Tool",
     "ToolCall",
-    "chat_text",
     "content_text",
     "validate",
 ]
@@ -243,16 +242,6 @@ def content_text(content: str | list[TextPart] | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     return "".join(p.text for p in content)
-
-
-def chat_text(messages: list[Message]) -> str:
-    """Every message's text, one per line, the arguments of its tool calls after it: what
-    an input filter reads of a chat."""
-    lines = []
-    for m in messages:
-        lines.append(content_text(m.content))
-        lines.extend(call.function.arguments for call in m.tool_calls or [])
-    return "\n".join(lines)
 
 
 def validate(model: type[BaseModel], body: dict[str, Any]) -> Any:

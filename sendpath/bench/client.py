@@ -18,6 +18,8 @@ from typing import Any
 
 import httpx
 
+from sendpath.api.sse import DONE, sse_data
+
 __all__ = ["RequestResult", "stream_chat", "stream_request"]
 
 
@@ -71,11 +73,8 @@ async def stream_request(
                 out.latency = time.perf_counter() - out.start
                 return out
             chunks = 0
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
+            async for payload in sse_data(r.aiter_lines()):
+                if payload == DONE:
                     out.success = out.error is None
                     break
                 event = json.loads(payload)

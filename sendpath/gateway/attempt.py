@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
+from sendpath.api.disconnect import ClientGone, ClientWatch, Interrupt
 from sendpath.api.errors import error_body
+from sendpath.api.sse import EventStreamResponse, data_of
+from sendpath.clock import Clock
 from sendpath.errors import SendpathError
 from sendpath.gateway.chunks import SSELines, answer_text, read_head
 from sendpath.gateway.context import GatewayContext
@@ -30,9 +33,8 @@ from sendpath.router.pool import Endpoint
 if TYPE_CHECKING:
     from sendpath.gateway.proxy import Proxy
 
-__all__ = ["Attempt", "Retry", "UpstreamTimeoutError", "body_sent"]
+__all__ = ["Attempt", "Retry", "SentAt", "UpstreamTimeoutError", "body_sent"]
 
-T = TypeVar("T")
 PASS_HEADERS = ("retry-after", "x-request-id")  # a replica's headers the client gets
 
 
@@ -53,10 +55,6 @@ class Retry:
     late: bool = False
 
 
-class _Gone(Exception):
-    """The client disconnected while its request was at a replica."""
-
-
 class _Stuck(Exception):
     """The replica's health check says its engine is stuck: nothing will come back."""
 
@@ -64,13 +62,43 @@ class _Stuck(Exception):
 STUCK_POLL_S = 0.5  # how often an attempt waiting at a replica looks at its health
 
 
+class _StuckWatch:
+    """Looks at an endpoint's health now and every ``STUCK_POLL_S`` until cancelled;
+    stuck, it stops the attempt (``_Stuck``)."""
+
+    def __init__(self, endpoint: Endpoint, stop: Interrupt) -> None:
+        self.endpoint, self.stop = endpoint, stop
+        self.poll: asyncio.TimerHandle | None = None
+        self._look()
+
+    def _look(self) -> None:
+        if self.endpoint.stuck:
+            self.stop.fire(_Stuck())
+        else:
+            self.poll = asyncio.get_running_loop().call_later(STUCK_POLL_S, self._look)
+
+    def cancel(self) -> None:
+        if self.poll is not None:
+            self.poll.cancel()
+            self.poll = None  # it and this refer to each other: let go now
+
+
+class SentAt:
+    """When an attempt's request body went out (``body_sent`` sets it). Its own object,
+    not the attempt: aiohttp keeps it for the response's life, and an attempt that its
+    response pointed back to would be a reference cycle, freed only by the cyclic GC."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock, self.at = clock, clock.now()
+
+
 async def body_sent(
     session: aiohttp.ClientSession, trace: Any, params: aiohttp.TraceRequestChunkSentParams
 ) -> None:
     """aiohttp's trace hook: the attempt's request body went out now."""
-    attempt = trace.trace_request_ctx
-    if isinstance(attempt, Attempt):
-        attempt.sent = attempt.ctx.clock.now()
+    sent = trace.trace_request_ctx
+    if isinstance(sent, SentAt):
+        sent.at = sent.clock.now()
 
 
 @dataclass
@@ -85,12 +113,12 @@ class Attempt:
     headers: dict[str, str]
     wants_usage: bool
     route: RouteRequest
+    watch: ClientWatch  # the client: gone, the attempt ends (499)
 
     def __post_init__(self) -> None:
         self.held = False
         self.upstream: aiohttp.ClientResponse | None = None
         self.streaming = self.body.get("stream") is True
-        self.sent = 0.0  # when the request body went out (``body_sent``)
         self.passed: dict[str, str] = {}  # the replica's headers the client gets
         self.lines: SSELines | None = None
 
@@ -108,13 +136,13 @@ class Attempt:
         keep_open = False  # only a stream that started stays open, for the relay
         limit = proxy.timeouts.first_token_s if self.streaming else None
         try:
-            async with asyncio.timeout(limit):
-                outcome = await _unless_gone(self._exchange(), self.request, endpoint)
+            async with asyncio.timeout(limit), Interrupt() as stop:
+                outcome = await self._watched(stop)
             if isinstance(outcome, list):  # a stream's head: its first token is there
                 keep_open = True
                 return self._relay(outcome)
             return outcome
-        except _Gone:  # closing the upstream connection aborts the request there
+        except ClientGone:  # closing the upstream connection aborts the request there
             return Response(status_code=499)
         except aiohttp.ServerTimeoutError as exc:  # connect (a TimeoutError too): next one
             proxy.router.failed(endpoint, f"{type(exc).__name__}: {exc}")
@@ -137,13 +165,25 @@ class Attempt:
                     self.upstream.release()  # to the pool if read whole, else closed
                 self.release()
 
+    async def _watched(self, stop: Interrupt) -> Response | Retry | list[str]:
+        """``_exchange``, stopped by ``ClientGone`` if the client disconnects first, by
+        ``_Stuck`` if the replica's health check finds its engine stuck first."""
+        stuck = _StuckWatch(self.endpoint, stop)
+        unwatch = self.watch.on_gone(lambda: stop.fire(ClientGone()))
+        try:
+            return await self._exchange()
+        finally:
+            unwatch()
+            stuck.cancel()
+
     async def _exchange(self) -> Response | Retry | list[str]:
         """The upstream call: a final answer, a retry, or a stream's head to relay."""
         proxy, ctx, endpoint = self.proxy, self.ctx, self.endpoint
         # The replica's arrival on this clock: its x-sendpath-clock header when that reading
         # falls inside this attempt (same host, same monotonic clock); otherwise the moment
         # the request body was sent.
-        t0 = self.sent = ctx.clock.now()
+        sent = SentAt(ctx.clock)
+        t0 = sent.at
         url = endpoint.url + self.request.url.path
         headers = {**self.headers, **endpoint.headers, "content-type": "application/json"}
         self.upstream = upstream = await proxy.session().post(
@@ -154,11 +194,11 @@ class Attempt:
                 total=None if self.streaming else proxy.timeouts.whole_answer_s,
                 sock_connect=proxy.timeouts.connect_s,
             ),
-            trace_request_ctx=self,
+            trace_request_ctx=sent,
         )
         ctx.reached_replica = True
         self.passed = {k: v for k, v in upstream.headers.items() if k.lower() in PASS_HEADERS}
-        ctx.replica_arrival = _arrival(upstream.headers, t0, ctx.clock.now(), self.sent)
+        ctx.replica_arrival = _arrival(upstream.headers, t0, ctx.clock.now(), sent.at)
         ctx.replica_request_id = upstream.headers.get("x-request-id")
         if upstream.status != 200:
             raw = await upstream.read()
@@ -176,7 +216,7 @@ class Attempt:
             return proxy.refused(ctx, endpoint, status, raw, self.passed)
         return head
 
-    def _relay(self, head: list[str]) -> StreamingResponse:
+    def _relay(self, head: list[str]) -> EventStreamResponse:
         proxy = self.proxy
         assert self.upstream is not None and self.lines is not None
         proxy.router.succeeded(self.endpoint)
@@ -185,14 +225,12 @@ class Attempt:
             proxy.guard, self.wants_usage,
             proxy.timeouts.between_tokens_s, self.release, proxy.on_done,
         )  # fmt: skip
-        return StreamingResponse(
-            relay.events(), media_type="text/event-stream", headers=self.passed
-        )
+        return EventStreamResponse(relay.events(), self.watch, self.passed)
 
 
 def _error_event(head: list[str]) -> tuple[int, bytes] | None:
     """(status, body) when a stream's head ends in an error event instead of a token."""
-    last = head[-1][5:].strip() if head else ""
+    last = (data_of(head[-1]) or "") if head else ""
     if not last.startswith("{"):
         return None
     error = json.loads(last).get("error")
@@ -223,31 +261,3 @@ def _arrival(headers: Mapping[str, str], start: float, now: float, sent: float) 
     except ValueError:
         return sent
     return reported if start <= reported <= now else sent
-
-
-async def _unless_gone(work: Awaitable[T], request: Request, endpoint: Endpoint) -> T:
-    """The result of ``work``; raises ``_Gone`` if the client disconnected first, ``_Stuck``
-    if the replica's health check found its engine stuck first (then ``work`` is
-    cancelled: nothing is left running, whatever ends this wait)."""
-
-    async def gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    async def stuck() -> None:
-        while not endpoint.stuck:
-            await asyncio.sleep(STUCK_POLL_S)
-
-    task = asyncio.ensure_future(work)
-    watches = {asyncio.ensure_future(gone()), asyncio.ensure_future(stuck())}
-    try:
-        await asyncio.wait({task, *watches}, return_when=asyncio.FIRST_COMPLETED)
-    finally:  # also when this task is cancelled (a timeout)
-        for watch in watches:
-            watch.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.wait({task})
-    if task.cancelled():
-        raise _Stuck() if endpoint.stuck else _Gone()
-    return task.result()

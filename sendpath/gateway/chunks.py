@@ -9,6 +9,8 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
+from sendpath.api.sse import DONE, data_of
+
 __all__ = [
     "SSELines",
     "answer_text",
@@ -29,8 +31,9 @@ class SSELines:
     """A stream's lines as they arrive, one network read at a time.
 
     ``line()`` gives the next line; ``batch()`` every complete line already received (at
-    least one: it waits only when none is), so a relay writes what one read brought in
-    one write instead of one per event. Lines end at ``\n``, ``\r\n`` or ``\r`` (SSE's
+    least one: it waits only when none is; ``received()`` never waits), so a relay writes
+    what one read brought in one write instead of one per event. Lines end at ``\n``,
+    ``\r\n`` or ``\r`` (SSE's
     three); a last line without one is given at the end."""
 
     def __init__(self, chunks: AsyncIterator[bytes]) -> None:
@@ -78,6 +81,10 @@ class SSELines:
         """Every complete line received so far, waiting for one if none is (``[]``: the end)."""
         if not self._ready and not await self._fill():
             return []
+        return self.received()
+
+    def received(self) -> list[str]:
+        """Every complete line received so far, without waiting (``[]``: none yet)."""
         out = list(self._ready)
         self._ready.clear()
         return out
@@ -142,11 +149,11 @@ async def read_head(lines: SSELines) -> list[str]:
             line = await lines.line()
         except StopAsyncIteration:
             break
-        if not line.startswith("data:"):
+        payload = data_of(line)
+        if payload is None:
             continue
         head.append(line)
-        payload = line[5:].strip()
-        if payload == "[DONE]":
+        if payload == DONE:
             return head
         event = json.loads(payload)
         choices = event.get("choices") or []

@@ -7,13 +7,13 @@ and the proxy reports the usage it saw, so the rate limiter can settle with real
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from sendpath.api.schema import ChatBody, CompletionBody, chat_text
+from sendpath.api.prompt import GenerationBody
+from sendpath.api.schema import ChatBody
 from sendpath.clock import Clock
 from sendpath.gateway.keys import ApiKey
 from sendpath.trace import Stage
@@ -22,8 +22,6 @@ __all__ = [
     "GatewayContext",
     "GenerationBody",
     "context",
-    "estimate_prompt_tokens",
-    "input_text",
     "max_tokens_asked",
 ]
 
@@ -111,14 +109,18 @@ class GatewayContext:
         out.append((Stage.STREAM, t - self.start, max(0.0, end - t)))
         return out
 
-    def timings_ms(self) -> dict[str, float]:
-        """The response's ``timings``: every stage in path order, then ``ttft`` and
-        ``total`` as measured here, where the client's request arrived."""
+    def timings_ms(
+        self, stages: list[tuple[Stage, float, float]] | None = None
+    ) -> dict[str, float]:
+        """The response's ``timings``: every stage in path order (``stages``: from
+        ``stage_seconds``, if already computed), then ``ttft`` and ``total`` as measured
+        here, where the client's request arrived."""
 
         def ms(seconds: float) -> float:
             return round(seconds * 1000, 3)
 
-        out = {stage.value: ms(duration) for stage, _, duration in self.stage_seconds()}
+        stages = self.stage_seconds() if stages is None else stages
+        out = {stage.value: ms(duration) for stage, _, duration in stages}
         if self.first_token_at is not None:
             out["ttft"] = ms(self.first_token_at - self.start)
         elif "ttft" in self.replica_timings:  # a whole answer: the replica's
@@ -127,48 +129,11 @@ class GatewayContext:
         out["total"] = ms(end - self.start)
         return out
 
-    def gateway_stage(self) -> Stage:
-        """The stage this request is in, as far as the gateway alone can tell."""
-        for stage in reversed(GATEWAY_STAGES):
-            if stage in self.marks:
-                after = GATEWAY_STAGES.index(stage) + 1
-                return GATEWAY_STAGES[after] if after < len(GATEWAY_STAGES) else Stage.ROUTE
-        return Stage.GATEWAY_AUTH
-
 
 def context(scope: MutableMapping[str, Any]) -> GatewayContext:
     """The request's context (the tracing middleware must have run)."""
     ctx: GatewayContext = scope["state"][SCOPE_KEY]
     return ctx
-
-
-GenerationBody = ChatBody | CompletionBody
-
-
-def input_text(request: GenerationBody) -> str | None:
-    """The text a request puts before the model, as the replica renders it: each message's
-    parts joined with nothing between (``api.schema.content_text``), a message a line; or
-    the completion prompt. ``None`` for a prompt of token ids (no text without a tokenizer)."""
-    if isinstance(request, ChatBody):
-        return chat_text(request.messages)
-    prompt = request.prompt
-    if isinstance(prompt, str):
-        return prompt
-    if prompt and isinstance(prompt[0], str):
-        return "\n".join(str(p) for p in prompt)
-    return None
-
-
-def estimate_prompt_tokens(request: GenerationBody) -> int:
-    """Prompt tokens estimated from characters, as OpenAI's own rate limiter does:
-    about 4 characters per token, plus 4 per chat message for the template's markup.
-    Token-id prompts count exactly. Settling corrects the estimate with real usage."""
-    text = input_text(request)
-    if text is None:
-        assert isinstance(request, CompletionBody)
-        return len(request.prompt)
-    overhead = 4 * len(request.messages) if isinstance(request, ChatBody) else 0
-    return math.ceil(len(text) / 4) + overhead
 
 
 def max_tokens_asked(request: GenerationBody) -> int | None:

@@ -1,7 +1,7 @@
 """The input filter: 400 ``content_filter`` naming the category, before a request queues.
 
 It reads what the model will read: each message's text as the replica renders it (one
-shared function, ``api.schema.content_text``), or the completion prompt; a prompt of token
+shared function, ``api.prompt.prompt_text``), or the completion prompt; a prompt of token
 ids is turned back into text by a replica's ``/detokenize`` (refused when no replica can,
 since unread text cannot be let through). The check itself normalises the text
 (``safety.normalize``). A prompt over ``OFF_LOOP_CHARS`` is checked on a worker thread, so
@@ -16,9 +16,10 @@ from collections.abc import Awaitable, Callable
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sendpath.api.errors import send_error
+from sendpath.api.prompt import prompt_text
 from sendpath.api.schema import CompletionBody
 from sendpath.errors import ContentFilterError, InvalidRequestError, SendpathError
-from sendpath.gateway.context import context, input_text
+from sendpath.gateway.context import context
 from sendpath.gateway.middleware import generates
 from sendpath.gateway.safety import SafetyCheck
 from sendpath.trace import Stage
@@ -45,7 +46,7 @@ class SafetyMiddleware:
         request = ctx.request
         param = "prompt" if isinstance(request, CompletionBody) else "messages"
         with ctx.span(Stage.GATEWAY_SAFETY):
-            text = input_text(request)
+            text = prompt_text(request)
             if text is None:  # token ids
                 assert isinstance(request, CompletionBody)
                 text = await self.detokenize(list(request.prompt))  # type: ignore[arg-type]

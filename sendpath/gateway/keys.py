@@ -205,18 +205,22 @@ class KeyStore:
         self, entries: Sequence[tuple[str, int, int | None]], day: str | None = None
     ) -> None:
         """``record_usage`` for several finished requests (key name, tokens, reservation),
-        in one transaction."""
+        in one transaction: one row written per key, whatever the number of requests."""
         day = day or today()
+        per_key: dict[str, tuple[int, int]] = {}  # name -> (tokens, requests)
+        for name, tokens, _ in entries:
+            total, requests = per_key.get(name, (0, 0))
+            per_key[name] = (total + tokens, requests + 1)
+        reservations = [(r,) for _, _, r in entries if r is not None]
         with self._connect() as db:
             db.execute("BEGIN IMMEDIATE")
-            for name, tokens, reservation in entries:
-                if reservation is not None:
-                    db.execute("DELETE FROM reservations WHERE id = ?", (reservation,))
-                db.execute(
-                    "INSERT INTO usage VALUES (?, ?, ?, 1) ON CONFLICT(name, day) DO UPDATE SET "
-                    "tokens = tokens + excluded.tokens, requests = requests + 1",
-                    (name, day, tokens),
-                )
+            if reservations:
+                db.executemany("DELETE FROM reservations WHERE id = ?", reservations)
+            db.executemany(
+                "INSERT INTO usage VALUES (?, ?, ?, ?) ON CONFLICT(name, day) DO UPDATE SET "
+                "tokens = tokens + excluded.tokens, requests = requests + excluded.requests",
+                [(name, day, tokens, n) for name, (tokens, n) in per_key.items()],
+            )
             db.execute("COMMIT")
 
     def reserve_daily(self, name: str, tokens: int, quota: int) -> tuple[int | None, int]:

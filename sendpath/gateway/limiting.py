@@ -34,17 +34,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sendpath.api.errors import send_error
 from sendpath.errors import QuotaExceededError, RateLimitError, SendpathError
-from sendpath.gateway.context import (
-    GatewayContext,
-    GenerationBody,
-    context,
-    estimate_prompt_tokens,
-    max_tokens_asked,
-)
+from sendpath.gateway.context import GatewayContext, GenerationBody, context, max_tokens_asked
 from sendpath.gateway.keys import KeyStore
 from sendpath.gateway.ledger import UsageLedger
 from sendpath.gateway.middleware import generates, shielded
 from sendpath.gateway.ratelimit import Decision, Limits, RateLimiter
+from sendpath.gateway.tokens import estimate_prompt_tokens
 from sendpath.trace import Stage
 
 __all__ = ["RateLimitMiddleware", "ratelimit_headers"]
@@ -130,10 +125,14 @@ class RateLimitMiddleware:
                 message = {**message, "headers": [*message.get("headers", []), *headers]}
             await send(message)
 
-        try:
-            await self.app(scope, receive, send_with_headers)
+        try:  # a key without limits has no headers to add
+            await self.app(scope, receive, send_with_headers if headers else send)
         finally:
-            if reserved is not None:
+            if reserved is None:
+                pass
+            elif limits.rpm is None and limits.tpm is None and reserved.daily is None:
+                self._record(ctx, reserved)  # nothing to wait for: settled here and now
+            else:
                 await shielded(self._settle(ctx, limits, reserved))
 
     async def _admit(
@@ -212,13 +211,27 @@ class RateLimitMiddleware:
             return await asyncio.to_thread(call, *args)
         return call(*args)
 
-    async def _settle(self, ctx: GatewayContext, limits: Limits, held: _Reservation) -> None:
-        assert ctx.key is not None
+    @staticmethod
+    def _used(ctx: GatewayContext, held: _Reservation) -> tuple[int, bool]:
+        """The tokens a finished request used, and whether it was refused before any
+        replica answered it (then it costs nothing)."""
         used = ctx.used_tokens()
         if ctx.status == 499 and ctx.usage is None:  # the client left at a replica
             streamed = ctx.body is not None and ctx.body.get("stream") is True
             used = ctx.prompt_tokens + ctx.streamed_chunks if streamed else held.tokens
         refused = not ctx.reached_replica and ctx.status in REFUSED and used == 0
+        return used, refused
+
+    def _record(self, ctx: GatewayContext, held: _Reservation) -> None:
+        """Settle a key without per-minute limits or a quota: its usage, to the ledger."""
+        assert ctx.key is not None
+        used, refused = self._used(ctx, held)
+        if not refused:
+            self.ledger.add(ctx.key.name, used, held.daily)
+
+    async def _settle(self, ctx: GatewayContext, limits: Limits, held: _Reservation) -> None:
+        assert ctx.key is not None
+        used, refused = self._used(ctx, held)
         if limits.rpm is not None or limits.tpm is not None:
             await self._limiter(
                 self.limiter.settle, ctx.key.name, limits, held.tokens, used, refused

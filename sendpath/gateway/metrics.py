@@ -11,6 +11,7 @@ from prometheus_client.registry import Collector
 
 from sendpath.gateway.context import GatewayContext
 from sendpath.router.pool import ReplicaPool
+from sendpath.trace import Stage
 
 __all__ = ["GatewayMetrics"]
 
@@ -75,12 +76,25 @@ class GatewayMetrics:
             registry=self.registry,
         )
         self.registry.register(_PoolCollector(pool))
+        self._by_stage: dict[Stage, Histogram] = {}  # each label's child, looked up once
+        self._by_code: dict[int, Counter] = {}
 
-    def finished(self, ctx: GatewayContext) -> None:
-        for stage, _, seconds in ctx.stage_seconds():
-            self.stage.labels(stage.value).observe(seconds)
+    def finished(self, ctx: GatewayContext, stages: list[tuple[Stage, float, float]]) -> None:
+        """A finished request's stages (``ctx.stage_seconds()``) and its whole time."""
+        for stage, _, seconds in stages:
+            child = self._by_stage.get(stage)
+            if child is None:
+                child = self._by_stage[stage] = self.stage.labels(stage.value)
+            child.observe(seconds)
         if ctx.end is not None:
             self.e2e.observe(ctx.end - ctx.start)
+
+    def responded(self, code: int) -> None:
+        """A response went out with this status code."""
+        child = self._by_code.get(code)
+        if child is None:
+            child = self._by_code[code] = self.responses.labels(code)
+        child.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

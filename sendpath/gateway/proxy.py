@@ -38,8 +38,10 @@ import aiohttp
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from sendpath.api.disconnect import ClientWatch
 from sendpath.api.errors import error_body
 from sendpath.api.schema import DEFAULT_CAP_HEADER
+from sendpath.api.sse import EventStreamResponse
 from sendpath.errors import SendpathError, ServiceUnavailableError
 from sendpath.gateway.attempt import Attempt, Retry, UpstreamTimeoutError, body_sent
 from sendpath.gateway.chunks import numbers
@@ -85,6 +87,25 @@ class ProxyTimeouts:
 KEEPALIVE_S = 4.0
 
 
+def upstream_body(ctx: GatewayContext) -> tuple[dict[str, Any], dict[str, str], bool]:
+    """The body and extra headers a replica gets (module docstring), and whether the
+    client asked for the usage chunk."""
+    assert ctx.request is not None
+    body = ctx.request.model_dump(exclude_unset=True)
+    headers: dict[str, str] = {}
+    if ctx.cache_salt is not None:
+        body["cache_salt"] = ctx.cache_salt
+    if ctx.default_max_tokens is not None:
+        body["max_tokens"] = ctx.default_max_tokens
+        headers[DEFAULT_CAP_HEADER] = "default"
+    options = body.get("stream_options")
+    options = options if isinstance(options, dict) else {}
+    wants_usage = options.get("include_usage") is True
+    if body.get("stream") is True:
+        body["stream_options"] = {**options, "include_usage": True}
+    return body, headers, wants_usage
+
+
 class Proxy:
     """Sends requests to replicas over one pooled HTTP client (module docstring).
 
@@ -123,22 +144,22 @@ class Proxy:
 
     async def forward(self, request: Request) -> Response:
         """Forward one POST to ``/v1/chat/completions`` or ``/v1/completions``."""
+        watch = ClientWatch(request.receive)
+        try:
+            response = await self._forward(request, watch)
+        except BaseException:
+            watch.close()
+            raise
+        if not isinstance(response, EventStreamResponse):  # else it watches to the end
+            watch.close()
+        return response
+
+    async def _forward(self, request: Request, watch: ClientWatch) -> Response:
+        """Each replica in turn until one answers (module docstring)."""
         ctx = context(request.scope)
-        assert ctx.body is not None and ctx.request is not None
-        body = ctx.request.model_dump(exclude_unset=True)
-        headers: dict[str, str] = {}
-        if ctx.cache_salt is not None:
-            body["cache_salt"] = ctx.cache_salt
-        if ctx.default_max_tokens is not None:
-            body["max_tokens"] = ctx.default_max_tokens
-            headers[DEFAULT_CAP_HEADER] = "default"
-        streaming = body.get("stream") is True
-        options = body.get("stream_options")
-        options = options if isinstance(options, dict) else {}
-        wants_usage = options.get("include_usage") is True
-        if streaming:
-            body["stream_options"] = {**options, "include_usage": True}
-        route = route_request(ctx.body, ctx.cache_salt)
+        assert ctx.request is not None
+        body, headers, wants_usage = upstream_body(ctx)
+        route = route_request(ctx.request, ctx.cache_salt)
         deadline = ctx.clock.now() + self.timeouts.retry_deadline_s
         tried: set[int] = set()
         fallback: Response | None = None
@@ -149,7 +170,9 @@ class Proxy:
                 break
             tried.add(endpoint.index)
             ctx.replica, ctx.replica_name = endpoint.url, endpoint.name
-            attempt = Attempt(self, ctx, request, endpoint, body, headers, wants_usage, route)
+            attempt = Attempt(
+                self, ctx, request, endpoint, body, headers, wants_usage, route, watch
+            )
             answer = await attempt.run()
             if not isinstance(answer, Retry):
                 answer.headers["x-sendpath-replica"] = endpoint.name

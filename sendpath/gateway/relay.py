@@ -2,7 +2,7 @@
 
 Events go on as they arrive: what one network read from the replica brought becomes one
 write to the client (a token at a time when the replica streams them one by one; a burst
-in one write when several are already there).
+in one write when several are already there; the last write also ends the body).
 
 Text goes through the output guard, which holds back only what could still become a
 blocked phrase; a blocked stream ends with finish_reason ``content_filter`` (the replica
@@ -23,13 +23,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
 from sendpath.api.errors import error_body
+from sendpath.api.sse import DONE, data_of, event
 from sendpath.errors import ServiceUnavailableError
 from sendpath.gateway.chunks import SSELines, finished, numbers, text_of, with_text
 from sendpath.gateway.context import GatewayContext
@@ -37,7 +38,6 @@ from sendpath.gateway.safety import OutputGuard
 from sendpath.router.policy import RouteRequest
 from sendpath.router.pool import Endpoint
 from sendpath.router.router import Router
-from sendpath.server.responses import sse
 
 __all__ = ["StreamRelay"]
 
@@ -70,8 +70,9 @@ class StreamRelay:
         self.answer: list[str] = []  # what the replica generated (and now has cached)
         self.done = False  # the replica sent [DONE]
 
-    async def events(self) -> AsyncIterator[str]:
-        """The client's body: what each network read from the replica brought, as one write."""
+    async def events(self) -> AsyncGenerator[tuple[str, bool], None]:
+        """The client's body: what each network read from the replica brought, as one
+        write, with whether more follows (``False``: the last, which ends the body)."""
         why = "the replica closed the stream before [DONE]"
         out: list[str] = []
         try:
@@ -80,12 +81,12 @@ class StreamRelay:
                     if self._on_line(line, out):
                         last = "".join(out)
                         out.clear()
-                        yield last
+                        yield last, False
                         if self.done:  # the whole answer: its connection can be reused
                             await self.lines.drain(DRAIN_S)
                         return
                 if out:
-                    yield "".join(out)
+                    yield "".join(out), True
                     out.clear()
         except TimeoutError:
             why = f"it sent nothing for {self.between_tokens_s:g} s"
@@ -98,11 +99,13 @@ class StreamRelay:
             self.release()
         logger.warning("replica %s broke a stream: %s", self.endpoint.url, why)
         self.router.failed(self.endpoint, why)
-        yield "".join(out) + sse(self._broken(why))  # what came before the break, then why
+        # what came before the break, then why
+        yield "".join(out) + event(self._broken(why)), False
 
     async def _batches(self) -> AsyncIterator[list[str]]:
-        """The head, then the lines of each further read, each within ``between_tokens_s``."""
-        yield self.head
+        """The head with the rest of the read that brought its first token, then the
+        lines of each further read, each within ``between_tokens_s``."""
+        yield self.head + self.lines.received()
         while True:
             async with asyncio.timeout(self.between_tokens_s):
                 lines = await self.lines.batch()
@@ -112,10 +115,10 @@ class StreamRelay:
 
     def _on_line(self, line: str, out: list[str]) -> bool:
         """Add the events one upstream line becomes to ``out``; ``True``: the stream ends."""
-        if not line.startswith("data:"):
+        payload = data_of(line)
+        if payload is None:
             return False
-        payload = line[5:].strip()
-        if payload == "[DONE]":
+        if payload == DONE:
             self.done = True
             self.router.answered(self.route, self.endpoint, "".join(self.answer))
             out.extend(self._finish())
@@ -125,15 +128,26 @@ class StreamRelay:
             error = chunk["error"] if isinstance(chunk["error"], dict) else {}
             if error.get("code") != "request_failed":  # else the request's own fault
                 self.router.failed(self.endpoint, "an error event mid-stream")
-            out.append(sse(chunk))
+            out.append(event(chunk))
             return True
-        events, done = self._on_chunk(chunk, payload)
-        out.extend(events)
-        return done
+        timings = self._note(chunk)
+        choices = chunk.get("choices") or []
+        if not choices:  # the usage chunk: held for the end
+            self.tail.append(chunk)
+            return False
+        sent = self._on_choice(chunk, choices[0])
+        if sent is None:  # blocked by the output filter
+            out.extend(self._finish())
+            return True
+        # a chunk that goes on unchanged goes as it came (not re-encoded)
+        as_came = f"data: {payload}\n\n" if timings is None else None
+        out.extend(as_came if c is chunk and as_came else event(c) for c in sent)
+        return False
 
-    def _on_chunk(self, chunk: dict[str, Any], raw: str) -> tuple[list[str], bool]:
-        """The events one upstream chunk (``raw``: as it came) becomes, and whether the
-        stream ends here. A chunk that goes on unchanged goes as it came (not re-encoded)."""
+    def _note(self, chunk: dict[str, Any]) -> Any:
+        """What the context keeps of a chunk: the answer's id, usage, the replica's
+        timings (taken off the chunk, and returned: the last event carries the stitched
+        ones)."""
         ctx = self.ctx
         ctx.response_id = ctx.response_id or chunk.get("id")
         timings = chunk.pop("timings", None)
@@ -141,24 +155,24 @@ class StreamRelay:
         if chunk.get("usage"):
             u = chunk["usage"]
             ctx.usage = (int(u["prompt_tokens"]), int(u["completion_tokens"]))
-        choices = chunk.get("choices") or []
-        if not choices:
-            self.tail.append(chunk)
-            return [], False
-        text, reason = text_of(choices[0]), choices[0].get("finish_reason")
-        index = choices[0].get("index", 0)
-        guard = self._guard(index)
+        return timings
+
+    def _on_choice(
+        self, chunk: dict[str, Any], choice: dict[str, Any]
+    ) -> list[dict[str, Any]] | None:
+        """The chunks to send for one with a choice (``None``: the output filter blocked
+        it, and the tail now says so); its finish is held in the tail."""
+        text, reason = text_of(choice), choice.get("finish_reason")
+        guard = self._guard(choice.get("index", 0))
         out: list[dict[str, Any]] = []
         if text:
-            if index == 0:  # what the router's prefix cache learns: the first answer
+            if choice.get("index", 0) == 0:  # what the router's prefix cache learns
                 self.answer.append(text)
-            ctx.streamed_chunks += 1
+            self.ctx.streamed_chunks += 1
             released = guard.push(text) if guard is not None else text
             if guard is not None and guard.blocked is not None:
-                self.tail[:] = [finished(chunk, "content_filter")]
-                if self.wants_usage and ctx.usage is None:
-                    self.tail.append(self._estimated_usage(chunk))
-                return self._finish(), True
+                self._block(chunk)
+                return None
             if released == text and reason is None:
                 out.append(chunk)
             elif released:
@@ -170,15 +184,25 @@ class StreamRelay:
             self.tail.append(finished(chunk, reason) if text else chunk)
         elif not text:
             out.append(chunk)  # the role chunk
-        for c in out:
+        self._mark_relayed(out, guard is not None)
+        return out
+
+    def _block(self, chunk: dict[str, Any]) -> None:
+        """End the answer with ``content_filter`` (and usage, estimated, if asked for)."""
+        self.tail[:] = [finished(chunk, "content_filter")]
+        if self.wants_usage and self.ctx.usage is None:
+            self.tail.append(self._estimated_usage(chunk))
+
+    def _mark_relayed(self, sent: list[dict[str, Any]], guarded: bool) -> None:
+        """When each text chunk goes out (the first: the client's first token)."""
+        ctx = self.ctx
+        for c in sent:
             if text_of(c["choices"][0]):
                 ctx.relayed.append(ctx.clock.now())
                 if ctx.first_token_at is None:
                     ctx.first_token_at = ctx.relayed[-1]
-                    if guard is not None:
+                    if guarded:
                         ctx.first_token_held = ctx.streamed_chunks - 1
-        as_came = f"data: {raw}\n\n" if timings is None else None
-        return [as_came if c is chunk and as_came else sse(c) for c in out], False
 
     def _guard(self, index: Any) -> OutputGuard | None:
         if self.new_guard is None:
@@ -198,7 +222,7 @@ class StreamRelay:
             if ctx.first_token_held is not None:
                 events[-1]["first_token_held"] = ctx.first_token_held
         self.on_done(ctx)
-        return [sse(c) for c in events] + ["data: [DONE]\n\n"]
+        return [event(c) for c in events] + ["data: [DONE]\n\n"]
 
     def _estimated_usage(self, chunk: dict[str, Any]) -> dict[str, Any]:
         prompt, completion = self.ctx.prompt_tokens, self.ctx.streamed_chunks

@@ -1,7 +1,9 @@
-"""What the gateway asks a replica about a prompt's tokens.
+"""What the gateway knows of a prompt's tokens: estimates, and what it asks a replica.
 
-The gateway has no tokenizer of its own (it fronts any OpenAI-compatible server); the
-replicas do, and answer vLLM's ``POST /tokenize`` and ``POST /detokenize``:
+``estimate_prompt_tokens`` reads the prompt's characters (``api.prompt.prompt_text``, the
+text the router and the input filter read too). The gateway has no tokenizer of its own
+(it fronts any OpenAI-compatible server); the replicas do, and answer vLLM's
+``POST /tokenize`` and ``POST /detokenize``:
 
 - ``count``: a prompt's exact token count, the chat template included, so a key with
   token limits reserves what its prompt really is. Characters / 4 (OpenAI's estimate) is
@@ -19,32 +21,45 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 
-from sendpath.api.schema import ChatBody, CompletionBody, content_text
+from sendpath.api.prompt import GenerationBody, message_texts, prompt_text
+from sendpath.api.schema import ChatBody, CompletionBody
 from sendpath.router.pool import ReplicaPool
 
-__all__ = ["ReplicaText", "byte_bound"]
+__all__ = ["ReplicaText", "byte_bound", "estimate_prompt_tokens"]
 
 ASK_TIMEOUT_S = 10.0
 TEMPLATE_ALLOWANCE = 64  # a chat template's own tokens: a default system prompt, say
 PER_MESSAGE = 16  # a message's role and markers
 
 
-def byte_bound(request: ChatBody | CompletionBody) -> int:
+def estimate_prompt_tokens(request: GenerationBody) -> int:
+    """Prompt tokens estimated from characters, as OpenAI's own rate limiter does:
+    about 4 characters per token, plus 4 per chat message for the template's markup.
+    Token-id prompts count exactly. Settling corrects the estimate with real usage."""
+    text = prompt_text(request)
+    if text is None:
+        assert isinstance(request, CompletionBody)
+        return len(request.prompt)
+    overhead = 4 * len(request.messages) if isinstance(request, ChatBody) else 0
+    return math.ceil(len(text) / 4) + overhead
+
+
+def byte_bound(request: GenerationBody) -> int:
     """An upper bound on a prompt's tokens without a tokenizer (see the module docstring)."""
+    texts = message_texts(request)
+    if texts is None:
+        assert isinstance(request, CompletionBody)
+        return len(request.prompt)  # token ids
+    size = sum(len(t.encode()) for t in texts)
     if isinstance(request, ChatBody):
-        size = sum(len(content_text(m.content).encode()) for m in request.messages)
         return size + PER_MESSAGE * len(request.messages) + TEMPLATE_ALLOWANCE
-    prompt = request.prompt
-    if isinstance(prompt, str):
-        return len(prompt.encode()) + 2
-    if prompt and isinstance(prompt[0], str):
-        return sum(len(str(p).encode()) for p in prompt) + 2
-    return len(prompt)
+    return size + 2
 
 
 class ReplicaText:
@@ -54,21 +69,21 @@ class ReplicaText:
         self.pool, self.session = pool, session  # the proxy's pooled client
         self._turn = itertools.count()
 
-    async def count(self, request: ChatBody | CompletionBody) -> int:
+    async def count(self, request: GenerationBody) -> int:
         """The prompt's tokens as the engine will count them (or ``byte_bound``)."""
-        prompt = request.prompt if isinstance(request, CompletionBody) else None
-        if prompt is not None and not isinstance(prompt, str):
-            if prompt and isinstance(prompt[0], int):
-                return len(prompt)  # token ids: already exact
-            prompt = "".join(str(p) for p in prompt)
+        texts = message_texts(request)
+        if texts is None:
+            assert isinstance(request, CompletionBody)
+            return len(request.prompt)  # token ids: already exact
         if isinstance(request, ChatBody):
             body: dict[str, Any] = {
                 "messages": [
-                    {"role": m.role, "content": content_text(m.content)} for m in request.messages
+                    {"role": m.role, "content": t}
+                    for m, t in zip(request.messages, texts, strict=True)
                 ]
             }
         else:
-            body = {"prompt": prompt}
+            body = {"prompt": texts[0]}
         found = await self._ask("/tokenize", body)
         count = found.get("count") if found is not None else None
         if isinstance(count, int) and not isinstance(count, bool) and count >= 0:

@@ -19,10 +19,10 @@ from typing import Any
 
 import httpx
 
-from sendpath.gateway.context import GatewayContext
+from sendpath.gateway.context import GATEWAY_STAGES, GatewayContext
 from sendpath.trace import Stage
 
-__all__ = ["GatewayTrace", "progress_of", "record", "stitch"]
+__all__ = ["GatewayTrace", "gateway_stage", "progress_of", "record", "stitch"]
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,8 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1000, 3)
 
 
-def record(ctx: GatewayContext) -> GatewayTrace:
-    """The trace of a finished request."""
+def record(ctx: GatewayContext, stages: list[tuple[Stage, float, float]]) -> GatewayTrace:
+    """The trace of a finished request (``stages``: its ``ctx.stage_seconds()``)."""
     assert ctx.response_id is not None
     model = ctx.body.get("model") if ctx.body else None
     return GatewayTrace(
@@ -55,8 +55,8 @@ def record(ctx: GatewayContext) -> GatewayTrace:
         replica=ctx.replica_name,
         replica_url=ctx.replica,
         created=int(time.time()),
-        stages=[(s.value, _ms(start), _ms(d)) for s, start, d in ctx.stage_seconds()],
-        timings=ctx.timings_ms(),
+        stages=[(s.value, _ms(start), _ms(d)) for s, start, d in stages],
+        timings=ctx.timings_ms(stages),
         relayed_ms=[_ms(t - ctx.start) for t in ctx.relayed],
         replica_offset_ms=(
             None if ctx.replica_arrival is None else _ms(ctx.replica_arrival - ctx.start)
@@ -105,11 +105,21 @@ def stitch(trace: GatewayTrace, replica: dict[str, Any] | None) -> dict[str, Any
     return out
 
 
+def gateway_stage(ctx: GatewayContext) -> Stage:
+    """The stage a request is in, as far as the gateway alone can tell: the one after the
+    last gateway stage that ended (``route`` after them all)."""
+    for stage in reversed(GATEWAY_STAGES):
+        if stage in ctx.marks:
+            after = GATEWAY_STAGES.index(stage) + 1
+            return GATEWAY_STAGES[after] if after < len(GATEWAY_STAGES) else Stage.ROUTE
+    return Stage.GATEWAY_AUTH
+
+
 async def progress_of(
     ctx: GatewayContext, client_id: str, client: httpx.AsyncClient, headers: dict[str, str]
 ) -> dict[str, Any]:
     """Where an in-flight request is now: its stage, and the engine's progress on it."""
-    out: dict[str, Any] = {"client_id": client_id, "stage": ctx.gateway_stage().value}
+    out: dict[str, Any] = {"client_id": client_id, "stage": gateway_stage(ctx).value}
     if ctx.first_token_at is not None:
         out["stage"] = Stage.DECODE.value
         return out

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
+from sendpath.api.prompt import route_text
+from sendpath.api.schema import ChatBody, CompletionBody
 from sendpath.router.pool import Endpoint
 
 __all__ = ["POLICIES", "LeastLoad", "RoundRobin", "RouteRequest", "RoutingPolicy", "make_policy"]
@@ -30,23 +32,9 @@ class RouteRequest:
         return RouteRequest(self.text + suffix, self.salt, self.chat)
 
 
-def route_request(body: dict[str, Any], salt: str | None) -> RouteRequest:
-    """The routing view of an OpenAI request body."""
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        parts = []
-        for m in messages:
-            if not isinstance(m, dict):
-                continue
-            content = m.get("content")
-            if isinstance(content, list):
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            parts.append(f"{m.get('role')}\n{content or ''}\n")
-        return RouteRequest("".join(parts), salt)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list):
-        prompt = " ".join(str(p) for p in prompt)
-    return RouteRequest(str(prompt or ""), salt, chat=False)
+def route_request(request: ChatBody | CompletionBody, salt: str | None) -> RouteRequest:
+    """The routing view of a checked OpenAI request (``api.prompt.route_text``)."""
+    return RouteRequest(route_text(request), salt, chat=isinstance(request, ChatBody))
 
 
 class RoutingPolicy(Protocol):

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from sendpath.api.disconnect import wait_disconnect
 from sendpath.api.errors import error_body
 from sendpath.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from sendpath.engine.outputs import EngineOutput, FinishReason
@@ -122,7 +123,7 @@ async def collect_unless_gone(
     """``collect``'s result, or 499 if the client left first (then ``abort`` stops what
     the engine still runs for it); what ``collect`` raises is raised."""
     task = asyncio.create_task(collect)
-    gone = asyncio.create_task(_wait_disconnect(request))
+    gone = asyncio.create_task(wait_disconnect(request.receive))
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -138,11 +139,6 @@ async def collect_unless_gone(
         replica.metrics.ended.labels("error").inc()
         raise error
     return task.result()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def raise_unfinished(out: EngineOutput, response_id: str) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from sendpath.api.sse import sse_data
 from sendpath.bench.workload import random_text
 from sendpath.sim.profile import PREAMBLE, Load
 
@@ -93,15 +94,16 @@ class LoadDriver:
             async with self.client.stream("POST", path, json=body) as r:
                 if r.status_code != 200:
                     text = (await r.aread()).decode(errors="replace")
-                    raise ServedProfileError(f"a request was refused ({r.status_code}): "
-                                             f"{text[:300]}")  # fmt: skip
-                async for line in r.aiter_lines():
-                    if line.startswith("data:") and not ttft:
+                    raise ServedProfileError(
+                        f"a request was refused ({r.status_code}): {text[:300]}"
+                    )
+                async for payload in sse_data(r.aiter_lines()):
+                    if not ttft:
                         ttft = time.perf_counter() - sent
                         if first is not None:
                             first.set()
-                    if chat and '"first_token_held"' in line:  # the last event, a gateway's
-                        self.holds.append(int(json.loads(line[5:])["first_token_held"]))
+                    if chat and '"first_token_held"' in payload:  # the last event, a gateway's
+                        self.holds.append(int(json.loads(payload)["first_token_held"]))
         finally:
             if first is not None:
                 first.set()  # whoever waits for it goes on (and meets the error, if any)

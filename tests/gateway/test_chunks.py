@@ -53,3 +53,19 @@ def test_carriage_returns_end_lines_too_and_a_failing_drain_is_quiet() -> None:
         return got
 
     assert asyncio.run(run()) == ["data: a", "data: b", "data: c"]
+
+
+def test_what_a_read_brought_after_the_head_is_there_without_waiting() -> None:
+    role = 'data: {"choices":[{"delta":{"role":"assistant"}}]}'
+    token = 'data: {"choices":[{"delta":{"content":"Hi"}}]}'
+    body = f"{role}\n\n{token}\n\ndata: [DONE]\n\n".encode()
+
+    async def run() -> tuple[list[str], list[str], list[str]]:
+        lines = SSELines(reads(body))
+        head = await read_head(lines)
+        return head, lines.received(), lines.received()
+
+    head, rest, nothing = asyncio.run(run())
+    assert head == [role, token]
+    assert rest == ["", "data: [DONE]", ""]  # the same read: the relay writes it with the head
+    assert nothing == []

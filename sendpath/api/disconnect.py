@@ -1,0 +1,99 @@
+"""Noticing that a client left, and stopping the work done for it.
+
+An ASGI server tells an app that its client disconnected only through ``receive()`` (an
+``http.disconnect`` message, once the request's body has been read), so something must
+wait on it: ``wait_disconnect``. ``ClientWatch`` is that wait as one task per request,
+which any number of callbacks can follow. ``Interrupt`` cancels the task running its
+block when a callback says so (``fire``) and turns that cancellation into the exception
+it was given, the way ``asyncio.timeout`` turns its own into ``TimeoutError``: a watcher
+(the client, a replica's health) stops work without a task of its own per piece of work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from types import TracebackType
+
+from starlette.types import Receive
+
+__all__ = ["ClientGone", "ClientWatch", "Interrupt", "wait_disconnect"]
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request was being served."""
+
+
+async def wait_disconnect(receive: Receive) -> None:
+    """Return once the client has disconnected (its request's body must have been read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class ClientWatch:
+    """One request's client, watched from now until ``close()``."""
+
+    def __init__(self, receive: Receive) -> None:
+        self.gone = False  # the client has disconnected
+        self._task = asyncio.ensure_future(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        try:
+            await wait_disconnect(receive)
+            self.gone = True
+        except asyncio.CancelledError:  # closed: end quietly. A task that keeps its
+            pass  # CancelledError keeps the request's frames in a reference cycle
+
+    def on_gone(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` (soon, on the loop) when the client disconnects; already gone:
+        soon. Returns what stops it being called."""
+
+        def done(task: asyncio.Future[None]) -> None:
+            if self.gone:
+                callback()
+
+        def unwatch() -> None:
+            self._task.remove_done_callback(done)
+
+        self._task.add_done_callback(done)
+        return unwatch
+
+    def close(self) -> None:
+        """Stop watching (the response is over)."""
+        self._task.cancel()
+
+
+class Interrupt:
+    """``async with Interrupt() as stop:`` runs a block that ``stop.fire(exc)`` (a callback
+    on the same loop) cancels; the block then raises ``exc`` instead of ``CancelledError``.
+    Only the first ``fire`` counts; one after the block ended does nothing. A cancellation
+    from elsewhere stays a ``CancelledError``."""
+
+    def __init__(self) -> None:
+        self._task: asyncio.Task[object] | None = None
+        self._cancelling = 0
+        self._reason: BaseException | None = None
+
+    async def __aenter__(self) -> Interrupt:
+        self._task = asyncio.current_task()
+        assert self._task is not None, "Interrupt runs inside a task"
+        self._cancelling = self._task.cancelling()
+        return self
+
+    def fire(self, reason: BaseException) -> None:
+        """Stop the block with ``reason``."""
+        if self._task is not None and self._reason is None:
+            self._reason = reason
+            self._task.cancel()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        task, reason, self._task = self._task, self._reason, None
+        if reason is None or task is None:
+            return
+        if task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
+            raise reason from None

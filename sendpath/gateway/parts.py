@@ -1,0 +1,131 @@
+"""The pieces one gateway app is made of, built from its config (``build_parts``).
+
+The routes find them on ``request.app.state.parts`` (``parts_of``); the middleware stack
+gets the ones it needs when the app is made (``app.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from starlette.requests import Request
+
+from sendpath.clock import Clock
+from sendpath.config import GatewayConfig
+from sendpath.gateway.admission import AdmissionQueue
+from sendpath.gateway.context import GatewayContext
+from sendpath.gateway.keys import KeyStore, default_data_dir
+from sendpath.gateway.ledger import UsageLedger
+from sendpath.gateway.metrics import GatewayMetrics
+from sendpath.gateway.proxy import Proxy, ProxyTimeouts
+from sendpath.gateway.ratelimit import RateLimiter, make_limiter
+from sendpath.gateway.safety import DEFAULT_RULES, OutputGuard, RulesFilter, SafetyCheck
+from sendpath.gateway.tokens import ReplicaText
+from sendpath.gateway.tracing import GatewayTrace, record
+from sendpath.router.policy import make_policy
+from sendpath.router.pool import ReplicaPool
+from sendpath.router.router import Router
+from sendpath.trace import TraceStore
+
+__all__ = ["FleetStatus", "GatewayParts", "build_parts", "key_store", "parts_of"]
+
+# The processes behind the replicas, by URL, when `sendpath serve` started them
+FleetStatus = Callable[[], dict[str, dict[str, Any]]]
+
+
+def key_store(config: GatewayConfig) -> KeyStore:
+    return KeyStore(Path(config.data_dir) if config.data_dir else default_data_dir())
+
+
+@dataclass
+class GatewayParts:
+    """Everything a gateway app shares between its requests."""
+
+    config: GatewayConfig
+    clock: Clock
+    keys: KeyStore
+    pool: ReplicaPool
+    metrics: GatewayMetrics
+    limiter: RateLimiter
+    safety: SafetyCheck | None  # None: no input or output filter
+    queue: AdmissionQueue
+    router: Router
+    proxy: Proxy
+    ledger: UsageLedger  # finished requests' usage, written in batches
+    text: ReplicaText  # counts and detokenizes with the replicas
+    # health checks and the operator's views (not per request): httpx
+    client: httpx.AsyncClient
+    fleet_status: FleetStatus | None
+    traces: TraceStore[GatewayTrace] = field(default_factory=TraceStore)
+    live: TraceStore[GatewayContext] = field(  # in flight, by key and client id
+        default_factory=lambda: TraceStore(1024)
+    )
+    whatif_slot: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
+
+    def done(self, ctx: GatewayContext) -> None:
+        """A request finished: its metrics, and its trace if it has an id."""
+        stages = ctx.stage_seconds()
+        self.metrics.finished(ctx, stages)
+        if ctx.response_id is not None:
+            self.traces.put(ctx.response_id, record(ctx, stages))
+
+
+def build_parts(
+    config: GatewayConfig,
+    clock: Clock,
+    limiter: RateLimiter | None,
+    safety: SafetyCheck | None,
+    fleet_status: FleetStatus | None,
+) -> GatewayParts:
+    """The parts for ``config``; ``limiter`` and ``safety`` override what it would build."""
+    keys = key_store(config)
+    pool = ReplicaPool(
+        config.replicas, config.max_inflight_per_replica, clock, config.keys_by_replica()
+    )
+    metrics = GatewayMetrics(pool)
+    limiter = limiter or make_limiter(
+        config.redis_url, config.redis_fail_open, metrics.store_errors.inc
+    )
+    if safety is None and config.safety:
+        safety = RulesFilter.from_toml(Path(config.safety_rules or DEFAULT_RULES))
+    queue = AdmissionQueue(pool.capacity, config.max_queued_requests, config.queue_timeout_s)
+    router = Router(pool, make_policy(config.policy), lambda: queue.resize(pool.capacity))
+    timeouts = ProxyTimeouts(
+        connect_s=config.connect_timeout_s,
+        first_token_s=config.first_token_timeout_s,
+        between_tokens_s=config.between_tokens_timeout_s,
+        whole_answer_s=config.upstream_timeout_s,
+        retry_deadline_s=config.retry_deadline_s,
+    )
+    checker = safety
+    guard = (lambda: OutputGuard(checker)) if checker is not None else None
+    proxy = Proxy(router, guard, timeouts)
+    parts = GatewayParts(
+        config=config,
+        clock=clock,
+        keys=keys,
+        pool=pool,
+        metrics=metrics,
+        limiter=limiter,
+        safety=safety,
+        queue=queue,
+        router=router,
+        proxy=proxy,
+        ledger=UsageLedger(keys),
+        text=ReplicaText(pool, proxy.session),
+        client=httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=config.connect_timeout_s)),
+        fleet_status=fleet_status,
+    )
+    proxy.on_done = parts.done
+    return parts
+
+
+def parts_of(request: Request) -> GatewayParts:
+    """The parts of the app serving ``request``."""
+    parts: GatewayParts = request.app.state.parts
+    return parts
