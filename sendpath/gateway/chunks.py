@@ -14,10 +14,13 @@ from sendpath.api.sse import DONE, data_of
 __all__ = [
     "SSELines",
     "answer_text",
+    "arguments_chunk",
+    "call_part",
     "finished",
     "numbers",
     "read_head",
     "text_of",
+    "with_arguments",
     "with_text",
 ]
 
@@ -98,6 +101,41 @@ def text_of(choice: dict[str, Any]) -> str | None:
     return text if isinstance(text, str) else None
 
 
+def call_part(choice: dict[str, Any]) -> tuple[int, str] | None:
+    """(the call's index, its arguments' text in this chunk) of a chat delta that carries a
+    piece of one tool call (the first piece names the function; its arguments may be
+    empty); ``None`` for any other chunk."""
+    delta = choice.get("delta")
+    calls = delta.get("tool_calls") if isinstance(delta, dict) else None
+    if not isinstance(calls, list) or len(calls) != 1 or not isinstance(calls[0], dict):
+        return None
+    index, function = calls[0].get("index", 0), calls[0].get("function")
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    return (index if isinstance(index, int) else 0), (
+        arguments if isinstance(arguments, str) else ""
+    )
+
+
+def with_arguments(chunk: dict[str, Any], arguments: str) -> dict[str, Any]:
+    """A copy of a tool-call chunk whose call carries ``arguments`` (its id and name, if
+    it has them, stay), without finish or logprobs."""
+    choice = dict(chunk["choices"][0])
+    call = dict(choice["delta"]["tool_calls"][0])
+    call["function"] = {**call.get("function", {}), "arguments": arguments}
+    choice["delta"] = {**choice["delta"], "tool_calls": [call]}
+    choice["finish_reason"] = None
+    if choice.get("logprobs") is not None:
+        choice["logprobs"] = None
+    return {**chunk, "choices": [choice]}
+
+
+def arguments_chunk(chunk: dict[str, Any], choice: int, call: int, text: str) -> dict[str, Any]:
+    """A chunk like ``chunk`` that carries only more arguments of call ``call``."""
+    delta = {"tool_calls": [{"index": call, "function": {"arguments": text}}]}
+    part = {"index": choice, "delta": delta, "logprobs": None, "finish_reason": None}
+    return {**chunk, "choices": [part]}
+
+
 def with_text(chunk: dict[str, Any], text: str) -> dict[str, Any]:
     """A copy of a stream chunk whose one choice carries ``text`` (and no finish). Its
     logprobs go: they name the chunk's own tokens, which the output filter may be holding
@@ -158,7 +196,12 @@ async def read_head(lines: SSELines) -> list[str]:
         event = json.loads(payload)
         choices = event.get("choices") or []
         if "error" in event or (
-            choices and (text_of(choices[0]) or choices[0].get("finish_reason"))
+            choices
+            and (
+                text_of(choices[0])
+                or call_part(choices[0]) is not None
+                or choices[0].get("finish_reason")
+            )
         ):
             return head
     if not head:

@@ -223,6 +223,37 @@ class Proxy:
             self.router.failed(endpoint, f"HTTP {status}")
         return Retry(Response(raw, status, headers, media_type="application/json"))
 
+    @staticmethod
+    def _check(choice: dict[str, Any], new_guard: Callable[[], OutputGuard]) -> None:
+        """The output filter over one whole choice: its text, and each tool call's
+        arguments on their own. Blocked: the text released before the phrase, no calls,
+        finish_reason ``content_filter``."""
+        message = choice.get("message")
+        text = message.get("content") if isinstance(message, dict) else choice.get("text")
+        released, blocked = "", False
+        if isinstance(text, str):
+            guard = new_guard()
+            released = guard.push(text) + guard.flush()
+            blocked = guard.blocked is not None
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        for call in calls if isinstance(calls, list) else []:
+            function = call.get("function") if isinstance(call, dict) else None
+            arguments = function.get("arguments") if isinstance(function, dict) else None
+            if isinstance(arguments, str) and not blocked:
+                guard = new_guard()
+                guard.push(arguments)
+                guard.flush()
+                blocked = guard.blocked is not None
+        if not blocked:
+            return
+        if isinstance(message, dict):
+            message["content"] = released
+            message.pop("tool_calls", None)
+        else:
+            choice["text"] = released
+        choice["finish_reason"] = "content_filter"
+        choice["logprobs"] = None  # they spell out the blocked text
+
     def answer(
         self, ctx: GatewayContext, data: dict[str, Any], headers: dict[str, str]
     ) -> JSONResponse:
@@ -230,19 +261,8 @@ class Proxy:
         u = data.get("usage") or {}
         ctx.usage = (int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0)))
         for choice in data.get("choices") or []:  # n answers: each checked on its own
-            message = choice.get("message")
-            text = message.get("content") if isinstance(message, dict) else choice.get("text")
-            if self.guard is None or not isinstance(text, str):
-                continue
-            guard = self.guard()
-            released = guard.push(text) + guard.flush()
-            if guard.blocked is not None:
-                if isinstance(message, dict):
-                    message["content"] = released
-                else:
-                    choice["text"] = released
-                choice["finish_reason"] = "content_filter"
-                choice["logprobs"] = None  # they spell out the blocked text
+            if self.guard is not None:
+                self._check(choice, self.guard)
         ctx.response_id = data.get("id")
         ctx.replica_timings = numbers(data.get("timings"))
         ctx.end = ctx.clock.now()

@@ -7,7 +7,8 @@ in one write when several are already there; the last write also ends the body).
 Text goes through the output guard, which holds back only what could still become a
 blocked phrase; a blocked stream ends with finish_reason ``content_filter`` (the replica
 is disconnected, which aborts the request there). Each choice of an ``n > 1`` answer has
-its own guard (their chunks interleave; a phrase is looked for within one choice). The
+its own guard (their chunks interleave; a phrase is looked for within one choice), and so
+has each tool call's arguments (the piece that names the function goes on at once). The
 finish and usage chunks are held until the end, so the last event can carry the stitched
 ``timings`` and, under the output filter, ``first_token_held``: how many more text chunks
 (tokens, nearly always) the first one waited for before it could go out. The usage chunk
@@ -32,7 +33,16 @@ import aiohttp
 from sendpath.api.errors import error_body
 from sendpath.api.sse import DONE, data_of, event
 from sendpath.errors import ServiceUnavailableError
-from sendpath.gateway.chunks import SSELines, finished, numbers, text_of, with_text
+from sendpath.gateway.chunks import (
+    SSELines,
+    arguments_chunk,
+    call_part,
+    finished,
+    numbers,
+    text_of,
+    with_arguments,
+    with_text,
+)
 from sendpath.gateway.context import GatewayContext
 from sendpath.gateway.safety import OutputGuard
 from sendpath.router.policy import RouteRequest
@@ -57,7 +67,8 @@ class StreamRelay:
     upstream: aiohttp.ClientResponse
     lines: SSELines
     head: list[str]
-    new_guard: Callable[[], OutputGuard] | None  # one guard per choice, made on its first text
+    # one guard per choice's text and per tool call's arguments, made on its first piece
+    new_guard: Callable[[], OutputGuard] | None
     wants_usage: bool
     between_tokens_s: float
     release: Callable[[], None]  # gives the endpoint's in-flight slot back
@@ -65,7 +76,7 @@ class StreamRelay:
 
     def __post_init__(self) -> None:
         self.tail: list[dict[str, Any]] = []  # the finish and usage chunks, held for timings
-        self.guards: dict[int, OutputGuard] = {}
+        self.guards: dict[tuple[int, int], OutputGuard] = {}  # (choice, call or -1: text)
         self.upstream_timings: dict[str, Any] | None = None
         self.answer: list[str] = []  # what the replica generated (and now has cached)
         self.done = False  # the replica sent [DONE]
@@ -162,6 +173,9 @@ class StreamRelay:
     ) -> list[dict[str, Any]] | None:
         """The chunks to send for one with a choice (``None``: the output filter blocked
         it, and the tail now says so); its finish is held in the tail."""
+        call = call_part(choice)
+        if call is not None:
+            return self._on_call(chunk, choice, *call)
         text, reason = text_of(choice), choice.get("finish_reason")
         guard = self._guard(choice.get("index", 0))
         out: list[dict[str, Any]] = []
@@ -181,10 +195,45 @@ class StreamRelay:
             rest = guard.flush() if guard is not None else ""
             if rest:
                 out.append(with_text(chunk, rest))
+            out += self._flush_calls(chunk, choice.get("index", 0))
             self.tail.append(finished(chunk, reason) if text else chunk)
         elif not text:
             out.append(chunk)  # the role chunk
         self._mark_relayed(out, guard is not None)
+        return out
+
+    def _on_call(
+        self, chunk: dict[str, Any], choice: dict[str, Any], call: int, arguments: str
+    ) -> list[dict[str, Any]] | None:
+        """A piece of a tool call: its arguments go through their own guard (a phrase
+        is looked for within one call); the piece that names the function goes on even
+        while its arguments are held."""
+        index = choice.get("index", 0)
+        guard = self._guard(index, call)
+        self.ctx.streamed_chunks += 1
+        released = guard.push(arguments) if guard is not None else arguments
+        if guard is not None and guard.blocked is not None:
+            self._block(chunk)
+            return None
+        named = "id" in choice["delta"]["tool_calls"][0]
+        out = []
+        if released == arguments:
+            out.append(chunk)
+        elif released or named:
+            out.append(with_arguments(chunk, released))
+        if choice.get("finish_reason") is not None:
+            out += self._flush_calls(chunk, index)
+            self.tail.append(finished(chunk, choice["finish_reason"]))
+        self._mark_relayed(out, guard is not None)
+        return out
+
+    def _flush_calls(self, chunk: dict[str, Any], index: Any) -> list[dict[str, Any]]:
+        """What the guards of a finishing choice's tool calls still hold."""
+        out = []
+        for (choice, call), guard in self.guards.items():
+            rest = guard.flush() if choice == index and call >= 0 else ""
+            if rest:
+                out.append(arguments_chunk(chunk, choice, call, rest))
         return out
 
     def _block(self, chunk: dict[str, Any]) -> None:
@@ -197,17 +246,18 @@ class StreamRelay:
         """When each text chunk goes out (the first: the client's first token)."""
         ctx = self.ctx
         for c in sent:
-            if text_of(c["choices"][0]):
+            if text_of(c["choices"][0]) or call_part(c["choices"][0]) is not None:
                 ctx.relayed.append(ctx.clock.now())
                 if ctx.first_token_at is None:
                     ctx.first_token_at = ctx.relayed[-1]
                     if guarded:
                         ctx.first_token_held = ctx.streamed_chunks - 1
 
-    def _guard(self, index: Any) -> OutputGuard | None:
+    def _guard(self, index: Any, call: int = -1) -> OutputGuard | None:
+        """The guard of choice ``index``'s text (``call`` -1) or of one of its calls."""
         if self.new_guard is None:
             return None
-        key = index if isinstance(index, int) else 0
+        key = (index if isinstance(index, int) else 0, call)
         if key not in self.guards:
             self.guards[key] = self.new_guard()
         return self.guards[key]

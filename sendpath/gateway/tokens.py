@@ -27,7 +27,7 @@ from typing import Any
 
 import aiohttp
 
-from sendpath.api.prompt import GenerationBody, message_texts, prompt_text
+from sendpath.api.prompt import GenerationBody, message_texts, prompt_text, tools_text
 from sendpath.api.schema import ChatBody, CompletionBody
 from sendpath.router.pool import ReplicaPool
 
@@ -36,6 +36,9 @@ __all__ = ["ReplicaText", "byte_bound", "estimate_prompt_tokens"]
 ASK_TIMEOUT_S = 10.0
 TEMPLATE_ALLOWANCE = 64  # a chat template's own tokens: a default system prompt, say
 PER_MESSAGE = 16  # a message's role and markers
+# what a template writes around the tools it shows: how to call them (Qwen's instructions
+# are about 100 tokens; sendpath's own, for a template without tools, fewer), and per tool
+TOOLS_ALLOWANCE, PER_TOOL = 256, 16
 
 
 def estimate_prompt_tokens(request: GenerationBody) -> int:
@@ -58,7 +61,8 @@ def byte_bound(request: GenerationBody) -> int:
         return len(request.prompt)  # token ids
     size = sum(len(t.encode()) for t in texts)
     if isinstance(request, ChatBody):
-        return size + PER_MESSAGE * len(request.messages) + TEMPLATE_ALLOWANCE
+        tools = TOOLS_ALLOWANCE + PER_TOOL * len(request.tools or []) if tools_text(request) else 0
+        return size + PER_MESSAGE * len(request.messages) + TEMPLATE_ALLOWANCE + tools
     return size + 2
 
 
@@ -75,13 +79,12 @@ class ReplicaText:
         if texts is None:
             assert isinstance(request, CompletionBody)
             return len(request.prompt)  # token ids: already exact
-        if isinstance(request, ChatBody):
+        if isinstance(request, ChatBody):  # as the chat renders them: tool calls, tools too
             body: dict[str, Any] = {
-                "messages": [
-                    {"role": m.role, "content": t}
-                    for m, t in zip(request.messages, texts, strict=True)
-                ]
+                "messages": [m.model_dump(exclude_none=True) for m in request.messages]
             }
+            if tools_text(request) is not None:
+                body["tools"] = [t.model_dump(exclude_none=True) for t in request.tools or []]
         else:
             body = {"prompt": texts[0]}
         found = await self._ask("/tokenize", body)

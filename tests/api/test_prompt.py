@@ -57,3 +57,24 @@ def test_token_ids_have_no_text_and_count_exactly() -> None:
     assert message_texts(request) is None and prompt_text(request) is None
     assert route_request(request, None).text == "5 17 3"
     assert estimate_prompt_tokens(request) == byte_bound(request) == 3
+
+
+def test_tools_and_past_calls_are_part_of_the_text() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    tool = {"type": "function", "function": {"name": "f", "description": "Does f."}}
+    chat = ChatBody.model_validate(
+        {
+            "model": "m",
+            "tools": [tool],
+            "messages": [
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "done"},
+            ],
+        }
+    )
+    tools = '[{"name": "f", "description": "Does f."}]'
+    assert message_texts(chat) == [tools, "Hi", '\nf {"a": 1}', "done"]
+    assert route_text(chat) == f'tools\n{tools}\nuser\nHi\nassistant\n\nf {{"a": 1}}\ntool\ndone\n'
+    hidden = ChatBody.model_validate({**chat.model_dump(exclude_none=True), "tool_choice": "none"})
+    assert message_texts(hidden) == ["Hi", '\nf {"a": 1}', "done"]  # not in the prompt
