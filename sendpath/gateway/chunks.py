@@ -20,6 +20,7 @@ __all__ = [
     "numbers",
     "read_head",
     "text_of",
+    "tool_calls_of",
     "with_arguments",
     "with_text",
 ]
@@ -101,13 +102,19 @@ def text_of(choice: dict[str, Any]) -> str | None:
     return text if isinstance(text, str) else None
 
 
+def tool_calls_of(choice: dict[str, Any]) -> list[Any] | None:
+    """The tool-call pieces a chat delta carries (``None``: none)."""
+    delta = choice.get("delta")
+    calls = delta.get("tool_calls") if isinstance(delta, dict) else None
+    return calls if isinstance(calls, list) and calls else None
+
+
 def call_part(choice: dict[str, Any]) -> tuple[int, str] | None:
     """(the call's index, its arguments' text in this chunk) of a chat delta that carries a
     piece of one tool call (the first piece names the function; its arguments may be
     empty); ``None`` for any other chunk."""
-    delta = choice.get("delta")
-    calls = delta.get("tool_calls") if isinstance(delta, dict) else None
-    if not isinstance(calls, list) or len(calls) != 1 or not isinstance(calls[0], dict):
+    calls = tool_calls_of(choice)
+    if calls is None or len(calls) != 1 or not isinstance(calls[0], dict):
         return None
     index, function = calls[0].get("index", 0), calls[0].get("function")
     arguments = function.get("arguments") if isinstance(function, dict) else None
@@ -198,9 +205,7 @@ async def read_head(lines: SSELines) -> list[str]:
         if "error" in event or (
             choices
             and (
-                text_of(choices[0])
-                or call_part(choices[0]) is not None
-                or choices[0].get("finish_reason")
+                text_of(choices[0]) or tool_calls_of(choices[0]) or choices[0].get("finish_reason")
             )
         ):
             return head

@@ -40,6 +40,7 @@ from sendpath.gateway.chunks import (
     finished,
     numbers,
     text_of,
+    tool_calls_of,
     with_arguments,
     with_text,
 )
@@ -173,6 +174,9 @@ class StreamRelay:
     ) -> list[dict[str, Any]] | None:
         """The chunks to send for one with a choice (``None``: the output filter blocked
         it, and the tail now says so); its finish is held in the tail."""
+        calls = tool_calls_of(choice)
+        if calls is not None and len(calls) > 1:
+            return self._one_call_at_a_time(chunk, choice, calls)
         call = call_part(choice)
         if call is not None:
             return self._on_call(chunk, choice, *call)
@@ -225,6 +229,25 @@ class StreamRelay:
             out += self._flush_calls(chunk, index)
             self.tail.append(finished(chunk, choice["finish_reason"]))
         self._mark_relayed(out, guard is not None)
+        return out
+
+    def _one_call_at_a_time(
+        self, chunk: dict[str, Any], choice: dict[str, Any], calls: list[Any]
+    ) -> list[dict[str, Any]] | None:
+        """A delta with several calls (some servers send them so), taken apart so each
+        call's arguments pass their own guard: its text, each call, then its finish."""
+        text = {"content": choice["delta"]["content"]} if text_of(choice) else None
+        parts = [text] if text else []
+        parts += [{"tool_calls": [call]} for call in calls]
+        out: list[dict[str, Any]] = []
+        for i, delta in enumerate(parts):
+            last = i == len(parts) - 1
+            part = {**choice, "delta": delta}
+            part["finish_reason"] = choice.get("finish_reason") if last else None
+            sent = self._on_choice({**chunk, "choices": [part]}, part)
+            if sent is None:
+                return None
+            out += sent
         return out
 
     def _flush_calls(self, chunk: dict[str, Any], index: Any) -> list[dict[str, Any]]:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import regex
 
 from sendpath.gateway.safety import RulesFilter
@@ -129,3 +130,61 @@ def test_a_limited_key_counts_the_tools_in_the_prompt(replica: Server, tmp_path:
         assert found is not None and int(found.group(1)) == counted
         ok = gw.post(gw.key("big", tpm=counted + 40), body)
         assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == counted
+
+
+class _Upstream:
+    """A replica that sends both of its calls in one delta (some servers do)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+
+@pytest.mark.parametrize("second", ["good", PHRASE])
+def test_calls_sent_together_pass_the_filter_each_on_its_own(tmp_path: Path, second: str) -> None:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    from tests.server.conftest import serve_app
+
+    def call(i: int, word: str) -> dict[str, Any]:
+        arguments = json.dumps({"word": word})
+        return {"index": i, "id": f"call_{i}", "type": "function",
+                "function": {"name": "say", "arguments": arguments}}  # fmt: skip
+
+    head = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 0, "model": "tiny"}
+    delta = {"role": "assistant", "tool_calls": [call(0, "fine"), call(1, second)]}
+    chunks = [
+        {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+        {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+    ]
+
+    async def generate(request: Request) -> Response:
+        body = [f"data: {json.dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
+        return StreamingResponse(iter(body), media_type="text/event-stream")
+
+    async def ok(request: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok", "object": "list", "data": [{"id": "tiny"}]})
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", generate, methods=["POST"]),
+            Route("/health", ok),
+            Route("/ready", ok),
+            Route("/v1/models", ok),
+        ]
+    )
+    with serve_app(app) as url, gateway(_Upstream(url), tmp_path, safety=RULES) as gw:  # type: ignore[arg-type]
+        arguments, finish = "", None
+        for event in gw.stream(gw.key("a"), forced("fine")):
+            if isinstance(event, dict) and event.get("choices"):
+                choice = event["choices"][0]
+                for part in choice["delta"].get("tool_calls") or []:
+                    arguments += part["function"].get("arguments") or ""
+                finish = choice.get("finish_reason") or finish
+        if second == PHRASE:
+            assert finish == "content_filter" and PHRASE not in arguments
+        else:
+            assert finish == "tool_calls"
+            assert arguments == '{"word": "fine"}{"word": "good"}'  # both, each guarded
