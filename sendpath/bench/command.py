@@ -206,7 +206,20 @@ def _size_overload(
         "until the throughput stops rising"
     )
     levels = asyncio.run(probe(args.url, model, input_len, output_len, args.api_key, extra, show))
-    return plan(levels, args.num_requests)
+    return plan(levels, args.num_requests, _admitted(args.url, args.api_key))
+
+
+def _admitted(url: str, api_key: str | None) -> int | None:
+    """How many requests a sendpath gateway forwards at once (its ``/fleet``'s capacity);
+    ``None`` from any other server."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        found = httpx.get(f"{url.rstrip('/')}/fleet", headers=headers, timeout=5).json()
+        capacity = found["gateway"]["capacity"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+    good = isinstance(capacity, int) and not isinstance(capacity, bool) and capacity > 0
+    return capacity if good else None
 
 
 def print_report(report: dict[str, Any], console: Console, title: str = "sendpath bench") -> None:

@@ -11,21 +11,19 @@ once the server turns some away (a sendpath gateway after 30 s in its queue: a b
 request's time while the server holds more than it can speed up on). One request runs
 first, uncounted: a server's first steps can be slow (weights re-laid out, caches filled).
 
-Then requests arrive (Poisson) at ``OVERLOAD`` x ``mu`` for a window of ``T`` seconds.
-The backlog grows by ``(OVERLOAD - 1) * mu`` a second, so a request arriving at ``t``
-waits about ``(OVERLOAD - 1) * t``: the last waits ``(OVERLOAD - 1) * T``, the mean is
-half that. ``T`` makes the mean wait ``QUEUE_OVER_SERVICE`` x ``S``, so the queue outweighs
-everything else a request does, except that the longest wait is kept under
-``MAX_WAIT_S`` (a sendpath gateway refuses requests after 30 s in its queue,
-``--queue-timeout``). Where ``S`` is longer than ``MAX_WAIT_S / 2`` (a slow or busy
-machine), the mean wait cannot exceed the service time; the plan's ``queue_can_dominate``
-and its summary say so (shorter requests, ``--input-len`` / ``--output-len``, help).
-
-A queue forms only where the server stops admitting: a sendpath gateway forwards 64
-requests per replica (``--max-inflight-per-replica``) and the engine batches 64. A CPU's
-throughput can top out at a smaller batch (4-16 at once on a busy 2-core host), so during
-the overload the batch fills past the last probe level and each request spends longer in
-it than ``S``: there decode still dominates (measured: 63%), and the report shows it.
+Then requests arrive (Poisson) at ``OVERLOAD`` x ``mu``. Nothing queues until the server
+holds what it admits at once, ``D`` (a sendpath gateway says how many it forwards, in
+``GET /fleet``; elsewhere the largest probe level stands in): the in-flight count grows by
+``(OVERLOAD - 1) * mu`` a second, so that takes ``D / ((OVERLOAD - 1) * mu)`` seconds, and
+a request in a full server takes about ``D / mu`` (Little's law), longer than ``S`` when
+the batch fills past the probe's last level. After that the backlog grows at the same
+rate, so a request arriving ``t`` seconds later waits about ``(OVERLOAD - 1) * t``. The
+window is the fill time plus the time that makes the later arrivals' mean wait
+``QUEUE_OVER_SERVICE`` service times, with the longest wait kept under ``MAX_WAIT_S`` (a
+sendpath gateway refuses requests after 30 s in its queue, ``--queue-timeout``). Where a
+request's own time is longer than that allows (a slow or busy machine), the mean wait
+cannot exceed it; the plan's ``queue_can_dominate`` and its summary say so (shorter
+requests, ``--input-len`` / ``--output-len``, or a smaller batch, help).
 """
 
 from __future__ import annotations
@@ -68,11 +66,12 @@ class OverloadPlan:
 
     probe: tuple[ProbeLevel, ...]
     capacity_rps: float  # the best probe level's throughput
-    service_s: float  # the last (saturated) level's median latency
+    service_s: float  # a request's own time in a full server (the probe's, or admitted / mu)
     offered_rps: float
     window_s: float  # arrivals span about this long
     num_requests: int
-    expected_mean_wait_s: float  # (OVERLOAD - 1) * window / 2, from the plan (not measured)
+    admitted: int  # what the server holds at once before anything queues
+    expected_mean_wait_s: float  # from the plan (not measured)
 
     @property
     def factor(self) -> float:
@@ -80,7 +79,8 @@ class OverloadPlan:
 
     @property
     def queue_can_dominate(self) -> bool:
-        """Whether the planned mean wait exceeds a request's service time."""
+        """Whether the planned mean wait exceeds a request's service time (a prediction
+        from the probe: a server that speeds up past its last level does better)."""
         return self.expected_mean_wait_s > self.service_s
 
     def report(self) -> dict[str, Any]:
@@ -102,30 +102,39 @@ class OverloadPlan:
         line = (
             f"offered {self.offered_rps:.2f} requests/s = {self.factor:.1f}x the measured "
             f"capacity of {self.capacity_rps:.2f}/s, {self.num_requests} requests over "
-            f"{self.window_s:.0f} s (probe, requests at once: {levels}; service time "
-            f"{self.service_s:.1f} s, expected mean queue wait {self.expected_mean_wait_s:.1f} s)"
+            f"{self.window_s:.0f} s (probe, requests at once: {levels}; the server holds "
+            f"{self.admitted} at once, each for about {self.service_s:.1f} s; expected mean "
+            f"queue wait {self.expected_mean_wait_s:.1f} s)"
         )
         if not self.queue_can_dominate:
             line += (
-                f". A request's own {self.service_s:.1f} s outlasts the mean wait a queue may "
-                f"build before a gateway's 30 s timeout, so the queue cannot dominate here: "
-                f"shorter requests (--input-len, --output-len) would let it"
+                f". A request's own time in a full server (about {self.service_s:.1f} s, from "
+                f"the probe) is longer than the mean wait a queue may build before a "
+                f"gateway's 30 s timeout, so the queue may not dominate here: shorter requests "
+                f"(--input-len, --output-len) or a smaller batch make it surer"
             )
         return line
 
 
-def plan(levels: list[ProbeLevel], num_requests: int | None = None) -> OverloadPlan:
-    """The overload for these probe results (``num_requests``: a fixed count instead)."""
+def plan(
+    levels: list[ProbeLevel], num_requests: int | None = None, admitted: int | None = None
+) -> OverloadPlan:
+    """The overload for these probe results (``num_requests``: a fixed count instead;
+    ``admitted``: what the server takes at once before anything queues, where it says)."""
     served = [p for p in levels if not p.refused]
     if not served:
         raise ValueError("the capacity probe measured nothing")
     mu = max(p.requests_per_s for p in served)
-    service = served[-1].median_latency_s
+    depth = max(admitted or 0, served[-1].concurrency)
+    service = max(served[-1].median_latency_s, depth / mu)  # a request in a full server
     offered = OVERLOAD * mu
-    window = min(2 * QUEUE_OVER_SERVICE * service, MAX_WAIT_S) / (OVERLOAD - 1)
-    n = num_requests or min(MAX_REQUESTS, max(2, math.ceil(offered * window)))
+    fill = depth / ((OVERLOAD - 1) * mu)  # until the server holds `depth`, nothing waits
+    queueing = min(2 * QUEUE_OVER_SERVICE * service, MAX_WAIT_S) / (OVERLOAD - 1)
+    n = num_requests or min(MAX_REQUESTS, max(2, math.ceil(offered * (fill + queueing))))
     window = n / offered
-    return OverloadPlan(tuple(levels), mu, service, offered, window, n, (OVERLOAD - 1) * window / 2)
+    after = max(0.0, window - fill)
+    mean_wait = (OVERLOAD - 1) * after * after / (2 * window)  # over every arrival
+    return OverloadPlan(tuple(levels), mu, service, offered, window, n, depth, mean_wait)
 
 
 async def probe(

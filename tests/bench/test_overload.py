@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -30,18 +31,28 @@ def small_batch(tiny: LoadedModel) -> Iterator[Server]:
 def test_plan_offers_twice_the_best_level_for_a_queue_of_two_service_times() -> None:
     levels = [ProbeLevel(4, 2.0, 1.5), ProbeLevel(8, 4.0, 2.0), ProbeLevel(16, 3.9, 4.1)]
     p = plan(levels)
-    # capacity: the best level; service time: the last (saturated) level's latency
-    assert OVERLOAD == 2.0 and p.capacity_rps == 4.0 and p.service_s == 4.1
-    # mean wait = 2 x 4.1 s -> window 16.4 s -> 8/s x 16.4 s = 131.2 -> 132 requests
-    assert p.offered_rps == pytest.approx(8.0) and p.num_requests == 132
-    assert p.window_s == pytest.approx(132 / 8.0)
-    assert p.expected_mean_wait_s == pytest.approx(p.window_s / 2)
-    assert p.queue_can_dominate and "cannot dominate" not in p.describe()
-    # a slow server: the longest wait stays under the cap, so fewer requests, and a mean
-    # wait (10 s) shorter than the service time (30 s), which the summary says
+    # capacity: the best level; service time: the last (saturated) level's latency; the
+    # server is taken to hold the last level's 16 at once (it did not say)
+    assert OVERLOAD == 2.0 and p.capacity_rps == 4.0 and p.service_s == 4.1 and p.admitted == 16
+    # 16 in flight after 16 / 4 = 4 s; then 2 x 2 x 4.1 = 16.4 s of a growing queue:
+    # 8/s x 20.4 s = 163.2 -> 164 requests
+    assert p.offered_rps == pytest.approx(8.0) and p.num_requests == 164
+    assert p.window_s == pytest.approx(164 / 8.0)
+    after = p.window_s - 4.0  # the later arrivals wait 0 .. after; the first 4 s none
+    assert p.expected_mean_wait_s == pytest.approx(after * after / 2 / p.window_s)
+    assert p.queue_can_dominate and "may not dominate" not in p.describe()
+    # a server that says it holds 64 at once (a sendpath gateway's /fleet): a request in
+    # it takes 64 / 4 = 16 s, and the queue builds only once 64 are in, after 16 s
+    deep = plan(levels, admitted=64)
+    assert (deep.admitted, deep.service_s) == (64, 16.0)
+    assert deep.num_requests == 8 * (16 + 20)  # the longest wait capped at MAX_WAIT_S
+    assert deep.expected_mean_wait_s == pytest.approx(20 * 20 / 2 / 36)
+    assert not deep.queue_can_dominate  # 5.6 s of queue against 16 s in the batch
+    # a slow server: the longest wait stays under the cap, and a mean wait shorter than
+    # the service time, which the summary says
     slow = plan([ProbeLevel(64, 2.0, 30.0)])
-    assert slow.num_requests == 4 * MAX_WAIT_S and slow.window_s == MAX_WAIT_S
-    assert not slow.queue_can_dominate and "the queue cannot dominate here" in slow.describe()
+    assert slow.service_s == 32.0 and slow.num_requests == 4 * (32 + MAX_WAIT_S)
+    assert not slow.queue_can_dominate and "the queue may not dominate here" in slow.describe()
     assert slow.report()["queue_can_dominate"] is False
     assert plan(levels, num_requests=10).num_requests == 10
     # a level the server partly refused ends the probe and does not count
@@ -49,6 +60,7 @@ def test_plan_offers_twice_the_best_level_for_a_queue_of_two_service_times() -> 
     assert (refused.capacity_rps, refused.service_s) == (p.capacity_rps, p.service_s)
     assert "32: 5 refused" in refused.describe()
     assert "8.00 requests/s = 2.0x the measured capacity of 4.00/s" in p.describe()
+    assert "the server holds 16 at once, each for about 4.1 s" in p.describe()
     with pytest.raises(ValueError, match="measured nothing"):
         plan([ProbeLevel(4, 1.0, 4.0, refused=1)])
 
@@ -59,7 +71,9 @@ def test_overloaded_scenario_probes_then_offers_twice_the_capacity(
     out = tmp_path / "overloaded.json"
     with gateway(small_batch, tmp_path / "gw") as gw:
         argv = ["bench", "--url", gw.url, "--api-key", gw.key("bench"),
-                "--scenario", "overloaded", "--json", str(out)]  # fmt: skip
+                "--scenario", "overloaded", "--num-requests", "48",
+                "--json", str(out)]  # fmt: skip
+        capacity = httpx.get(gw.url + "/fleet").json()["gateway"]["capacity"]
         assert main(argv) == 0
     report: dict[str, Any] = json.loads(out.read_text())
     overload = report["overload"]
@@ -69,7 +83,8 @@ def test_overloaded_scenario_probes_then_offers_twice_the_capacity(
     assert overload["offered_rps"] == pytest.approx(2 * overload["capacity_rps"])
     assert overload["offered_over_capacity"] == 2.0
     assert report["request_rate"] == overload["offered_rps"]
-    assert report["completed"] == overload["num_requests"] and report["failed"] == 0
+    assert report["completed"] == overload["num_requests"] == 48 and report["failed"] == 0
+    assert overload["admitted"] == capacity  # what the gateway said it forwards at once
     printed = capsys.readouterr()
     assert "capacity probe: 4 requests at once" in printed.err
     assert "2.0x the measured capacity" in printed.out and "dominated" in printed.out
