@@ -150,7 +150,9 @@ class EngineCore:
         strict_max_tokens: bool = False,
     ) -> Request:
         """The checked, tokenized request (``add_request``'s first half). It reads no engine
-        state, so a server runs it on its own thread while the engine steps."""
+        state, so a server runs it on its own thread while the engine steps. Compiling a
+        JSON schema's grammar (the first time: a second or so) counts as tokenizing."""
+        arrived = self.clock.now()
         params.validate()
         if params.structured is not None:  # a schema without a grammar: 400, here
             from sendpath.model.structured import grammar_compiler
@@ -163,7 +165,6 @@ class EngineCore:
                 f"(0 to {vocab - 1}).",
                 param="logit_bias",
             )
-        arrived = self.clock.now()
         if isinstance(prompt, Chat):
             ids = self.tokenizer.encode_chat(prompt.messages, tools=prompt.tools)
         elif isinstance(prompt, str):
