@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from sendpath import __version__
 from sendpath.bench.command import add_bench_args, run_bench
 from sendpath.chat import add_chat_args, run_chat
-from sendpath.engine.args import add_engine_args
+from sendpath.engine.args import MODEL_HELP, add_engine_args
 from sendpath.errors import SendpathError
 from sendpath.launch import (
     add_connection_args,
@@ -50,8 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--model",
         default=None,
-        help="GGUF file or Hugging Face directory of a Llama, Mistral, Qwen2/2.5 or Qwen3 model "
-        "(default: built-in SmolLM2-135M-Instruct)",
+        help=MODEL_HELP,
     )
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"])

@@ -9,17 +9,18 @@ from typing import Any
 
 from sendpath.config import CacheConfig, EngineConfig, SchedulerConfig
 
-__all__ = ["ENGINE_FLAGS", "add_engine_args", "engine_argv", "engine_config"]
+__all__ = ["ENGINE_FLAGS", "MODEL_HELP", "add_engine_args", "engine_argv", "engine_config"]
 
+MODEL_HELP = (
+    "GGUF file or Hugging Face directory of a Llama, Mistral, Qwen2/2.5 or Qwen3 model (GGUF: "
+    "F32, F16, BF16, Q8_0, Q4_0/1, Q5_0/1, K-quants; byte-level BPE or SentencePiece "
+    "vocabulary); default: the built-in SmolLM2-135M-Instruct"
+)
 # The replica's engine flags: (flag, argparse options). `serve` passes them on to replicas.
 ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     (
         "--model",
-        {
-            "help": "GGUF file or Hugging Face directory of a Llama, Mistral, Qwen2/2.5 or "
-            "Qwen3 model (GGUF: F32, F16, BF16, Q8_0, Q4_0/1, Q5_0/1, K-quants; byte-level BPE "
-            "or SentencePiece vocabulary); default: the built-in SmolLM2-135M-Instruct"
-        },
+        {"help": MODEL_HELP},
     ),
     ("--served-model-name", {"help": "the model id clients send (default: from the path)"}),
     (

@@ -175,11 +175,12 @@ class StreamRelay:
         """The chunks to send for one with a choice (``None``: the output filter blocked
         it, and the tail now says so); its finish is held in the tail."""
         calls = tool_calls_of(choice)
-        if calls is not None and len(calls) > 1:
-            return self._one_call_at_a_time(chunk, choice, calls)
-        call = call_part(choice)
-        if call is not None:
-            return self._on_call(chunk, choice, *call)
+        if calls is not None:
+            if len(calls) > 1:
+                return self._one_call_at_a_time(chunk, choice, calls)
+            call = call_part(choice)
+            if call is not None:
+                return self._on_call(chunk, choice, *call)
         text, reason = text_of(choice), choice.get("finish_reason")
         guard = self._guard(choice.get("index", 0))
         out: list[dict[str, Any]] = []

@@ -75,9 +75,8 @@ class ReplicaText:
 
     async def count(self, request: GenerationBody) -> int:
         """The prompt's tokens as the engine will count them (or ``byte_bound``)."""
-        texts = message_texts(request)
-        if texts is None:
-            assert isinstance(request, CompletionBody)
+        texts = None if isinstance(request, ChatBody) else message_texts(request)
+        if isinstance(request, CompletionBody) and texts is None:
             return len(request.prompt)  # token ids: already exact
         if isinstance(request, ChatBody):  # as the chat renders them: tool calls, tools too
             body: dict[str, Any] = {
@@ -86,6 +85,7 @@ class ReplicaText:
             if tools_text(request) is not None:
                 body["tools"] = [t.model_dump(exclude_none=True) for t in request.tools or []]
         else:
+            assert texts is not None
             body = {"prompt": texts[0]}
         found = await self._ask("/tokenize", body)
         count = found.get("count") if found is not None else None

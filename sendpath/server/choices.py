@@ -198,7 +198,7 @@ async def _events(
             )
             parser = tools[index]
             if parser is not None:
-                deltas = parser.feed(out.text) + (parser.end() if out.finished else [])
+                deltas = parser.step(out.text, out.finished)
                 for chunk in chunker.delta_chunks(deltas, rendered, index):
                     yield sse(chunk)
             elif out.text or rendered:

@@ -194,8 +194,7 @@ async def _events(
                     else renderer.completion(ids, out.logprobs, sent)
                 )
             if tools is not None:
-                deltas = tools.feed(out.text) + (tools.end() if out.finished else [])
-                for chunk in chunker.delta_chunks(deltas, rendered):
+                for chunk in chunker.delta_chunks(tools.step(out.text, out.finished), rendered):
                     yield sse(chunk)
             elif rendered is not None:
                 yield sse(chunker.chunk(out.text, logprobs=rendered))

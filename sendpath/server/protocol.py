@@ -88,7 +88,7 @@ class ParsedRequest:
 
     kind: Literal["chat", "completion"]
     model: str
-    prompt: str | list[int] | list[dict[str, Any]] | Chat
+    prompt: str | list[int] | Chat
     params: SamplingParams
     max_tokens_given: bool  # False: max_tokens defaults to "until the context is full"
     n: int  # answers to give (each its own engine request: server/choices.py)

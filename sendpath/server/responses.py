@@ -177,7 +177,7 @@ class Chunker:
         if self.kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if tools is not None:
-                content, calls = merge(tools.feed(text) + tools.end())
+                content, calls = merge(tools.step(text, last=True))
                 message["content"] = content
                 if calls:
                     message["tool_calls"] = calls

@@ -38,14 +38,16 @@ def call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
 
 
-def _calls_in(value: Any, arguments_key: str = "arguments") -> list[tuple[str, str]] | None:
-    """(name, arguments JSON) of each call in a parsed value, or None if it is not calls."""
+def _calls_in(value: Any) -> list[tuple[str, str]] | None:
+    """(name, arguments JSON) of each call in a parsed value, or None if it is not calls
+    (the arguments under ``arguments``, or ``parameters`` as Llama 3.1 and ``required``'s
+    constraint write them)."""
     items = value if isinstance(value, list) else [value]
     calls = []
     for item in items:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             return None
-        args = item.get(arguments_key, item.get("parameters", item.get("arguments", {})))
+        args = item.get("arguments", item.get("parameters", {}))
         if isinstance(args, str):
             calls.append((item["name"], args))
         elif isinstance(args, dict):
@@ -92,13 +94,17 @@ class CallParser:
             return self._json()
         return self._hermes()
 
+    def step(self, text: str, last: bool) -> list[dict[str, Any]]:
+        """The deltas of one engine output's ``text`` (and, on the ``last``, all still held)."""
+        return self.feed(text) + self.end() if last else self.feed(text)
+
     def end(self) -> list[dict[str, Any]]:
         """The deltas still held when the answer ends."""
         pending, self._pending = self._pending, ""
         if self.use.mode == "named":
             out = [] if self.calls else self._call(self.use.name or "", "{}")
         elif self.use.mode == "required":
-            out = self._calls_or_text(_calls_in(_parsed(pending), "parameters"), pending)
+            out = self._calls_or_text(_calls_in(_parsed(pending)), pending)
         elif self._state == "call":  # hermes, the answer ended inside a call
             body = pending.removesuffix(CALL_END)
             out = self._calls_or_text(_calls_in(_parsed(body)), CALL_START + pending)

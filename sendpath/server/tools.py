@@ -83,14 +83,10 @@ def template_tools(tools: list[Tool]) -> list[dict[str, Any]]:
     return [t.model_dump(exclude_none=True) for t in tools]
 
 
-def chat_prompt(body: ChatBody) -> list[dict[str, Any]] | Chat:
+def chat_prompt(body: ChatBody) -> Chat:
     """The engine's prompt: the messages, with the tools unless ``tool_choice`` is none."""
-    messages = chat_messages(body.messages)
-    if not body.tools or body.tool_choice == "none":
-        if any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
-            return Chat(messages)  # past calls, rendered for this template
-        return messages
-    return Chat(messages, template_tools(body.tools))
+    tools = template_tools(body.tools) if body.tools and body.tool_choice != "none" else None
+    return Chat(chat_messages(body.messages), tools)
 
 
 def tool_use(body: ChatBody, json_output: bool) -> tuple[ToolUse | None, StructuredOutput | None]:
