@@ -21,7 +21,7 @@ import json
 import statistics
 from pathlib import Path
 
-from sendpath.sim.cost_model import Calibrated
+from sendpath.sim.calibrated import Calibrated
 from sendpath.sim.profile import step_kind, step_times
 
 

@@ -49,7 +49,9 @@ from sendpath.bench.runner import Load, run
 from sendpath.bench.workload import LengthSpec, build
 from sendpath.config import SchedulerConfig
 from sendpath.fleet import free_port
-from sendpath.sim.cost_model import Calibrated, CostModel, CpuStepShape
+from sendpath.runner.cpu_step import CpuStepShape
+from sendpath.sim.calibrated import Calibrated
+from sendpath.sim.cost_model import CostModel
 from sendpath.sim.profile import step_kind, step_times
 from sendpath.sim.profile_served import profile_served
 from sendpath.sim.simulator import SimConfig, Simulator

@@ -40,15 +40,7 @@ from scipy.optimize import nnls
 
 from sendpath.runner.cpu_step import CpuStepShape
 
-__all__ = [
-    "TERMS",
-    "Calibrated",
-    "CostModelFileError",
-    "CpuStepShape",
-    "FitError",
-    "PointKind",
-    "ProfilePoint",
-]  # fmt: skip
+__all__ = ["TERMS", "Calibrated", "CostModelFileError", "FitError", "PointKind", "ProfilePoint"]
 
 TERMS = ("step", "prompt", "prefill", "prefilling", "resume", "context", "kv", "ride",
          "riding")  # then ``seqs@k`` for each knot k past 1  # fmt: skip

@@ -18,8 +18,8 @@ from sendpath.bench.workload import LengthSpec
 from sendpath.config import SchedulerConfig
 from sendpath.extras import require
 from sendpath.router.policy import POLICIES
+from sendpath.sim.calibrated import Calibrated
 from sendpath.sim.capacity import plan
-from sendpath.sim.cost_model import Calibrated
 from sendpath.sim.hardware import HARDWARE, MODELS
 from sendpath.sim.scenarios import SCENARIOS, Run, simulate
 from sendpath.sim.simulator import MODES

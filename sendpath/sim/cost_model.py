@@ -14,8 +14,8 @@ about half of peak in serving engines (``COMPUTE_EFF`` 0.5), and decode's weight
 streaming about 80% of memory bandwidth (``MEMORY_EFF`` 0.8). Decode is memory-bound, so
 its step time scales with 1/bandwidth (H200 vs H100: 1/1.43); prefill is compute-bound.
 
-``Calibrated`` (``calibrated.py``, re-exported here): a linear model fitted to step times
-measured on the real engine (`sendpath profile`).
+``Calibrated`` (``calibrated.py``): a linear model fitted to step times measured on the
+real engine (`sendpath profile`).
 """
 
 from __future__ import annotations
@@ -23,31 +23,10 @@ from __future__ import annotations
 from typing import Protocol
 
 from sendpath.engine.steps import StepShape
-from sendpath.sim.calibrated import (
-    TERMS,
-    Calibrated,
-    CostModelFileError,
-    CpuStepShape,
-    FitError,
-    PointKind,
-    ProfilePoint,
-)
+from sendpath.runner.cpu_step import CpuStepShape
 from sendpath.sim.hardware import Hardware, ModelSpec
 
-__all__ = [
-    "COMPUTE_EFF",
-    "MEMORY_EFF",
-    "TERMS",
-    "Calibrated",
-    "CostModel",
-    "CostModelFileError",
-    "CpuStepShape",
-    "FitError",
-    "PointKind",
-    "ProfilePoint",
-    "Roofline",
-    "StepShape",
-]
+__all__ = ["COMPUTE_EFF", "MEMORY_EFF", "CostModel", "Roofline", "StepShape"]
 
 COMPUTE_EFF = 0.5
 MEMORY_EFF = 0.8

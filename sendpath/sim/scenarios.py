@@ -24,7 +24,8 @@ from typing import Any
 from sendpath.bench.report import dominant
 from sendpath.bench.workload import LengthSpec
 from sendpath.config import SchedulerConfig
-from sendpath.sim.cost_model import Calibrated, CostModel, Roofline
+from sendpath.sim.calibrated import Calibrated
+from sendpath.sim.cost_model import CostModel, Roofline
 from sendpath.sim.hardware import HARDWARE, Hardware, ModelSpec, hardware, model_spec
 from sendpath.sim.simulator import SimConfig, SimResult, Simulator
 from sendpath.sim.traffic import Traffic

@@ -10,13 +10,13 @@ import pytest
 
 from sendpath.cli import main
 from sendpath.config import CacheConfig, EngineConfig
-from sendpath.sim.calibrated import _unfitted
-from sendpath.sim.cost_model import (
+from sendpath.runner.cpu_step import CpuStepShape
+from sendpath.sim.calibrated import (
     Calibrated,
     CostModelFileError,
-    CpuStepShape,
     PointKind,
     ProfilePoint,
+    _unfitted,
 )
 from sendpath.sim.profile import QUICK_GRID, profile
 from sendpath.sim.profile_command import print_fit

@@ -10,7 +10,7 @@ import pytest
 from sendpath.cli import main
 from sendpath.gateway.safety import RulesFilter
 from sendpath.model.loader import LoadedModel
-from sendpath.sim.cost_model import Calibrated, PointKind
+from sendpath.sim.calibrated import Calibrated, PointKind
 from sendpath.sim.profile import QUICK_GRID
 from sendpath.sim.profile_served import profile_served
 from sendpath.sim.served_loads import ServedProfileError

@@ -14,7 +14,8 @@ import pytest
 from sendpath.bench.workload import LengthSpec
 from sendpath.cli import main
 from sendpath.config import SchedulerConfig
-from sendpath.sim.cost_model import Calibrated, CostModel, Roofline
+from sendpath.sim.calibrated import Calibrated
+from sendpath.sim.cost_model import CostModel, Roofline
 from sendpath.sim.hardware import hardware, model_spec
 from sendpath.sim.results import held_tokens
 from sendpath.sim.scenarios import SCENARIOS, simulate
