@@ -41,8 +41,8 @@ from sendpath.request import SamplingParams
 from sendpath.runner.cpu_step import CpuStepShape
 from sendpath.sim.calibrated import Calibrated, PointKind, ProfilePoint
 
-__all__ = ["DEFAULT_GRID", "PREAMBLE", "QUICK_GRID", "RIDER_PROMPT", "Grid", "Load", "loads",
-           "points", "profile", "step_kind", "step_times"]  # fmt: skip
+__all__ = ["DEFAULT_GRID", "PREAMBLE", "QUICK_GRID", "RIDER_PROMPT", "WARM_UP", "Grid", "Load",
+           "loads", "points", "profile", "step_kind", "step_times"]  # fmt: skip
 
 PREAMBLE = 32  # tokens (words, over HTTP) of the shared prompt start: two KV blocks
 RIDER_PROMPT = 16  # tokens of a riding request's prompt
@@ -77,6 +77,10 @@ class Load:
     answer: int  # answer tokens each
     cached_prefix: bool = False  # the prompt starts with the cached preamble
     late: tuple[int, ...] = ()  # riders: prompts sent one at a time while they decode
+
+
+# first, in process and over HTTP: warms the engine up and caches the preamble's blocks
+WARM_UP = Load("warm-up and cache the preamble", 1, 8, 2, cached_prefix=True)
 
 
 def loads(grid: Grid, engine: dict[str, Any]) -> tuple[list[Load], list[str]]:
@@ -192,7 +196,7 @@ def profile(
     core = EngineCore.from_config(config)
     meta = _meta(core)
     engine = _Engine(core)
-    engine.run(Load("warm-up and cache the preamble", 1, 8, 2, cached_prefix=True))
+    engine.run(WARM_UP)
     last = core.steps.last.seq if core.steps.last else 0
     runnable, skipped = loads(grid, meta["engine"])
     found = []

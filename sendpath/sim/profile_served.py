@@ -3,9 +3,9 @@
 A served engine shares the machine with its HTTP server, the gateway and the clients,
 whose per-request and per-token work can slow its steps on a small machine. So this sends
 the grid's loads (``profile.py``) to a running `sendpath serve --replicas 1` (or one
-`sendpath replica`) as clients send them (``served_loads.py``: streamed text prompts) and
-fits the steps the replica itself logged (``GET /v1/steps``). Profile on an idle machine:
-nothing here checks whether something else slowed the server meanwhile.
+`sendpath replica`) as clients send them, as streamed text prompts (common words, about a
+token each, so that the gateway's filters and the replica's tokenizer do their work), and
+fits the steps the replica itself logged (``GET /v1/steps``).
 
 Outside the steps, for the simulator: a lone request's time to first token past its
 steps (``request_overhead_s``: HTTP, gateway, tokenizer, stream), and how often the
@@ -18,17 +18,37 @@ filter, and the file says ``None``).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import random
 import statistics
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
-from sendpath.sim.calibrated import Calibrated, ProfilePoint
-from sendpath.sim.profile import DEFAULT_GRID, Grid, loads, points, step_times
-from sendpath.sim.served_loads import LoadDriver
+import httpx
 
-__all__ = ["profile_served"]
+from sendpath.api.sse import sse_data
+from sendpath.bench.workload import random_text
+from sendpath.sim.calibrated import Calibrated, ProfilePoint
+from sendpath.sim.profile import (
+    DEFAULT_GRID,
+    PREAMBLE,
+    WARM_UP,
+    Grid,
+    Load,
+    loads,
+    points,
+    step_times,
+)
+
+__all__ = ["LoadDriver", "ServedProfileError", "profile_served"]
+
+
+class ServedProfileError(ValueError):
+    """The server cannot be profiled (unreachable, several replicas, refuses requests)."""
 
 
 def profile_served(
@@ -48,7 +68,7 @@ async def _profile(
 ) -> Calibrated:
     async with driver.client:
         model = await driver.connect()
-        await driver.cache_preamble(model)  # and warms the server up
+        await driver.run(model, WARM_UP)
         seen = await driver.steps(0)
         engine: dict[str, Any] = seen["engine"]
         last = seen["steps"][-1]["seq"] if seen["steps"] else 0
@@ -81,3 +101,103 @@ async def _profile(
         "first_token_hold_answers": len(holds),
     }  # fmt: skip
     return Calibrated.fit(found, meta)
+
+
+class LoadDriver:
+    """Sends the loads to ``url`` (a gateway with one replica, or a replica), reads what
+    the client sees (time to first token, the output filter's holds) and the replica's
+    step log."""
+
+    def __init__(self, url: str, api_key: str | None, replica_key: str | None = None) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # the replicas `sendpath serve` starts want its replica key on /v1/steps
+        self.replica_headers = {"Authorization": f"Bearer {replica_key}"} if replica_key else {}
+        self.client = httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=600)
+        self.rng = random.Random(0)
+        self.preamble = random_text(random.Random(1), PREAMBLE)
+        self.holds: list[int] = []  # per answer: tokens the output filter held its first for
+        self.replica = str(self.client.base_url).rstrip("/")  # whose steps to read (``connect``)
+
+    async def connect(self) -> str:
+        """Find the replica whose steps to read (the URL itself, or the gateway's only
+        one) and return the name of the model it serves."""
+        try:
+            r = await self.client.get("/fleet")
+        except httpx.HTTPError as exc:
+            raise ServedProfileError(f"cannot reach {self.client.base_url}: {exc}") from None
+        if r.status_code == 200:
+            replicas = r.json()["replicas"]
+            if len(replicas) != 1:
+                raise ServedProfileError(
+                    f"the gateway has {len(replicas)} replicas; profile one (sendpath serve "
+                    "--replicas 1), so that every request's steps are on the replica read"
+                )
+            self.replica = str(replicas[0]["url"]).rstrip("/")
+        r = await self.client.get("/v1/models")
+        if r.status_code != 200:
+            raise ServedProfileError(f"GET /v1/models said {r.status_code}: {r.text[:200]}")
+        return str(r.json()["data"][0]["id"])
+
+    async def steps(self, after: int) -> dict[str, Any]:
+        """The replica's step log after step ``after`` and its engine (``GET /v1/steps``)."""
+        r = await self.client.get(f"{self.replica}/v1/steps", params={"after": after},
+                                  headers=self.replica_headers or None)  # fmt: skip
+        if r.status_code == 401:
+            raise ServedProfileError(f"{self.replica} wants its replica key for GET /v1/steps: "
+                                     "give --replica-api-key (or $SENDPATH_REPLICA_API_KEY), "
+                                     "as `sendpath serve` was given it")  # fmt: skip
+        if r.status_code != 200:
+            raise ServedProfileError(f"{self.replica} has no step log (GET /v1/steps: "
+                                     f"{r.status_code})")  # fmt: skip
+        found: dict[str, Any] = r.json()
+        return found
+
+    async def one(self, model: str, tokens: int, answer: int, first: asyncio.Event | None = None,
+                  cached_prefix: bool = False, chat: bool = False) -> float:  # fmt: skip
+        """One streamed request of about ``tokens`` words (the step log has the exact
+        count), after the cached preamble with ``cached_prefix``; a user message with
+        ``chat``, whose first token's hold by the output filter goes in ``holds``. Sets
+        ``first`` at its first token; returns the seconds to it, as the client saw them."""
+        sent, ttft = time.perf_counter(), 0.0
+        prompt = random_text(self.rng, max(1, tokens - 1 - PREAMBLE * cached_prefix))
+        prompt = f"{self.preamble} {prompt}" if cached_prefix else prompt
+        body: dict[str, Any] = {"model": model, "max_tokens": answer, "ignore_eos": True,
+                                "temperature": 0, "stream": True}  # fmt: skip
+        body.update({"messages": [{"role": "user", "content": prompt}]} if chat else
+                    {"prompt": prompt})  # fmt: skip
+        try:
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            async with self.client.stream("POST", path, json=body) as r:
+                if r.status_code != 200:
+                    text = (await r.aread()).decode(errors="replace")
+                    raise ServedProfileError(
+                        f"a request was refused ({r.status_code}): {text[:300]}"
+                    )
+                async for payload in sse_data(r.aiter_lines()):
+                    if not ttft:
+                        ttft = time.perf_counter() - sent
+                        if first is not None:
+                            first.set()
+                    if chat and '"first_token_held"' in payload:  # the last event, a gateway's
+                        self.holds.append(int(json.loads(payload)["first_token_held"]))
+        finally:
+            if first is not None:
+                first.set()  # whoever waits for it goes on (and meets the error, if any)
+        return ttft
+
+    async def run(self, model: str, load: Load) -> float:
+        """Send ``load`` as the in-process profiler runs it; the first request's seconds to
+        its first token. Its first request (riders: all of them) goes first; once it
+        decodes, the others at once, or (riders) each late prompt alone beside them."""
+        started = [asyncio.Event() for _ in range(load.count if load.late else 1)]
+        one = partial(self.one, model, load.tokens, load.answer)
+        first = [asyncio.create_task(one(event, load.cached_prefix)) for event in started]
+        try:
+            await asyncio.gather(*(event.wait() for event in started))
+            for tokens in load.late:
+                await self.one(model, tokens, 2)
+            await asyncio.gather(*(one() for _ in range(0 if load.late else load.count - 1)))
+        except BaseException:
+            await asyncio.gather(*first, return_exceptions=True)  # theirs are not left unread
+            raise
+        return (await asyncio.gather(*first))[0]

@@ -1,7 +1,9 @@
-"""`sendpath profile --url`: a live replica's own step log, fitted as it served."""
+"""`sendpath profile --url`: a live replica's own step log, fitted as it served; the loads
+it sends, and how a refusal ends them."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import httpx
@@ -11,9 +13,8 @@ from sendpath.cli import main
 from sendpath.gateway.safety import RulesFilter
 from sendpath.model.loader import LoadedModel
 from sendpath.sim.calibrated import Calibrated, PointKind
-from sendpath.sim.profile import QUICK_GRID
-from sendpath.sim.profile_served import profile_served
-from sendpath.sim.served_loads import ServedProfileError
+from sendpath.sim.profile import QUICK_GRID, Load
+from sendpath.sim.profile_served import LoadDriver, ServedProfileError, profile_served
 from tests.gateway.conftest import gateway
 from tests.server.conftest import BLOCKS, serve
 
@@ -77,3 +78,39 @@ def test_an_unreachable_server_is_a_clear_error(capsys: pytest.CaptureFixture[st
         profile_served("http://127.0.0.1:9", grid=QUICK_GRID)
     assert main(["profile", "--url", "http://127.0.0.1:9", "--quick"]) == 2
     assert "cannot reach" in capsys.readouterr().err
+
+
+def test_a_refused_request_ends_the_profile_with_its_error_not_a_hang() -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(503, json={"error": {"message": "queue full"}})
+
+    async def ride() -> None:
+        driver = LoadDriver("http://server.test", None)
+        driver.client = httpx.AsyncClient(transport=httpx.MockTransport(refuse),
+                                          base_url="http://server.test")  # fmt: skip
+        async with driver.client:
+            # the riders wait for each other's first token: a refusal must not leave them
+            riders = Load("4 riding", 4, 16, 8, late=(16,))
+            await asyncio.wait_for(driver.run("m", riders), timeout=10)
+
+    with pytest.raises(ServedProfileError, match="refused \\(503\\)"):
+        asyncio.run(ride())
+
+
+def test_the_step_log_is_read_with_the_replica_key() -> None:
+    def replica(request: httpx.Request) -> httpx.Response:
+        if request.headers.get("authorization") != "Bearer rk":  # as `sendpath serve` starts it
+            return httpx.Response(401, json={"error": {"message": "needs its API key"}})
+        return httpx.Response(200, json={"engine": {}, "steps": [{"seq": 1}]})
+
+    async def steps(replica_key: str | None) -> object:
+        driver = LoadDriver("http://replica.test", "gateway-key", replica_key)
+        driver.client = httpx.AsyncClient(transport=httpx.MockTransport(replica),
+                                          headers={"Authorization": "Bearer gateway-key"},
+                                          base_url="http://replica.test")  # fmt: skip
+        async with driver.client:
+            return await driver.steps(0)
+
+    assert asyncio.run(steps("rk")) == {"engine": {}, "steps": [{"seq": 1}]}
+    with pytest.raises(ServedProfileError, match="give --replica-api-key"):
+        asyncio.run(steps(None))
