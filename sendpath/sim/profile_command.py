@@ -17,19 +17,13 @@ __all__ = ["DEFAULT_OUT", "DESCRIPTION", "add_profile_args", "print_fit", "run_p
 DEFAULT_OUT = Path("sendpath-profile.json")
 DESCRIPTION = (
     "Run the engine `sendpath replica` would run with the same flags (the built-in "
-    "SmolLM2-135M by default) through a grid of loads (single prompts, some after a cached "
-    "prefix; B prompts at once; short requests decoding while prompts arrive), read each "
-    "step's shape and time from the engine's own step log, fit step = c_step + "
-    "c_prompt*prompt tokens + c_prefill*chunks + c_prefilling (a step with chunks) + "
-    "c_resume*chunks past position 0 + c_context*attended + c_kv*KV gathered + the decodes' "
-    "cost (c_ride each and c_riding once beside a chunk, else seqs(batch size), a line "
-    "through each measured power-of-two batch size) by non-negative least squares on "
-    "relative error (every second mixed step held out to check it), print measured vs "
-    "fitted and write the model as JSON (sim/calibrated.py explains the terms). With --url, "
-    "send the same loads to a running server and fit the steps it logs (GET /v1/steps), "
-    "as served. About 4 minutes on 2 CPU cores. Profile on an idle machine: nothing checks "
-    "for other processes, and one that shares the cores slows every step it overlaps, "
-    "which the fit then takes for the engine's own cost."
+    "SmolLM2-135M by default) through a grid of loads, fit each step's time in the engine's "
+    "own step log to the step's shape (the terms: sendpath/sim/calibrated.py), print measured "
+    "vs fitted and write the fit as JSON for `sendpath sim --cost-model`. With --url, send the "
+    "same loads to a running server and fit the steps it logs (GET /v1/steps), as served. "
+    "About 4 minutes on 2 CPU cores. Profile on an idle machine: nothing checks for other "
+    "processes, and one that shares the cores slows every step it overlaps, which the fit "
+    "then takes for the engine's own cost."
 )
 
 
@@ -76,20 +70,6 @@ def _progress(p: ProfilePoint) -> None:
     print(f"  {p.label}: {p.seconds * 1e3:.1f} ms", flush=True)
 
 
-# the terms as `sendpath profile` prints them: name, scale, format, unit
-UNITS = (
-    ("step", 1e3, ".2f", "ms a step"),
-    ("prompt", 1e3, ".3f", "ms a prompt token"),
-    ("prefilling", 1e3, ".2f", "ms a step with prefill chunks"),
-    ("prefill", 1e3, ".2f", "ms a chunk"),
-    ("resume", 1e3, ".2f", "ms more if it resumes past position 0"),
-    ("context", 1e9, ".1f", "ns a context token attended"),
-    ("kv", 1e6, ".2f", "us a KV token gathered"),
-    ("ride", 1e3, ".3f", "ms a decode beside a prefill"),
-    ("riding", 1e3, ".2f", "ms a step with decodes beside a prefill"),
-)
-
-
 def print_fit(cal: Calibrated) -> None:
     """The measured vs fitted table, the coefficients and the fit's errors."""
     print(f"\nstep time, measured vs fitted: {cal.model_name} ({cal.meta.get('dtype')}, "
@@ -103,13 +83,11 @@ def print_fit(cal: Calibrated) -> None:
               f"{s.kv_tokens:>7}{p.seconds * 1e3:>13.1f}{fitted * 1e3:>11.1f}"
               f"{(fitted - p.seconds) / p.seconds:>+8.1%}")  # fmt: skip
     c, off = cal.coefficients, cal.unfitted
-    if off:  # its price is in another term's: say so, not "0.00 ms"
+    if off:  # its price is in another term's: say so, not "0"
         print(f"not fitted (the grid cannot tell them apart from other terms): "
               f"{', '.join(sorted(off))}")  # fmt: skip
-    terms = " + ".join(f"{'n/a' if name in off else format(c[name] * scale, spec)} {what}"
-                       for name, scale, spec, what in UNITS)  # fmt: skip
-    bends = ", ".join(f"{k}: {c[f'seqs@{k}'] * 1e3:.1f}" for k in cal.seq_knots[1:])
-    print(f"fitted: {terms}; decode-only steps: per-sequence ms by batch size (1: 0, {bends})")
+    terms = ", ".join(f"{t} {'n/a' if t in off else format(c[t] * 1e3, '.3g')}" for t in cal.terms)
+    print(f"fitted, in ms (the terms: sendpath/sim/calibrated.py): {terms}")
     for name, err in (("fit points", cal.error()), ("held-out mixed steps", cal.error(True))):
         if err is not None:
             print(f"relative error on {err.count} {name}: max {err.max:.1%}, mean {err.mean:.1%}")

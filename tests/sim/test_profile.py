@@ -103,11 +103,11 @@ def test_terms_the_points_cannot_tell_apart_are_left_at_0_and_said_so(
     assert singles.coefficients["prefilling"] == 0
     assert singles.coefficients["prefill"] == pytest.approx(0.035, rel=1e-6)
     assert singles.unfitted == {"prefilling"}
-    print_fit(singles)  # says so, where it would print "0.00 ms a step with prefill chunks"
+    print_fit(singles)  # says so, where it would print "prefilling 0"
     shown = capsys.readouterr().out
     assert "not fitted (the grid cannot tell them apart from other terms): prefilling" in shown
-    assert "n/a ms a step with prefill chunks + 35.00 ms a chunk" in shown
-    assert "per-sequence ms by batch size (1: 0, 2: 22.0, 4: 60.0, 8: 68.0)" in shown
+    assert "prefill 35, prefilling n/a, resume 20," in shown
+    assert "seqs@2 22, seqs@4 60, seqs@8 68" in shown
     # ``riding`` is told apart only by prompt steps with no decodes and with two numbers
     # of them; else it is ``prefilling``'s column (or ``ride``'s), and left at 0
     for keep in (lambda d: d > 0, lambda d: d == 0, lambda d: d in (0, 3)):
