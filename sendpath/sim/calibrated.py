@@ -155,6 +155,8 @@ class Calibrated:
         self._c = [self.coefficients[t] for t in self.terms]
         self.points = list(points)
         self.held_out = _held_out(self.points)
+        used = [p for p, out in zip(self.points, self.held_out, strict=True) if not out]
+        self.unfitted = _unfitted(used)  # terms those points cannot tell apart (left at 0)
         self.meta = dict(meta or {})
 
     @classmethod
@@ -181,11 +183,6 @@ class Calibrated:
 
     def step_seconds(self, shape: CpuStepShape) -> float:
         return sum(c * f for c, f in zip(self._c, _features(shape, self.seq_knots), strict=True))
-
-    @property
-    def unfitted(self) -> set[str]:
-        """Terms the fitted points could not tell apart from others (left at 0)."""
-        return _unfitted([p for p, out in zip(self.points, self.held_out, strict=True) if not out])
 
     def error(self, held_out: bool = False) -> FitError | None:
         """Relative error on the fit points, or on the held-out ones; None without any."""
@@ -246,10 +243,8 @@ class Calibrated:
             data = json.loads(Path(path).read_text())
         except FileNotFoundError:
             raise CostModelFileError(path, "no such file") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise CostModelFileError(path, f"cannot read it ({exc})") from None
-        except json.JSONDecodeError as exc:
-            raise CostModelFileError(path, f"not JSON ({exc})") from None
+        except (OSError, ValueError) as exc:  # unreadable, not UTF-8 or not JSON
+            raise CostModelFileError(path, f"not JSON, or unreadable ({exc})") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise CostModelFileError(path, f'not a {FORMAT} file (no "format": "{FORMAT}")')
         if data.get("version") != VERSION:
