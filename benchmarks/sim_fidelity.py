@@ -3,9 +3,8 @@ the real server, request for request.
 
 1. `sendpath serve --no-auth` on the built-in model with the engine defaults (64
    sequences, 512 batched tokens, 1 GiB of KV cache).
-2. The cost model: `sendpath profile --url` against that server (its grid: single
-   prompts of N tokens, B requests at once of C tokens each, short requests decoding
-   while prompts arrive); the workloads below are random mixes it never saw.
+2. The cost model: `sendpath profile --url` against that server (its grid of loads:
+   ``sendpath/sim/profile.py``); the workloads below are random mixes it never saw.
 3. Per workload, capacity: the requests/s the server completes with all requests sent at
    once (a burst, so the batch fills).
 4. Per load (25%, 55% and 85% of that capacity): `sendpath bench`'s client sends Poisson
@@ -49,9 +48,7 @@ from sendpath.bench.runner import Load, run
 from sendpath.bench.workload import LengthSpec, build
 from sendpath.config import SchedulerConfig
 from sendpath.fleet import free_port
-from sendpath.runner.cpu_step import CpuStepShape
 from sendpath.sim.calibrated import Calibrated
-from sendpath.sim.cost_model import CostModel
 from sendpath.sim.profile import step_kind, step_times
 from sendpath.sim.profile_served import profile_served
 from sendpath.sim.simulator import SimConfig, Simulator
@@ -82,11 +79,12 @@ def bench(url: str, words: LengthSpec, out: LengthSpec, n: int, load: Load,
     return asyncio.run(run(url, model, conversations, load, extra=extra))
 
 
-def replay(results: list[RequestResult], cost: CostModel, profile: Calibrated) -> dict[str, Any]:
+def replay(results: list[RequestResult], cost: Calibrated) -> dict[str, Any]:
     """The same requests through the simulator: same send times, lengths and holds on the
     first token (the gateway's ``first_token_held``) and the same shared start (the chat
     template's system prompt: the prompt tokens most requests had from the prefix cache).
-    From the served ``profile``: the KV blocks and a request's time outside the steps."""
+    From the served profile ``cost``: step times, the KV blocks and a request's time
+    outside the steps."""
     ok = sorted((r for r in results if r.success), key=lambda r: r.start)
     t0 = ok[0].start
     rng = random.Random(0)
@@ -100,8 +98,8 @@ def replay(results: list[RequestResult], cost: CostModel, profile: Calibrated) -
         rest = [rng.randrange(100, 30000) for _ in range(n - len(start))]
         requests.append(SimRequest(f"r{i}", r.start - t0, start + rest, r.output_tokens, i,
                                    held=r.first_token_held))  # fmt: skip
-    config = SimConfig(scheduler=ENGINE, num_blocks=profile.engine["num_blocks"],
-                       **profile.outside_steps())  # fmt: skip
+    config = SimConfig(scheduler=ENGINE, num_blocks=cost.engine["num_blocks"],
+                       **cost.outside_steps())  # fmt: skip
     return Simulator(config, cost).run_requests(requests).report
 
 
@@ -135,14 +133,11 @@ def steps_vs_model(found: list[dict[str, Any]], cost: Calibrated) -> dict[str, d
     return out
 
 
-class AtSpeed:
-    """A cost model on a machine running at ``speed`` of its calibrated speed."""
-
-    def __init__(self, base: CostModel, speed: float) -> None:
-        self.base, self.speed = base, speed
-
-    def step_seconds(self, shape: CpuStepShape) -> float:
-        return self.base.step_seconds(shape) / self.speed
+def at_speed(cost: Calibrated, speed: float) -> Calibrated:
+    """The profile on a machine running at ``speed`` of its profiled speed: every step
+    price over ``speed``, which for a fit linear in its coefficients is each over it."""
+    scaled = {term: c / speed for term, c in cost.coefficients.items()}
+    return Calibrated(scaled, meta=cost.meta, seq_knots=cost.seq_knots)
 
 
 def within_target(runs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
@@ -199,10 +194,9 @@ def measure(url: str, cost: Calibrated, workloads: list[str], loads: list[float]
                 "workload": name, "prompt_words": [words.low, words.high],
                 "output_tokens": [out.low, out.high], "capacity_rps": capacity,
                 "load": share, "rate": load.rate, "requests": n, "failed": real["failed"],
-                "measured": real, "sim_over_real": compare(real, replay(results, cost, cost)),
+                "measured": real, "sim_over_real": compare(real, replay(results, cost)),
                 "run_speed": round(speed, 3), "steps_vs_model": by_kind,
-                "at_run_speed_over_real": compare(real, replay(results, AtSpeed(cost, speed),
-                                                               cost)),
+                "at_run_speed_over_real": compare(real, replay(results, at_speed(cost, speed))),
                 "requests_measured": [
                     {"start": r.start, "prompt_tokens": r.prompt_tokens,
                      "cached_tokens": r.cached_tokens, "output_tokens": r.output_tokens,
