@@ -48,11 +48,6 @@ FORMAT = "sendpath-profile"
 VERSION = 6  # the only one read: earlier files had other forms
 
 
-def seq_knots_for(batch_sizes: set[int]) -> tuple[int, ...]:
-    """Where the per-sequence cost may bend: 1 and the measured powers of two."""
-    return (1, *(k for k in sorted(batch_sizes) if k > 1 and k & (k - 1) == 0))
-
-
 def _bends(s: int, knots: tuple[int, ...]) -> list[float]:
     """Weights of the values at ``knots[1:]`` for ``s`` sequences (0 at one sequence)."""
     weights = [0.0] * (len(knots) - 1)
@@ -163,7 +158,9 @@ class Calibrated:
     def fit(cls, points: Sequence[ProfilePoint], meta: dict[str, Any] | None = None) -> Calibrated:
         """Fit on every point but the held-out ones; keep them all."""
         used = [p for p, out in zip(points, _held_out(points), strict=True) if not out]
-        knots = seq_knots_for({p.shape.num_seqs for p in used if not p.shape.prefills})
+        # the per-sequence cost may bend at 1 and at each measured power-of-two batch size
+        batches = sorted({p.shape.num_seqs for p in used if not p.shape.prefills})
+        knots = (1, *(k for k in batches if k > 1 and k & (k - 1) == 0))
         off = _unfitted(used)
         terms = (*TERMS, *(f"seqs@{k}" for k in knots[1:]))
         fitted = [t not in off for t in terms]
