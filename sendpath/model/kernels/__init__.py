@@ -2,7 +2,8 @@
 
 - ``paged_attention.cpp``: decode attention over the paged KV cache, read in place (the
   torch path copies every decoding sequence's whole context into a padded batch in every
-  layer).
+  layer); ``paged_attention_bf16.cpp`` its bfloat16 task on AVX-512 BF16 dot products, and
+  ``attention_simd.h`` what the two share.
 - ``fused_ops.cpp``: the small operations around a layer's matmuls (residual add + RMSNorm,
   RoPE, the cache write, SiLU and its product), one call each instead of about six torch
   ops each.
@@ -37,8 +38,15 @@ __all__ = ["cpu_kernels", "kernel_dir"]
 logger = logging.getLogger("sendpath.model.kernels")
 _SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp", "block_matmul.cpp")
+    for name in (
+        "bindings.cpp",
+        "paged_attention.cpp",
+        "paged_attention_bf16.cpp",
+        "fused_ops.cpp",
+        "block_matmul.cpp",
+    )
 ]
+_HEADERS = [Path(__file__).with_name("attention_simd.h")]  # in the build's key, not compiled
 _lock = threading.Lock()
 _built: dict[str, Any] = {}
 
@@ -50,7 +58,7 @@ def kernel_dir() -> Path:
     and ninja rebuilds everything when that changes: a minute and more on 2 cores)."""
     base = os.environ.get("SENDPATH_CACHE_DIR") or str(Path.home() / ".cache" / "sendpath")
     key = hashlib.sha256(sys.prefix.encode())
-    for source in _SOURCES:
+    for source in _SOURCES + _HEADERS:
         key.update(str(source).encode())
         key.update(source.read_bytes())
     return Path(base) / "kernels" / f"torch-{torch.__version__}-{key.hexdigest()[:12]}"

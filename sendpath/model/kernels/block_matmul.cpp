@@ -39,12 +39,56 @@ namespace {
 
 constexpr int64_t kBlock = 32;  // inputs per block (Q4_1's and Q8_0's)
 constexpr int64_t kLanes = 16;  // output rows per group
-constexpr int kRowTile = 4;     // activation rows multiplied per pass over the weights
+constexpr int kRowTile = 8;     // activation rows multiplied per pass over the weights
 
 inline float widen(float x) { return x; }
 inline float widen(at::BFloat16 x) { return static_cast<float>(x); }
 
 inline int64_t blocks_for(int64_t k) { return (k + kBlock - 1) / kBlock; }
+
+#ifdef SENDPATH_VNNI
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {  // bfloat16 is a float32's upper half
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+#endif
+
+// One row's blocks; `cvtps_epi32` rounds to nearest even as `nearbyint` does, so both
+// loops give the same codes.
+template <typename T>
+void quantize_row(const T* x, int64_t k, int64_t blocks, int8_t* q, float* scale,
+                  float* scaled_sum) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const T* xb = x + b * kBlock;
+    const int64_t n = std::min(kBlock, k - b * kBlock);
+    int8_t* qb = q + b * kBlock;
+#ifdef SENDPATH_VNNI
+    if (n == kBlock) {
+      const __m512 lo = load16(xb), hi = load16(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
+      const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(qlo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(qhi));
+      scale[b] = amax / 127.f;
+      scaled_sum[b] = amax / 127.f * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
+      continue;
+    }
+#endif
+    float amax = 0.f;
+    for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(widen(xb[i])));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int sum = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      qb[i] = static_cast<int8_t>(std::nearbyint(widen(xb[i]) * inv));
+      sum += qb[i];
+    }
+    scale[b] = amax / 127.f;
+    scaled_sum[b] = amax / 127.f * static_cast<float>(sum);
+  }
+}
 
 // The activations quantized per block: q [M, blocks * 32], e and e * sum(q) [M, blocks].
 struct Quantized {
@@ -58,23 +102,11 @@ Quantized quantize(const T* x, int64_t rows, int64_t k) {
   const int64_t blocks = blocks_for(k);
   Quantized out{rows, blocks, std::vector<int8_t>(rows * blocks * kBlock, 0),
                 std::vector<float>(rows * blocks, 0.f), std::vector<float>(rows * blocks, 0.f)};
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const T* xb = x + r * k + b * kBlock;
-      const int64_t n = std::min(kBlock, k - b * kBlock);
-      float amax = 0.f;
-      for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(widen(xb[i])));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int8_t* qb = out.q.data() + (r * blocks + b) * kBlock;
-      int sum = 0;
-      for (int64_t i = 0; i < n; ++i) {
-        qb[i] = static_cast<int8_t>(std::nearbyint(widen(xb[i]) * inv));
-        sum += qb[i];
-      }
-      out.scale[r * blocks + b] = amax / 127.f;
-      out.scaled_sum[r * blocks + b] = amax / 127.f * static_cast<float>(sum);
-    }
-  }
+  at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / k), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      quantize_row(x + r * k, k, blocks, out.q.data() + r * blocks * kBlock,
+                   out.scale.data() + r * blocks, out.scaled_sum.data() + r * blocks);
+  });
   return out;
 }
 
@@ -187,7 +219,11 @@ void run(const Packed& w, const T* x, int64_t rows, int64_t k, T* out, int64_t n
           case 1: groups_vnni<1>(w, q, out, n_out, r0, g, g + 1); break;
           case 2: groups_vnni<2>(w, q, out, n_out, r0, g, g + 1); break;
           case 3: groups_vnni<3>(w, q, out, n_out, r0, g, g + 1); break;
-          default: groups_vnni<4>(w, q, out, n_out, r0, g, g + 1); break;
+          case 4: groups_vnni<4>(w, q, out, n_out, r0, g, g + 1); break;
+          case 5: groups_vnni<5>(w, q, out, n_out, r0, g, g + 1); break;
+          case 6: groups_vnni<6>(w, q, out, n_out, r0, g, g + 1); break;
+          case 7: groups_vnni<7>(w, q, out, n_out, r0, g, g + 1); break;
+          default: groups_vnni<8>(w, q, out, n_out, r0, g, g + 1); break;
         }
       }
     }

@@ -13,7 +13,10 @@
 // accumulators, so the context is read once, whatever its length. Inputs are float32 or
 // bfloat16; arithmetic is float32. With AVX-512 and a head dim of 64 or 128 (and at most 8
 // query heads per kv head) each key and value row is loaded once into registers and used
-// by all G heads; anything else takes the portable loop.
+// by all G heads: 16 keys' dot products are summed at once (attention_simd.h's sum_each)
+// and the softmax's exponentials are a polynomial over 16 lanes; the next block's rows are
+// prefetched while one is scored. A bfloat16 cache on a CPU with AVX-512 BF16 takes
+// paged_attention_bf16.cpp's task instead; anything else takes the portable loop.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -22,20 +25,14 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "attention_simd.h"
 
 namespace {
 
-constexpr int kMaxGroup = 8;
-
-struct Shape {
-  int64_t batch, heads, kv_heads, head_dim, slots, max_blocks, block_size;
-  float scale;
-};
+using namespace sendpath_attention;
 
 template <typename T>
 inline float to_float(T x) {
@@ -103,12 +100,6 @@ void task_portable(const scalar_t* q, const scalar_t* k_head, const scalar_t* v_
 // ------------------------------------------------------------------- AVX-512
 
 #ifdef __AVX512F__
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {  // bf16 is a float32's upper half
-  __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
 template <int kDim, typename scalar_t>
 void task_avx512(const scalar_t* q, const scalar_t* k_head, const scalar_t* v_head,
                  const int64_t* table, int64_t length, scalar_t* out, const Shape& s,
@@ -117,7 +108,8 @@ void task_avx512(const scalar_t* q, const scalar_t* k_head, const scalar_t* v_he
   const int64_t bs = s.block_size;
   __m512 qv[kMaxGroup][kChunks];
   __m512 acc[kMaxGroup][kChunks];
-  float scores[kMaxGroup * 64];  // block_size <= 64 (checked by the caller)
+  alignas(64) float keys[64 * kDim];  // a block's keys in float32 (block_size <= 64)
+  float scores[kMaxGroup * 64];
   float run_max[kMaxGroup], run_sum[kMaxGroup], shrink[kMaxGroup];
   const __m512 scale = _mm512_set1_ps(s.scale);
   for (int64_t g = 0; g < group; ++g) {
@@ -130,17 +122,32 @@ void task_avx512(const scalar_t* q, const scalar_t* k_head, const scalar_t* v_he
   }
   for (int64_t start = 0; start < length; start += bs) {
     const int64_t block = table[start / bs], n = std::min(bs, length - start);
-    const scalar_t* keys = k_head + block * bs * kDim;
-    for (int64_t t = 0; t < n; ++t) {  // each key row loaded once, scored by every head
-      __m512 row[kChunks];
-      for (int c = 0; c < kChunks; ++c) row[c] = load16(keys + t * kDim + c * 16);
-      for (int64_t g = 0; g < group; ++g) {
-        __m512 dot = _mm512_mul_ps(qv[g][0], row[0]);
-        for (int c = 1; c < kChunks; ++c) dot = _mm512_fmadd_ps(qv[g][c], row[c], dot);
-        scores[g * bs + t] = _mm512_reduce_add_ps(dot);
+    const scalar_t* block_keys = k_head + block * bs * kDim;
+    if (start + bs < length) {  // the next block's rows, from memory meanwhile
+      const int64_t next = table[start / bs + 1] * bs * kDim;
+      for (int64_t i = 0; i < bs * kDim; i += 64 / static_cast<int64_t>(sizeof(scalar_t))) {
+        _mm_prefetch(reinterpret_cast<const char*>(k_head + next + i), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(v_head + next + i), _MM_HINT_T0);
       }
     }
-    fold_block(scores, n, bs, group, run_max, run_sum, shrink);
+    for (int64_t i = 0; i < n * kDim; i += 16) _mm512_store_ps(keys + i, load16(block_keys + i));
+    for (int64_t g = 0; g < group; ++g) {  // 16 keys' dot products, then their 16 sums at once
+      for (int64_t t0 = 0; t0 < n; t0 += 16) {
+        __m512 dots[16];
+        for (int64_t i = 0; i < 16; ++i) {
+          if (t0 + i >= n) {
+            dots[i] = _mm512_setzero_ps();
+            continue;
+          }
+          const float* key = keys + (t0 + i) * kDim;
+          dots[i] = _mm512_mul_ps(qv[g][0], _mm512_load_ps(key));
+          for (int c = 1; c < kChunks; ++c)
+            dots[i] = _mm512_fmadd_ps(qv[g][c], _mm512_load_ps(key + c * 16), dots[i]);
+        }
+        _mm512_mask_storeu_ps(scores + g * bs + t0, first(n - t0), sum_each(dots));
+      }
+    }
+    fold_block_avx512(scores, n, bs, group, run_max, run_sum, shrink);
     for (int64_t g = 0; g < group; ++g) {
       const __m512 f = _mm512_set1_ps(shrink[g]);
       for (int c = 0; c < kChunks; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], f);
@@ -162,6 +169,7 @@ void task_avx512(const scalar_t* q, const scalar_t* k_head, const scalar_t* v_he
     for (int d = 0; d < kDim; ++d) out[g * kDim + d] = static_cast<scalar_t>(tmp[d]);
   }
 }
+
 #endif
 
 template <typename scalar_t>
@@ -178,6 +186,11 @@ void decode_attention(const scalar_t* q, const scalar_t* k_cache, const scalar_t
       const int64_t* table = block_tables + b * s.max_blocks;
       const bool fast = group <= kMaxGroup && s.block_size <= 64;
 #ifdef __AVX512F__
+      if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+        if (fast && decode_task_bf16(q + offset, k_head, v_head, table, seq_lens[b], out + offset, s,
+                                     group))
+          continue;
+      }
       if (fast && s.head_dim == 64) {
         task_avx512<64>(q + offset, k_head, v_head, table, seq_lens[b], out + offset, s, group);
         continue;

@@ -1,0 +1,106 @@
+// What the decode-attention kernels share: the task's shape and the AVX-512 pieces of an
+// online softmax (paged_attention.cpp: float32 and the portable loop;
+// paged_attention_bf16.cpp: AVX-512 BF16 on a bfloat16 cache).
+
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace sendpath_attention {
+
+constexpr int kMaxGroup = 8;
+
+struct Shape {
+  int64_t batch, heads, kv_heads, head_dim, slots, max_blocks, block_size;
+  float scale;
+};
+
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {  // bf16 is a float32's upper half
+  __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+inline __mmask16 first(int64_t n) {  // the first min(n, 16) lanes
+  return n >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << n) - 1u);
+}
+
+// e^x for x <= 0 (a score less the running max): 2^(x log2 e) as 2^n 2^f with n whole and
+// |f| <= 1/2, 2^f by its Taylor series to f^7 (relative error under 1e-7); 0 below -87.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)),
+                                 _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  constexpr float kCoef[] = {1.525273380405984e-05f, 1.5403530393381606e-04f,
+                             1.3333558146428443e-03f, 9.618129107628477e-03f,
+                             5.550410866482158e-02f,  2.402265069591007e-01f,
+                             6.931471805599453e-01f,  1.f};
+  __m512 p = _mm512_set1_ps(kCoef[0]);
+  for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kCoef[i]));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Lane i of the result: the sum of v[i]'s 16 lanes (a transposing tree of adds: about
+// three instructions a sum, where one horizontal sum each takes about ten).
+inline __m512 sum_each(const __m512 v[16]) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i)  // per 128 bits: v[2i], v[2i+1], v[2i], v[2i+1] partial sums
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128 bits: v[4i] .. v[4i+3] summed over those bits
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 lo = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 hi = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// The softmax fold of one block's scores [group][n] (as fold_block, 16 lanes at a time).
+inline void fold_block_avx512(float* scores, int64_t n, int64_t block_size, int64_t group,
+                              float* run_max, float* run_sum, float* shrink) {
+  const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * block_size;
+    __m512 top = none;
+    for (int64_t t = 0; t < n; t += 16)
+      top = _mm512_max_ps(top, _mm512_mask_loadu_ps(none, first(n - t), sg + t));
+    const float new_max = std::max(run_max[g], _mm512_reduce_max_ps(top));
+    shrink[g] = std::exp(run_max[g] - new_max);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 16) {
+      const __mmask16 m = first(n - t);
+      const __m512 e = exp_nonpositive(
+          _mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + t), _mm512_set1_ps(new_max)));
+      _mm512_mask_storeu_ps(sg + t, m, e);
+      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
+    }
+    run_sum[g] = run_sum[g] * shrink[g] + _mm512_reduce_add_ps(sum);
+    run_max[g] = new_max;
+  }
+}
+
+#endif
+
+// One (sequence, kv head) task on a bfloat16 cache with AVX-512 BF16; false where it does
+// not run (no AVX-512 BF16, or a head dim other than 64 and 128).
+bool decode_task_bf16(const at::BFloat16* q, const at::BFloat16* k_head, const at::BFloat16* v_head,
+                      const int64_t* table, int64_t length, at::BFloat16* out, const Shape& s,
+                      int64_t group);
+
+}  // namespace sendpath_attention
