@@ -6,9 +6,11 @@
 the file ships four-bit weights (multiplied llama.cpp's way, ``BlockWeights``, on a CPU
 with AVX-512 VNNI, else by torch's int4 kernel), else none. ``int4`` asked for also runs
 with float32 activations where VNNI is there. The output head
-gets eight bits with either (per block of 32 on VNNI, else per row). On a CPU that
-computes bfloat16 natively the dense bfloat16 weights (used by larger steps) go to oneDNN's
-blocked layout (``Linear.use_packed_layout``).
+gets eight bits with either (per block of 32 on VNNI, else per row). ``BlockWeights``
+serve every step, prompt chunks too, and the layers' dense weights are freed; torch's int4
+and int8 kernels serve small steps only, and on a CPU that computes bfloat16 natively the
+dense bfloat16 weights (used by larger steps) go to oneDNN's blocked layout
+(``Linear.use_packed_layout``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import torch
 from sendpath.errors import ModelLoadError
 from sendpath.model.llama import Linear, LlamaModel
 from sendpath.model.quant import (
-    BLOCK_MAX_ROWS,
     INT4_MAX_ROWS,
     BlockWeights,
     Int4Weights,
@@ -82,8 +83,8 @@ def choose_precision(asked: str, dtype: str, dev: torch.device, ships_q4: bool) 
         return Precision(
             dtype,
             "int4",
-            f"auto: the model's own four-bit weights and eight-bit head{_BLOCKS}, for steps "
-            f"of up to {BLOCK_MAX_ROWS} rows; {dtype} beyond",
+            f"auto: the model's own four-bit weights and eight-bit head{_BLOCKS}, for every "
+            f"step ({dtype} activations)",
         )
     if not int4_supported():
         return Precision(dtype, "none", "auto: this torch has no CPU int4 kernel")
@@ -121,8 +122,8 @@ def _quantize(
         return
     blocks = block_kernels() if quantization == "int4" else None
     head = model.lm_head
-    if blocks is not None:
-        head.use_quantized(BlockWeights.q8_0(blocks, head.weight_out_in), BLOCK_MAX_ROWS)
+    if blocks is not None:  # the head's dense weight stays: it is the embedding when tied
+        head.use_quantized(BlockWeights.q8_0(blocks, head.weight_out_in), None)
     else:
         head.use_quantized(Int8Weights.from_dense(head.weight_out_in, dtype), INT8_MAX_ROWS)
     for name, module in model.named_modules():
@@ -133,7 +134,8 @@ def _quantize(
             continue
         found = codes.get(name + ".weight") or quantize_q4(module.weight_out_in)
         if blocks is not None:
-            module.use_quantized(BlockWeights.from_q4_1(blocks, *found), BLOCK_MAX_ROWS)
+            module.use_quantized(BlockWeights.from_q4_1(blocks, *found), None)
+            module.drop_dense()
         else:
             module.use_quantized(Int4Weights.from_q4_1(*found, dtype), INT4_MAX_ROWS)
 

@@ -19,10 +19,10 @@ Where the CPU has AVX-512 VNNI, ``BlockWeights`` multiplies the same codes as ll
 does (``kernels/block_matmul.cpp``): the activations are quantized to int8 per block of 32
 as well and each block is an integer dot product, 16 output rows at a time. Measured on
 SmolLM2's layers (2-core Zen 4): 3-4x faster than torch's int4 kernel at every row count,
-4x faster than dense bfloat16 at one row, 1.4-1.6x at 8, about even from 32 to 128; the
-output head's Q8_0 codes 3x faster than torch's int8 kernel at one row. A whole decode
-step with them was 1.2-2x faster than with dense bfloat16 from 4 to 32 rows, so they serve
-steps of up to ``BLOCK_MAX_ROWS`` rows.
+4x faster than dense bfloat16 (oneDNN, blocked layout) at one row, 1.4-1.6x at 8, 1.3-1.5x
+from 32 to 512 rows (eight activation rows a pass over the weights, the activations
+quantized in AVX-512); the output head's Q8_0 codes 3x faster than torch's int8 kernel at
+one row. So they serve every step, a prompt's chunks too, and no dense copy is kept.
 
 ``cpu_features()`` says what this CPU computes natively, for ``--dtype auto`` and
 ``--quantization auto``.
@@ -39,7 +39,6 @@ import torch
 from sendpath.model.kernels import cpu_kernels
 
 __all__ = [
-    "BLOCK_MAX_ROWS",
     "GROUP",
     "INT4_MAX_ROWS",
     "BlockWeights",
@@ -55,7 +54,6 @@ __all__ = [
 
 GROUP = 32  # inputs per scale: Q4_0 / Q4_1's block, and the kernel's group size
 INT4_MAX_ROWS = 4  # above this many rows a step's matmul is faster dense (see the docstring)
-BLOCK_MAX_ROWS = 32  # the same for BlockWeights (measured, see the docstring)
 _INNER_K_TILES = 8  # the packing's tile (ignored by the CPU kernel's own layout)
 
 

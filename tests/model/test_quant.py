@@ -85,6 +85,25 @@ def test_linear_uses_the_quantized_weights_for_few_rows_only() -> None:
     assert calls == [1, 4]  # 5 and 64 rows: the dense weight
 
 
+def test_a_weight_quantized_for_every_product_can_drop_its_dense_copy() -> None:
+    linear = Linear(128, 96)
+    with torch.no_grad():
+        linear.weight.copy_(torch.from_numpy(_weights()))
+    int8 = Int8Weights.from_dense(linear.weight_out_in, torch.float32)
+    with pytest.raises(ValueError, match="every product"):
+        linear.drop_dense()  # nothing quantized yet
+    linear.use_quantized(int8, max_rows=4)
+    with pytest.raises(ValueError, match="every product"):
+        linear.drop_dense()  # larger products still need it
+    linear.use_quantized(int8, max_rows=None)
+    linear.drop_dense()
+    assert linear.weight.is_meta and not linear.serves_dense
+    linear.use_packed_layout()  # nothing to pack: a no-op
+    assert linear.packed is None
+    x = torch.randn(64, 128)
+    assert torch.equal(linear(x), int8.matmul(x))
+
+
 def test_packed_weights_give_the_dense_products_and_replace_the_dense_copy() -> None:
     if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         pytest.skip("this torch has no oneDNN")
@@ -117,6 +136,12 @@ def test_auto_precision_on_the_built_in_model_is_the_files_four_bits() -> None:
         assert "VNNI" in loaded.precision.reason
         assert isinstance(qkv.quantized, BlockWeights)
         assert isinstance(loaded.model.lm_head.quantized, BlockWeights)
+        # they serve every product, a prompt chunk's too, and the dense copy is gone
+        assert qkv.quantized_rows is None and qkv.weight.is_meta and qkv.packed is None
+        with pytest.raises(ValueError, match="dropped"):
+            qkv.weight_out_in  # noqa: B018
+        # the tied head keeps its dense weight: it is the embedding
+        assert torch.equal(loaded.model.lm_head.weight_out_in, loaded.model.embed_tokens.weight)
     else:
         assert isinstance(qkv.quantized, Int4Weights)
         assert isinstance(loaded.model.lm_head.quantized, Int8Weights)
