@@ -115,9 +115,10 @@ def sample(
 ) -> list[Sampled]:
     """logits [N, V] float32 -> one ``Sampled`` per row. ``allowed``: per row, None or a
     [V] bool mask of the tokens it may take (a grammar's, ``model/structured.py``)."""
-    greedy = logits.argmax(dim=-1).tolist()
-    nan_rows = torch.isnan(logits.sum(dim=-1))  # any NaN makes the sum NaN (one pass)
-    bad = set(nan_rows.nonzero().flatten().tolist()) if bool(nan_rows.any()) else set()
+    best = logits.argmax(dim=-1)  # a row with a NaN: the NaN's index (NaN is the max)
+    top = logits.gather(1, best[:, None])[:, 0]  # each row's own largest logit, checked once
+    greedy, nan_rows, dead = best.tolist(), torch.isnan(top).tolist(), torch.isneginf(top).tolist()
+    bad = {i for i, is_nan in enumerate(nan_rows) if is_nan}
     out: list[Sampled] = []
     for i, p in enumerate(params):
         if i in bad:
@@ -136,7 +137,9 @@ def sample(
                 token = int(torch.multinomial(probs, 1, generator=generators[i]).item())
             except RuntimeError:  # "probability tensor contains either inf, nan or element < 0"
                 token = None
-        if token is not None and bool(torch.isinf(row[token])) and row[token] < 0:
+        if token is not None and (
+            dead[i] if not changed and p.greedy else bool(torch.isneginf(row[token]))
+        ):
             token = None  # every token was masked out (a bias of -inf cannot be asked for)
         logprobs = None
         if token is not None and p.logprobs is not None:
