@@ -185,7 +185,7 @@ class BlockWeights:
 
     kernels: Any  # block_kernels()
     codes: torch.Tensor  # [N/16, K/32, 256 or 512] uint8
-    d: torch.Tensor  # [N/16, K/32, 16] float32
+    d: torch.Tensor  # [N/16, K/32, 16] float16, as the file stores it
     m: torch.Tensor
     out_features: int
     in_features: int
@@ -206,7 +206,7 @@ class BlockWeights:
         padded = torch.zeros(n, -(-k // GROUP) * GROUP)
         padded[:, :k] = weight.float()
         blocks = padded.view(n, -1, GROUP)
-        d = blocks.abs().amax(-1) / 127  # [N, K/32]
+        d = (blocks.abs().amax(-1) / 127).half().float()  # [N, K/32], as stored: float16
         codes = (blocks / d.clamp(min=1e-30)[..., None]).round().clamp(-127, 127)
         packed, scales, offsets = kernels.pack_q8(
             codes.to(torch.int8).view(n, -1)[:, :k].contiguous(), d

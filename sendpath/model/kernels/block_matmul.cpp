@@ -15,7 +15,8 @@
 // block) of 16 rows x 4 bytes: one vpdpbusd against the activation quad broadcast to every
 // lane. Four-bit codes keep quad j in the low nibbles and quad j + 4 in the high nibbles of
 // the same 64 bytes (256 bytes a block, 512 for eight-bit codes). d and m are [G, blocks,
-// 16] floats. Rows past N (to a multiple of 16) and inputs past K (to a multiple of 32) are
+// 16] float16, as the file stores them (Q4_1's d and m, Q8_0's d: exact; half the bytes of
+// float32, which a one-row product spends most of its time reading). Rows past N (to a multiple of 16) and inputs past K (to a multiple of 32) are
 // zero.
 //
 // Without AVX-512 VNNI a portable loop computes the same sums over the same layout;
@@ -112,8 +113,8 @@ Quantized quantize(const T* x, int64_t rows, int64_t k) {
 
 struct Packed {  // pointers into the packed tensors, and their shape
   const uint8_t* codes;
-  const float* d;
-  const float* m;
+  const at::Half* d;
+  const at::Half* m;
   int64_t blocks, block_bytes;  // 256 (four-bit) or 512
   bool four_bit;
 };
@@ -137,8 +138,8 @@ void groups_portable(const Packed& w, const Quantized& x, T* out, int64_t n_out,
       float acc[kLanes] = {};
       for (int64_t b = 0; b < w.blocks; ++b) {
         const int8_t* qb = x.q.data() + (r * x.blocks + b) * kBlock;
-        const float* d = w.d + (g * w.blocks + b) * kLanes;
-        const float* m = w.m + (g * w.blocks + b) * kLanes;
+        const at::Half* d = w.d + (g * w.blocks + b) * kLanes;
+        const at::Half* m = w.m + (g * w.blocks + b) * kLanes;
         for (int64_t lane = 0; lane < kLanes; ++lane) {
           int dot = 0;
           for (int64_t i = 0; i < kBlock; ++i) dot += code_at(w, g, b, lane, i) * qb[i];
@@ -184,8 +185,10 @@ void groups_vnni(const Packed& w, const Quantized& x, T* out, int64_t n_out, int
       } else {
         for (int j = 0; j < 8; ++j) quad[j] = _mm512_loadu_si512(block + j * 64);
       }
-      const __m512 d = _mm512_loadu_ps(w.d + (g * w.blocks + b) * kLanes);
-      const __m512 m = _mm512_loadu_ps(w.m + (g * w.blocks + b) * kLanes);
+      const __m512 d = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + (g * w.blocks + b) * kLanes)));
+      const __m512 m = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.m + (g * w.blocks + b) * kLanes)));
       for (int r = 0; r < R; ++r) {
         const int64_t at = (r0 + r) * x.blocks + b;
         const auto* q = reinterpret_cast<const int32_t*>(x.q.data() + at * kBlock);
@@ -242,14 +245,14 @@ std::vector<torch::Tensor> pack(const torch::Tensor& codes, const torch::Tensor&
   const int64_t groups = (n + kLanes - 1) / kLanes, block_bytes = four_bit ? 256 : 512;
   TORCH_CHECK(d.sizes() == m.sizes() && d.size(0) == n && d.size(1) == blocks, "d, m: [N, K/32]");
   auto c = codes.contiguous();
-  auto df = d.to(at::kFloat).contiguous(), mf = m.to(at::kFloat).contiguous();
+  auto df = d.to(at::kHalf).contiguous(), mf = m.to(at::kHalf).contiguous();
   auto packed = torch::zeros({groups, blocks, block_bytes}, c.options());
   auto dp = torch::zeros({groups, blocks, kLanes}, df.options());
   auto mp = torch::zeros({groups, blocks, kLanes}, df.options());
   const uint8_t* src = c.data_ptr<uint8_t>();
   uint8_t* dst = packed.data_ptr<uint8_t>();
-  const float *d_src = df.data_ptr<float>(), *m_src = mf.data_ptr<float>();
-  float *d_dst = dp.data_ptr<float>(), *m_dst = mp.data_ptr<float>();
+  const at::Half *d_src = df.data_ptr<at::Half>(), *m_src = mf.data_ptr<at::Half>();
+  at::Half *d_dst = dp.data_ptr<at::Half>(), *m_dst = mp.data_ptr<at::Half>();
   for (int64_t row = 0; row < n; ++row) {
     const int64_t g = row / kLanes, lane = row % kLanes;
     for (int64_t b = 0; b < blocks; ++b) {
@@ -287,8 +290,8 @@ std::vector<torch::Tensor> pack_q4(torch::Tensor codes, torch::Tensor d, torch::
 std::vector<torch::Tensor> pack_q8(torch::Tensor codes, torch::Tensor d) {
   TORCH_CHECK(codes.scalar_type() == at::kChar, "codes: int8 [N, K]");
   auto shifted = (codes.to(at::kInt) + 128).to(at::kByte);
-  auto df = d.to(at::kFloat);
-  return pack(shifted, df, df * -128.0, false);
+  auto dh = d.to(at::kHalf);  // -128 d is exact in float16 too
+  return pack(shifted, dh, dh * -128.0, false);
 }
 
 // x [M, K] float32 or bfloat16 and weights from pack_q4 / pack_q8 for N outputs -> [M, N].
@@ -296,15 +299,15 @@ std::vector<torch::Tensor> pack_q8(torch::Tensor codes, torch::Tensor d) {
 torch::Tensor block_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m,
                            int64_t n_out, bool portable) {
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && d.dim() == 3 && m.sizes() == d.sizes());
-  TORCH_CHECK(codes.scalar_type() == at::kByte && d.scalar_type() == at::kFloat &&
-              m.scalar_type() == at::kFloat);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && d.scalar_type() == at::kHalf &&
+              m.scalar_type() == at::kHalf, "codes uint8, d and m float16 (pack_q4 / pack_q8)");
   TORCH_CHECK(codes.is_contiguous() && d.is_contiguous() && m.is_contiguous());
   const int64_t k = x.size(1);
   TORCH_CHECK(codes.size(1) == blocks_for(k) && d.size(1) == blocks_for(k) && d.size(2) == kLanes,
               "the weights' blocks do not fit the input width");
   TORCH_CHECK(codes.size(2) == 256 || codes.size(2) == 512, "codes: [groups, blocks, 256 or 512]");
   TORCH_CHECK(codes.size(0) == d.size(0) && (n_out + kLanes - 1) / kLanes == codes.size(0));
-  const Packed w{codes.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(),
+  const Packed w{codes.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), m.data_ptr<at::Half>(),
                  codes.size(1), codes.size(2), codes.size(2) == 256};
   auto input = x.contiguous();
   auto out = torch::empty({x.size(0), n_out}, x.options());

@@ -45,7 +45,9 @@ def test_four_bit_codes(kernel: Any, portable: bool, dtype: torch.dtype, n: int,
     torch.manual_seed(0)
     blocks = -(-k // 32)
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-    d, m = torch.rand(n, blocks) * 0.02, -torch.rand(n, blocks) * 0.1
+    # float16 scales and minimums, as GGUF stores them (the packed layout keeps them so)
+    d = (torch.rand(n, blocks) * 0.02).half().float()
+    m = (-torch.rand(n, blocks) * 0.1).half().float()
     packed = kernel.pack_q4(codes, d, m)
     for rows in (1, 3, 6, 9, 15, 21):  # every remainder of the kernel's 8-row tiles
         x = torch.randn(rows, k).to(dtype)
@@ -63,7 +65,7 @@ def test_eight_bit_codes(kernel: Any, portable: bool) -> None:
     torch.manual_seed(1)
     n, k = 50, 160
     codes = torch.randint(-127, 128, (n, k), dtype=torch.int8)
-    d = torch.rand(n, k // 32) * 0.01
+    d = (torch.rand(n, k // 32) * 0.01).half().float()  # float16, as Q8_0 stores it
     packed = kernel.pack_q8(codes, d)
     x = torch.randn(5, k)
     got = kernel.block_matmul(x, *packed, n, portable=portable)
@@ -80,7 +82,7 @@ def test_q8_0_weights_round_trip_their_own_codes(kernel: Any) -> None:
     torch.manual_seed(2)
     codes = torch.randint(-127, 128, (16, 64)).float()
     codes[:, 0], codes[:, 32] = 127, -127  # every block's largest magnitude is 127
-    d = torch.rand(16, 2) * 0.01
+    d = (torch.rand(16, 2) * 0.01).half().float()  # Q8_0's scales are float16
     weight = (codes.view(16, 2, 32) * d[..., None]).view(16, 64)
     weights = BlockWeights.q8_0(kernel, weight)
     assert torch.allclose(weights.dequantize(), weight, rtol=1e-5, atol=1e-7)
