@@ -94,7 +94,9 @@ class StreamRelay:
                         last = "".join(out)
                         out.clear()
                         yield last, False
-                        if self.done:  # the whole answer: its connection can be reused
+                        # the whole answer: its connection can be reused once the
+                        # end of the body is read (nearly always it came with [DONE])
+                        if self.done and not self.upstream.content.at_eof():
                             await self.lines.drain(DRAIN_S)
                         return
                 if out:
@@ -290,9 +292,9 @@ class StreamRelay:
         ctx = self.ctx
         events = [c for c in self.tail if c.get("choices") or self.wants_usage]
         ctx.replica_timings = numbers(self.upstream_timings)
-        ctx.end = ctx.clock.now()
+        timings = ctx.finish()
         if events:
-            events[-1]["timings"] = ctx.timings_ms()
+            events[-1]["timings"] = timings
             if ctx.first_token_held is not None:
                 events[-1]["first_token_held"] = ctx.first_token_held
         self.on_done(ctx)
