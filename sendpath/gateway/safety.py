@@ -67,10 +67,6 @@ class SafetyCheck(Protocol):
 # numbers shift), or inline flags (they would apply to every pattern)
 _NOT_JOINABLE = regex.compile(r"\\[1-9]|\(\?P=|\(\?[a-zA-Z]+[):]|\\g<|\(\?[+-]?\d|\(\?\(\d")
 _FLAGS = regex.IGNORECASE | regex.DOTALL
-# What keeps the joined rules from reading a text and its lower case alike: a scoped group
-# that turns a flag off (``(?-i:...)``: case matters there), or ``\G`` (where the search
-# started: a search from 0 and one from ``start`` differ)
-_NOT_CASE_BLIND = regex.compile(r"\(\?[a-zA-Z0-9]*-|\\G")
 # Longer texts are matched with the GIL released; a stream's window, far shorter, is
 # matched on the event loop, where releasing it is only a cost (a tenth of a check)
 CONCURRENT_CHARS = 4096
@@ -100,9 +96,6 @@ class RulesFilter:
             self._joined = regex.compile(
                 "|".join(f"(?P<_r{i}>{p})" for i, (_, p) in enumerate(sources)), _FLAGS
             )
-        self._case_blind = self._joined is not None and not any(
-            _NOT_CASE_BLIND.search(p) for _, p in sources
-        )
 
     @classmethod
     def from_toml(cls, path: Path = DEFAULT_RULES) -> RulesFilter:
@@ -127,23 +120,6 @@ class RulesFilter:
             if any(p.search(normal, concurrent=concurrent) for p in patterns):
                 return name
         return None
-
-    def scan(self, text: str, start: int = 0) -> tuple[str | None, int]:
-        """``check(text)``, and when it passes, ``hold_from(text, start)`` (else
-        ``len(text)``): ``OutputGuard``'s two questions about a stream's window.
-
-        Most windows hold nothing a rule could match, and one search answers both for an
-        ASCII text (its normal form is its lower case): no match or partial match anywhere
-        in the normal form means ``check`` finds nothing, and, the rules being
-        case-insensitive (``_case_blind``), neither does ``hold_from`` in the text itself
-        from ``start`` on. Otherwise the two run as they are."""
-        if self._case_blind and text.isascii():
-            assert self._joined is not None
-            concurrent = len(text) > CONCURRENT_CHARS
-            if self._joined.search(text.lower(), partial=True, concurrent=concurrent) is None:
-                return None, len(text)
-        category = self.check(text)
-        return category, len(text) if category is not None else self.hold_from(text, start)
 
     def hold_from(self, text: str, start: int = 0) -> int:
         if self._joined is not None:
@@ -180,18 +156,13 @@ class OutputGuard:
             return ""
         self._pending += delta
         text = self._seen + self._pending
+        if (category := self.check.check(text)) is not None:
+            self.blocked, self._pending = category, ""
+            return ""
         # a match cannot start in released text (it would have been a partial match there,
         # and held back), so only the pending text is searched and the released is context;
         # unless the window forced text out: from then on all of it is searched
-        start = 0 if self._forced else len(self._seen)
-        if isinstance(self.check, RulesFilter):
-            category, held = self.check.scan(text, start)
-        else:
-            category = self.check.check(text)
-            held = self.check.hold_from(text, start) if category is None else len(text)
-        if category is not None:
-            self.blocked, self._pending = category, ""
-            return ""
+        held = self.check.hold_from(text, 0 if self._forced else len(self._seen))
         hold = max(held - len(self._seen), len(self._pending) - self.window)
         self._forced |= hold > held - len(self._seen)
         cut = min(len(self._pending), max(0, hold))
