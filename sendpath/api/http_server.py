@@ -17,6 +17,10 @@ httptools protocol, the fast one; with uvloop, which uvicorn picks when installe
   client that stops reading would never be noticed). Streamed tokens are a few hundred
   bytes a second, far below what such a buffer carries even over a slow link.
 
+A response's head is written with the first part of its body (``HeadWithBody``): uvicorn
+writes each ASGI message as it comes, so a head and a body sent in the same turn of the
+loop were two writes to the socket, two segments and two wake-ups of the client.
+
 ``run(app, host, port, limits)`` is what the commands call; ``limits`` also carries the
 keep-alive idle bound (uvicorn's own).
 """
@@ -34,9 +38,52 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from sendpath.config import ConnectionLimits
 
-__all__ = ["GuardedProtocol", "run", "uvicorn_config"]
+__all__ = ["GuardedProtocol", "HeadWithBody", "run", "uvicorn_config"]
 
 logger = logging.getLogger("sendpath.http")
+
+
+class HeadWithBody:
+    """A connection's transport as one request's cycle writes to it: the cycle's first
+    write (its response's head, or a 100 Continue) is held until its next write, which
+    takes it along, or until the end of the loop's turn, when it goes alone. Nothing is
+    reordered and nothing waits longer than the turn it was written in. A held write is
+    flushed before ``close``; it is dropped if the connection closes first."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport, self._loop = transport, loop
+        self._first = True
+        self._held: bytes | None = None
+        self._flush: asyncio.Handle | None = None
+
+    def write(self, data: bytes) -> None:
+        if self._first:
+            self._first = False
+            self._held = bytes(data)
+            self._flush = self._loop.call_soon(self.flush)
+            return
+        if self._held is not None:
+            data = self._held + data
+            self._held = None
+            assert self._flush is not None
+            self._flush.cancel()
+        self._transport.write(data)
+
+    def flush(self) -> None:
+        """Write what is held now."""
+        held, self._held = self._held, None
+        if held is not None and not self._transport.is_closing():
+            self._transport.write(held)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:  # the rest as the transport has it
+        return getattr(self._transport, name)
 
 
 class GuardedProtocol(HttpToolsProtocol):
@@ -65,6 +112,12 @@ class GuardedProtocol(HttpToolsProtocol):
             if timer is not None:
                 timer.cancel()
         super().connection_lost(exc)
+
+    def on_headers_complete(self) -> None:
+        cycle = self.cycle
+        super().on_headers_complete()
+        if self.cycle is not cycle:  # a new request's cycle: its head goes with its body
+            self.cycle.transport = HeadWithBody(self.transport, self.loop)  # type: ignore[assignment]
 
     def on_message_complete(self) -> None:
         if not self.cycle.response_complete:  # else answered before its body was in (a 401)

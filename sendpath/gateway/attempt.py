@@ -184,7 +184,7 @@ class Attempt:
         # the request body was sent.
         sent = SentAt(ctx.clock)
         t0 = sent.at
-        url = endpoint.url + self.request.url.path
+        url = endpoint.url + self.request.scope["path"]  # one of the two generation paths
         headers = {**self.headers, **endpoint.headers, "content-type": "application/json"}
         self.upstream = upstream = await proxy.session().post(
             url,

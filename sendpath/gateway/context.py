@@ -72,6 +72,8 @@ class GatewayContext:
     replica_arrival: float | None = None  # on this clock (exact on one host, else estimated)
     replica_timings: dict[str, float] = field(default_factory=dict)  # the replica's, in ms
     end: float | None = None  # the last event written
+    # (stages, timings) as ``finish`` computed them: the answer's, the trace's, the metrics'
+    final: tuple[list[tuple[Stage, float, float]], dict[str, float]] | None = None
 
     @contextmanager
     def span(self, stage: Stage) -> Iterator[None]:
@@ -86,6 +88,14 @@ class GatewayContext:
         if self.usage is not None:
             return sum(self.usage)
         return self.prompt_tokens + self.streamed_chunks if self.streamed_chunks else 0
+
+    def finish(self) -> dict[str, float]:
+        """The answer ends now: sets ``end``, and computes the stages and the response's
+        ``timings`` once (kept in ``final`` for the trace and the metrics)."""
+        self.end = self.clock.now()
+        stages = self.stage_seconds()
+        self.final = (stages, self.timings_ms(stages))
+        return self.final[1]
 
     def stage_seconds(self) -> list[tuple[Stage, float, float]]:
         """(stage, start, duration) in seconds from ``start``, in path order."""

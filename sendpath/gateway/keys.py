@@ -2,9 +2,12 @@
 
 Keys look like ``sk-sp-<40 url-safe characters>`` and are shown once, at creation. Only
 their SHA-256 is stored, and a presented key's hash is compared in constant time.
-Nothing is cached in the process: revoking a key takes effect on the next request, in
-every gateway process that shares the store. Each thread keeps one connection open (a
-lookup is then one indexed read); the file is in WAL mode with ``synchronous=NORMAL``,
+A key found is kept in the process with the ``keys_version`` it was read at: a counter
+that triggers in the file raise on every change to the keys table (a revocation, a new
+limit, by any process or any SQLite client), so a lookup is one read of that counter,
+and the key's row is read again only when it moved. Revoking a key thus still takes
+effect on the next request, in every gateway process that shares the store. Each thread
+keeps one connection open; the file is in WAL mode with ``synchronous=NORMAL``,
 so a commit does not wait for the disk (a power cut can lose the last moments of the
 usage ledger, never corrupt it).
 
@@ -54,8 +57,19 @@ CREATE TABLE IF NOT EXISTS reservations (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     name TEXT NOT NULL, day TEXT NOT NULL, tokens INTEGER NOT NULL, expires_at REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS keys_version (
+    id INTEGER PRIMARY KEY CHECK (id = 0), version INTEGER NOT NULL
+);
+INSERT OR IGNORE INTO keys_version VALUES (0, 0);
+CREATE TRIGGER IF NOT EXISTS keys_inserted AFTER INSERT ON keys
+    BEGIN UPDATE keys_version SET version = version + 1; END;
+CREATE TRIGGER IF NOT EXISTS keys_updated AFTER UPDATE ON keys
+    BEGIN UPDATE keys_version SET version = version + 1; END;
+CREATE TRIGGER IF NOT EXISTS keys_deleted AFTER DELETE ON keys
+    BEGIN UPDATE keys_version SET version = version + 1; END;
 """
 _KEY_COLUMNS = "name, hint, rpm, tpm, daily_tokens, created_at, revoked_at, max_tokens"
+MAX_CACHED_KEYS = 4096  # keys kept in the process (all dropped when more are found)
 
 
 class KeyStoreError(ValueError):
@@ -103,6 +117,8 @@ class KeyStore:
         data_dir.mkdir(parents=True, exist_ok=True)
         self.path = data_dir / "keys.sqlite3"
         self._local = threading.local()  # this thread's open connections
+        # hash -> (keys_version when read, the key): see the module docstring
+        self._found: dict[str, tuple[int, ApiKey]] = {}
         with self._connect() as db:
             db.executescript(_SCHEMA)
             columns = {row[1] for row in db.execute("PRAGMA table_info(keys)")}
@@ -168,12 +184,21 @@ class KeyStore:
         all but never meets one), for a caller on the event loop."""
         digest = _hash(secret)
         with self._connect(wait) as db:
+            # read before the row: a change between the two reads is seen next time
+            (version,) = db.execute("SELECT version FROM keys_version").fetchone()
+            found = self._found.get(digest)
+            if found is not None and found[0] == version:
+                return found[1]
             row = db.execute(
                 f"SELECT key_hash, {_KEY_COLUMNS} FROM keys WHERE key_hash = ?", (digest,)
             ).fetchone()
         if row is None or not hmac.compare_digest(row[0], digest):
             return None
-        return ApiKey(*row[1:])
+        if len(self._found) >= MAX_CACHED_KEYS:
+            self._found.clear()
+        key = ApiKey(*row[1:])
+        self._found[digest] = (version, key)
+        return key
 
     def is_empty(self) -> bool:
         with self._connect() as db:

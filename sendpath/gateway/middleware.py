@@ -167,7 +167,7 @@ class AuthMiddleware:
                 "Malformed Authorization header: expected 'Bearer sk-sp-...' with a sendpath "
                 "API key."
             )
-        try:  # one indexed read, on the loop: a WAL read does not wait on writers
+        try:  # on the loop: a WAL read does not wait on writers (keys.py)
             key = self.keys.lookup(secret, wait=False)
         except sqlite3.OperationalError:  # locked all the same (a checkpoint): wait off it
             key = await asyncio.to_thread(self.keys.lookup, secret)

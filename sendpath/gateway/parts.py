@@ -69,10 +69,10 @@ class GatewayParts:
 
     def done(self, ctx: GatewayContext) -> None:
         """A request finished: its metrics, and its trace if it has an id."""
-        stages = ctx.stage_seconds()
+        stages, timings = ctx.final or (ctx.stage_seconds(), None)
         self.metrics.finished(ctx, stages)
         if ctx.response_id is not None:
-            self.traces.put(ctx.response_id, record(ctx, stages))
+            self.traces.put(ctx.response_id, record(ctx, stages, timings))
 
 
 def build_parts(

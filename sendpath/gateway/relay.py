@@ -81,6 +81,7 @@ class StreamRelay:
         self.upstream_timings: dict[str, Any] | None = None
         self.answer: list[str] = []  # what the replica generated (and now has cached)
         self.done = False  # the replica sent [DONE]
+        self.finished = False  # the answer ended (done or blocked): ``_recorded`` records it
 
     async def events(self) -> AsyncGenerator[tuple[str, bool], None]:
         """The client's body: what each network read from the replica brought, as one
@@ -93,8 +94,13 @@ class StreamRelay:
                     if self._on_line(line, out):
                         last = "".join(out)
                         out.clear()
-                        yield last, False
-                        if self.done:  # the whole answer: its connection can be reused
+                        try:
+                            yield last, False
+                        finally:  # once it is written: the answer does not wait for this
+                            self._recorded()
+                        # the whole answer: its connection can be reused once the
+                        # end of the body is read (nearly always it came with [DONE])
+                        if self.done and not self.upstream.content.at_eof():
                             await self.lines.drain(DRAIN_S)
                         return
                 if out:
@@ -132,7 +138,6 @@ class StreamRelay:
             return False
         if payload == DONE:
             self.done = True
-            self.router.answered(self.route, self.endpoint, "".join(self.answer))
             out.extend(self._finish())
             return True
         chunk = json.loads(payload)
@@ -290,13 +295,21 @@ class StreamRelay:
         ctx = self.ctx
         events = [c for c in self.tail if c.get("choices") or self.wants_usage]
         ctx.replica_timings = numbers(self.upstream_timings)
-        ctx.end = ctx.clock.now()
+        timings = ctx.finish()
         if events:
-            events[-1]["timings"] = ctx.timings_ms()
+            events[-1]["timings"] = timings
             if ctx.first_token_held is not None:
                 events[-1]["first_token_held"] = ctx.first_token_held
-        self.on_done(ctx)
+        self.finished = True
         return [event(c) for c in events] + ["data: [DONE]\n\n"]
+
+    def _recorded(self) -> None:
+        """After the last write of an answer that ended: the router learns the answer (now
+        in the replica's prefix cache too), and its metrics and trace are recorded."""
+        if self.done:
+            self.router.answered(self.route, self.endpoint, "".join(self.answer))
+        if self.finished:
+            self.on_done(self.ctx)
 
     def _estimated_usage(self, chunk: dict[str, Any]) -> dict[str, Any]:
         prompt, completion = self.ctx.prompt_tokens, self.ctx.streamed_chunks

@@ -42,6 +42,8 @@ _INVISIBLE = regex.compile(r"\p{Cf}+")  # format characters: zero-width space/jo
 
 def normalize(text: str) -> str:
     """``text`` as a filter should read it: NFKC, format characters removed, case-folded."""
+    if text.isascii():  # NFKC keeps ASCII as it is, none of it is a format character,
+        return text.lower()  # and ASCII case-folds to its lower case
     return _INVISIBLE.sub("", unicodedata.normalize("NFKC", text)).casefold()
 
 

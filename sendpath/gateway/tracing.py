@@ -27,16 +27,20 @@ __all__ = ["GatewayTrace", "gateway_stage", "progress_of", "record", "stitch"]
 
 @dataclass(frozen=True)
 class GatewayTrace:
+    """What is kept of a finished request, as it was measured: times on the gateway's
+    clock (``stitch`` turns them into milliseconds since arrival when one is asked for)."""
+
     id: str
     key: str | None  # the key name that may read it (None: made without a key)
     model: str | None
     replica: str | None  # its name, as clients see it
     replica_url: str | None  # where to fetch the replica's own trace (internal)
     created: int
-    stages: list[tuple[str, float, float]]  # stage, start ms, duration ms
+    start: float  # when the request arrived
+    stages: list[tuple[Stage, float, float]]  # stage, start s (since arrival), duration s
     timings: dict[str, float]
-    relayed_ms: list[float]  # when each text chunk was written to the client
-    replica_offset_ms: float | None  # the replica's arrival on this timeline
+    relayed: list[float]  # when each text chunk was written to the client
+    replica_arrival: float | None  # the replica's arrival
     usage: tuple[int, int] | None
 
 
@@ -44,8 +48,13 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1000, 3)
 
 
-def record(ctx: GatewayContext, stages: list[tuple[Stage, float, float]]) -> GatewayTrace:
-    """The trace of a finished request (``stages``: its ``ctx.stage_seconds()``)."""
+def record(
+    ctx: GatewayContext,
+    stages: list[tuple[Stage, float, float]],
+    timings: dict[str, float] | None = None,
+) -> GatewayTrace:
+    """The trace of a finished request (``stages``: its ``ctx.stage_seconds()``;
+    ``timings``: its ``ctx.timings_ms(stages)``, if already computed)."""
     assert ctx.response_id is not None
     model = ctx.body.get("model") if ctx.body else None
     return GatewayTrace(
@@ -55,29 +64,29 @@ def record(ctx: GatewayContext, stages: list[tuple[Stage, float, float]]) -> Gat
         replica=ctx.replica_name,
         replica_url=ctx.replica,
         created=int(time.time()),
-        stages=[(s.value, _ms(start), _ms(d)) for s, start, d in stages],
-        timings=ctx.timings_ms(stages),
-        relayed_ms=[_ms(t - ctx.start) for t in ctx.relayed],
-        replica_offset_ms=(
-            None if ctx.replica_arrival is None else _ms(ctx.replica_arrival - ctx.start)
-        ),
+        start=ctx.start,
+        stages=stages,
+        timings=ctx.timings_ms(stages) if timings is None else timings,
+        relayed=ctx.relayed,
+        replica_arrival=ctx.replica_arrival,
         usage=ctx.usage,
     )
 
 
 def stitch(trace: GatewayTrace, replica: dict[str, Any] | None) -> dict[str, Any]:
     """The full timeline: stages, per-token times and events, in ms since arrival."""
+    stages = [(s.value, _ms(start), _ms(d)) for s, start, d in trace.stages]
     events: list[dict[str, Any]] = [
         {"type": "arrived", "t_ms": 0.0, "where": "gateway"},
     ]
     events += [
         {"type": f"{stage}.end", "t_ms": round(start + dur, 3), "where": "gateway"}
-        for stage, start, dur in trace.stages
+        for stage, start, dur in stages
         if stage.startswith("gateway.")
     ]
     tokens: list[float] | None = None
-    if replica is not None and trace.replica_offset_ms is not None:
-        offset = trace.replica_offset_ms
+    if replica is not None and trace.replica_arrival is not None:
+        offset = _ms(trace.replica_arrival - trace.start)
         shifted = [
             {**e, "t_ms": round(offset + float(e["t_ms"]), 3), "where": "replica"}
             for e in replica.get("events", [])
@@ -92,12 +101,11 @@ def stitch(trace: GatewayTrace, replica: dict[str, Any] | None) -> dict[str, Any
         "model": trace.model,
         "replica": trace.replica,
         "stages": [
-            {"stage": stage, "start_ms": start, "duration_ms": dur}
-            for stage, start, dur in trace.stages
+            {"stage": stage, "start_ms": start, "duration_ms": dur} for stage, start, dur in stages
         ],
         "timings": trace.timings,
         "tokens_ms": tokens,  # None: the replica kept no trace (another server, or too old)
-        "relayed_ms": trace.relayed_ms,
+        "relayed_ms": [_ms(t - trace.start) for t in trace.relayed],
         "events": sorted(events, key=lambda e: e["t_ms"] if e["t_ms"] is not None else 0.0),
     }
     if trace.usage is not None:

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from sendpath.api.http_server import uvicorn_config
+from sendpath.api.http_server import HeadWithBody, uvicorn_config
 from sendpath.config import ConnectionLimits
 from tests.conftest import wait_for
 
@@ -114,4 +114,65 @@ def test_a_client_that_stops_reading_is_dropped_and_the_app_sees_it() -> None:
         # generator is closed (a replica's would abort its request there)
         assert events.closed.wait(10)
         assert events.sent * 206 < 2**20  # after a bounded amount, not megabytes
+        c.close()
+
+
+class Recorder:
+    """A transport that records its writes."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        assert not self.closed
+        self.writes.append(data)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def get_extra_info(self, name: str) -> str:
+        return f"info {name}"
+
+
+def test_a_head_goes_out_with_its_body_in_one_write() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        sent = Recorder()
+        cycle = HeadWithBody(sent, loop)  # type: ignore[arg-type]
+        cycle.write(b"HEAD\r\n\r\n")
+        assert sent.writes == []  # held for the body
+        cycle.write(b"body")
+        cycle.write(b"more")
+        assert sent.writes == [b"HEAD\r\n\r\nbody", b"more"]
+        await asyncio.sleep(0)  # nothing left held
+        assert sent.writes == [b"HEAD\r\n\r\nbody", b"more"]
+        assert cycle.get_extra_info("peername") == "info peername"
+
+        alone = Recorder()
+        cycle = HeadWithBody(alone, loop)  # type: ignore[arg-type]
+        cycle.write(b"HEAD")  # no body in this turn of the loop: it goes alone
+        await asyncio.sleep(0)
+        assert alone.writes == [b"HEAD"]
+
+        closing = Recorder()
+        cycle = HeadWithBody(closing, loop)  # type: ignore[arg-type]
+        cycle.write(b"HEAD")
+        cycle.close()  # flushed first
+        assert closing.writes == [b"HEAD"] and closing.closed
+        await asyncio.sleep(0)
+        assert closing.writes == [b"HEAD"]
+
+    asyncio.run(main())
+
+
+def test_the_server_writes_a_whole_short_answer_at_once() -> None:
+    with server(Events()) as port:
+        c = socket.create_connection(("127.0.0.1", port))
+        c.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+        answer = c.recv(65536)  # head and body came in one segment
+        assert answer.startswith(b"HTTP/1.1 200 OK") and answer.endswith(b"\r\n\r\n3")
         c.close()

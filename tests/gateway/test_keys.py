@@ -77,3 +77,22 @@ def test_daily_reservations_are_atomic_across_threads_and_stores(tmp_path: Path)
     for r in granted[1:]:
         stores[0].release(r)
     assert stores[0].usage("q") == {"q": (10, 1)}
+
+
+def test_a_found_key_is_read_again_once_any_client_changes_the_keys_table(
+    tmp_path: Path,
+) -> None:
+    store = KeyStore(tmp_path)
+    _, secret = store.create("carol", rpm=10)
+    key = store.lookup(secret, wait=False)
+    assert key is not None and key.rpm == 10
+    assert store.lookup(secret, wait=False) is key  # kept: the keys table did not change
+    store.record_usage("carol", 5)  # the usage ledger is not the keys table
+    assert store.lookup(secret, wait=False) is key
+    with sqlite3.connect(tmp_path / "keys.sqlite3") as db:  # any SQLite client, any process
+        db.execute("UPDATE keys SET rpm = 20 WHERE name = 'carol'")
+    changed = store.lookup(secret, wait=False)
+    assert changed is not None and changed.rpm == 20
+    with sqlite3.connect(tmp_path / "keys.sqlite3") as db:
+        db.execute("DELETE FROM keys WHERE name = 'carol'")
+    assert store.lookup(secret, wait=False) is None

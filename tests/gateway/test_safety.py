@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from sendpath.gateway.safety import OutputGuard, RulesFilter, SafetyRulesError
+from sendpath.gateway.safety import OutputGuard, RulesFilter, SafetyRulesError, normalize
 
 
 def test_default_rules_block_and_allow() -> None:
@@ -66,3 +66,9 @@ def test_a_match_longer_than_the_window_is_still_blocked() -> None:
     out = "".join(guard.push(part) for part in ["alpha ", "x" * 10, " y" * 5, "z" * 8, " omega"])
     assert guard.blocked == "long"  # the window forced some of it out, not the end
     assert "omega" not in out
+
+
+def test_normalize_reads_ascii_as_its_lower_case_and_the_rest_as_nfkc_folded() -> None:
+    ascii_text = "".join(map(chr, range(128)))
+    assert normalize(ascii_text) == ascii_text.lower()
+    assert normalize("\uff22o\u200bMB Stra\u00dfe") == "bomb strasse"
