@@ -142,7 +142,7 @@ class Linear(nn.Module):
 
     def drop_dense(self) -> None:
         """Free the dense weight, where the low-precision one serves every product."""
-        if self.quantized is None or self.quantized_rows is not None:
+        if self.serves_dense:
             raise ValueError("only a weight quantized for every product can drop its dense one")
         meta = torch.empty_like(self.weight, device="meta")
         self.weight = nn.Parameter(meta, requires_grad=False)

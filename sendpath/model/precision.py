@@ -122,8 +122,10 @@ def _quantize(
         return
     blocks = block_kernels() if quantization == "int4" else None
     head = model.lm_head
-    if blocks is not None:  # the head's dense weight stays: it is the embedding when tied
+    if blocks is not None:
         head.use_quantized(BlockWeights.q8_0(blocks, head.weight_out_in), None)
+        if not model.config.tie_word_embeddings:  # tied, it is the embedding: it stays
+            head.drop_dense()
     else:
         head.use_quantized(Int8Weights.from_dense(head.weight_out_in, dtype), INT8_MAX_ROWS)
     for name, module in model.named_modules():

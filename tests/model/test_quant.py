@@ -10,8 +10,9 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from sendpath.errors import ModelLoadError
-from sendpath.model.llama import Linear
+from sendpath.model.llama import Linear, LlamaConfig, LlamaModel
 from sendpath.model.loader import load_model
+from sendpath.model.precision import apply_precision, choose_precision
 from sendpath.model.quant import (
     BlockWeights,
     Int4Weights,
@@ -145,6 +146,30 @@ def test_auto_precision_on_the_built_in_model_is_the_files_four_bits() -> None:
     else:
         assert isinstance(qkv.quantized, Int4Weights)
         assert isinstance(loaded.model.lm_head.quantized, Int8Weights)
+
+
+def test_block_weights_free_every_dense_copy_but_a_tied_heads() -> None:
+    if block_kernels() is None:
+        pytest.skip("no AVX-512 VNNI here (or no compiler): torch's int4 kernel runs instead")
+    for tied in (True, False):
+        config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
+                             num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+                             rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=64,
+                             tie_word_embeddings=tied)  # fmt: skip
+        torch.manual_seed(0)
+        model = LlamaModel(config)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.normal_(0, 0.05)
+        hidden = torch.randn(3, 64)
+        dense = hidden @ model.lm_head.weight_out_in.t()
+        precision = choose_precision("int4", "float32", torch.device("cpu"), ships_q4=False)
+        apply_precision(model, precision, {}, torch.device("cpu"))
+        qkv = next(m for n, m in model.named_modules() if n.endswith("qkv_proj"))
+        assert isinstance(qkv, Linear) and qkv.weight.is_meta
+        assert isinstance(qkv.quantized, BlockWeights)
+        assert model.lm_head.weight.is_meta is not tied  # tied, it is the embedding
+        assert torch.allclose(model.compute_logits(hidden), dense, atol=0.02)
 
 
 def test_block_weights_are_the_files_own_codes() -> None:
