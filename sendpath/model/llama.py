@@ -24,7 +24,7 @@ Dh = head dim, F = MLP width, V = vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -83,7 +83,9 @@ class AttentionBackend(Protocol):
 
     Must store ``k``/``v`` (the new tokens' keys and values) in layer ``layer``'s cache and
     return causal attention of ``q`` over everything cached so far for each token's sequence.
-    q: [T, H, Dh]; k, v: [T, Hkv, Dh]; returns [T, H, Dh].
+    q: [T, H, Dh]; k, v: [T, Hkv, Dh]; returns [T, H, Dh]. A backend may also have
+    ``paged_decode()``: for a step of decodes only, the paged cache and the step's slots,
+    block tables and lengths, which the C++ layer stack then reads in place (else None).
     """
 
     def __call__(
@@ -336,6 +338,7 @@ class LlamaModel(nn.Module):
             persistent=False,
         )
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.stack: Any | None = None  # every layer in one C++ call (``use_kernels``)
 
     def rope(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -360,6 +363,12 @@ class LlamaModel(nn.Module):
         """input_ids, positions: [T] -> hidden states [T, D] after the final norm."""
         x = self.embed_tokens(input_ids)  # [T, D]
         cos, sin = self.rope(positions, x.dtype)
+        if self.stack is not None:  # the same kernels in the same order, in one call
+            decode = getattr(attn, "paged_decode", None)
+            out: torch.Tensor = self.stack.forward(
+                x, self.norm.weight, cos, sin, attn, decode() if decode else None
+            )
+            return out
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, attn)
@@ -369,10 +378,14 @@ class LlamaModel(nn.Module):
 
     def use_kernels(self, kernels: LayerKernels | None) -> None:
         """Run the small operations around the matmuls with these fused kernels (None:
-        torch's own ops again)."""
+        torch's own ops again), and every layer in one call where the layers' weights
+        allow it (``layer_stack.py``; call this once the weights are in their final form)."""
+        from sendpath.model.layer_stack import layer_stack
+
         for module in self.modules():
             if isinstance(module, RMSNorm | Attention | MLP):
                 module.kernels = kernels
+        self.stack = layer_stack(self, kernels)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> logits [N, V] in float32."""

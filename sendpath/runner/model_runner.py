@@ -123,6 +123,15 @@ class PagedAttention:
                 mask=mask[:, None, None, :],
             )
 
+    def paged_decode(self) -> tuple[Any, ...] | None:
+        """For a step of decodes only, on the kernels: the caches, slots, block tables,
+        lengths and block size the C++ layer stack reads the cache with, as ``__call__``
+        does per layer (``model/layer_stack.py``); else None."""
+        d = self.decodes
+        if not (self.decodes_only and d is not None and self.kernel is not None):
+            return None
+        return self.k_cache, self.v_cache, self.slot_mapping, d.blocks, d.lens, self.block_size
+
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
@@ -190,11 +199,16 @@ class ModelRunner:
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "quantization": self.precision.quantization,
             "decode_attention": "paged kernel" if self.attention.kernel else "torch gather",
-            "layer_ops": "fused kernels" if self.attention.kernel else "torch ops",
+            "layer_ops": self._layer_ops(),
             "precision_reason": self.precision.reason,
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
         }
+
+    def _layer_ops(self) -> str:
+        if self.model.stack is not None:
+            return "fused kernels, every layer in one call"
+        return "fused kernels" if self.attention.kernel else "torch ops"
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
         self.model = loaded.model

@@ -10,13 +10,16 @@
 - ``block_matmul.cpp``: products with block-quantized weights (the file's Q4_1 and Q8_0
   codes) as llama.cpp computes them, int8 activations and AVX-512 VNNI dot products
   (``model/quant.py``'s ``BlockWeights``).
+- ``layer_stack.cpp``: every decoder layer of a step in one call, with those kernels, for a
+  model whose layers all have block-quantized weights (``LlamaModel.use_kernels``): the
+  Python between a layer's nine kernel calls cost about a quarter of a one-request step.
 
-They are one module (``bindings.cpp``), built by ``torch.utils.cpp_extension`` (ninja and
-gcc, ``-O3 -march=native``) into ``$SENDPATH_CACHE_DIR/kernels`` (default
-``~/.cache/sendpath/kernels``), once per torch version, environment and source: about a
-minute the first time, a second after. Where it cannot be built (no compiler, no headers),
-``cpu_kernels()`` is ``None``, the model and the runner keep their torch paths, and the
-reason is logged once.
+They are one module (``bindings.cpp``; ``kernels.h`` declares what each source defines),
+built by ``torch.utils.cpp_extension`` (ninja and gcc, ``-O3 -march=native``) into
+``$SENDPATH_CACHE_DIR/kernels`` (default ``~/.cache/sendpath/kernels``), once per torch
+version, environment and source: about a minute the first time, a second after. Where it
+cannot be built (no compiler, no headers), ``cpu_kernels()`` is ``None``, the model and
+the runner keep their torch paths, and the reason is logged once.
 """
 
 from __future__ import annotations
@@ -44,9 +47,11 @@ _SOURCES = [
         "paged_attention_bf16.cpp",
         "fused_ops.cpp",
         "block_matmul.cpp",
+        "layer_stack.cpp",
     )
 ]
-_HEADERS = [Path(__file__).with_name("attention_simd.h")]  # in the build's key, not compiled
+# in the build's key, not compiled
+_HEADERS = [Path(__file__).with_name(name) for name in ("attention_simd.h", "kernels.h")]
 _lock = threading.Lock()
 _built: dict[str, Any] = {}
 

@@ -1,20 +1,8 @@
 // The Python module of sendpath's CPU kernels: one module for all the sources beside it.
 
-#include <torch/extension.h>
+#include "kernels.h"
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens,
-                                     int64_t block_size, double scale);
-void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
-void rotary_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
-void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-              torch::Tensor slots);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-bool has_vnni();
-std::vector<torch::Tensor> pack_q4(torch::Tensor codes, torch::Tensor d, torch::Tensor m);
-std::vector<torch::Tensor> pack_q8(torch::Tensor codes, torch::Tensor d);
-torch::Tensor block_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m,
-                           int64_t n_out, bool portable);
+void bind_layer_stack(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -30,4 +18,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_matmul", &block_matmul, "x W^T for block-quantized weights, int8 activations",
         py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("m"), py::arg("n_out"),
         py::arg("portable") = false);
+  bind_layer_stack(m);
 }

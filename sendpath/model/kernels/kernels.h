@@ -1,0 +1,22 @@
+// The kernels each source defines, for the bindings and for the layer stack, which calls
+// them in C++ (their comments are at their definitions).
+
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens,
+                                     int64_t block_size, double scale);
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+void rotary_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slots);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+bool has_vnni();
+std::vector<torch::Tensor> pack_q4(torch::Tensor codes, torch::Tensor d, torch::Tensor m);
+std::vector<torch::Tensor> pack_q8(torch::Tensor codes, torch::Tensor d);
+torch::Tensor block_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m,
+                           int64_t n_out, bool portable);
