@@ -207,7 +207,9 @@ class Calibrated:
         found = self.meta.get("engine")
         settings = found.items() if isinstance(found, dict) else []
         engine = {k: v for k, v in settings if isinstance(v, int) and not isinstance(v, bool)}
-        limits = {k: engine[k] for k in ("max_num_seqs", "max_num_batched_tokens") if k in engine}
+        limits: dict[str, Any] = {
+            k: engine[k] for k in ("max_num_seqs", "max_num_batched_tokens") if k in engine
+        }
         out: dict[str, Any] = {k: engine[k] for k in ("num_blocks", "block_size") if k in engine}
         overhead = self.meta.get("request_overhead_s")
         if isinstance(overhead, int | float) and overhead > 0:

@@ -8,11 +8,11 @@ token each, so that the gateway's filters and the replica's tokenizer do their w
 fits the steps the replica itself logged (``GET /v1/steps``).
 
 Outside the steps, for the simulator: a lone request's time to first token past its
-steps (``request_overhead_s``: HTTP, gateway, tokenizer, stream), and how often the
-gateway's output filter held a chat answer's first token back until the next ones showed
-it could not start a blocked phrase (``first_token_hold``: the share of answers held h
-tokens, from ``chats`` greedy answers after the grid, not fitted; a replica alone has no
-filter, and the file says ``None``).
+steps (``request_overhead_s``, the median: HTTP, gateway, tokenizer, stream), and how
+often the gateway's output filter held a chat answer's first token back until the next
+ones showed it could not start a blocked phrase (``first_token_hold``: the share of
+answers held h tokens, from ``chats`` greedy answers after the grid, not fitted; a
+replica alone has no filter, and the file says ``None``).
 """
 
 from __future__ import annotations
@@ -91,9 +91,7 @@ async def _profile(
         "dtype": engine.pop("dtype", None), "cpu_count": os.cpu_count(),
         "date": datetime.now(UTC).isoformat(timespec="seconds"), "engine": engine,
         "skipped": skipped,
-        # a request's time outside the engine's steps to its first token: the median
         "request_overhead_s": statistics.median(overheads) if overheads else None,
-        # the share of chat answers whose first token the output filter held h tokens
         "first_token_hold": [holds.count(h) / len(holds) for h in range(max(holds) + 1)]
         if holds else None,
         "first_token_hold_answers": len(holds),
