@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +47,8 @@ from sendpath.bench.command import served_model
 from sendpath.bench.report import summarize
 from sendpath.bench.runner import Load, run
 from sendpath.bench.workload import LengthSpec, build
-from sendpath.config import SchedulerConfig
 from sendpath.fleet import free_port
+from sendpath.runner.cpu_step import CpuStepShape
 from sendpath.sim.calibrated import Calibrated
 from sendpath.sim.profile import step_kind, step_times
 from sendpath.sim.profile_served import profile_served
@@ -57,9 +58,7 @@ from sendpath.sim.traffic import SimRequest
 RESULTS = Path(__file__).parent / "results" / "sim_fidelity.json"
 PROFILE = Path(__file__).parent / "results" / "sim_fidelity_profile.json"  # the served fit
 STEPS = Path(__file__).parent / "results" / "sim_fidelity_steps.json"  # each run's step log
-STEP_KEYS = ("seq", "start", "seconds", "busy_after", "num_tokens", "num_seqs",
-             "context_tokens", "kv_tokens", "prompt_tokens", "prefills", "resumed",
-             "kv_gathered")  # fmt: skip
+STEP_KEYS = ("seq", "start", "seconds", "busy_after", *(f.name for f in fields(CpuStepShape)))
 # (name, prompt words, answer tokens): random text, lengths drawn per request
 WORKLOADS = (
     ("chat", LengthSpec(40, 200), LengthSpec(32, 128)),
@@ -67,7 +66,6 @@ WORKLOADS = (
 )
 LOADS = (0.25, 0.55, 0.85)
 METRICS = ("ttft", "tpot", "e2el")
-ENGINE = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512)  # the serve defaults
 REPLICA_KEY = secrets.token_urlsafe(16)  # the server's replicas want it for their step log
 
 
@@ -83,8 +81,8 @@ def replay(results: list[RequestResult], cost: Calibrated) -> dict[str, Any]:
     """The same requests through the simulator: same send times, lengths and holds on the
     first token (the gateway's ``first_token_held``) and the same shared start (the chat
     template's system prompt: the prompt tokens most requests had from the prefix cache).
-    From the served profile ``cost``: step times, the KV blocks and a request's time
-    outside the steps."""
+    From the served profile ``cost``: step times, the engine's KV blocks and batch limits,
+    and a request's time outside the steps."""
     ok = sorted((r for r in results if r.success), key=lambda r: r.start)
     t0 = ok[0].start
     rng = random.Random(0)
@@ -98,9 +96,7 @@ def replay(results: list[RequestResult], cost: Calibrated) -> dict[str, Any]:
         rest = [rng.randrange(100, 30000) for _ in range(n - len(start))]
         requests.append(SimRequest(f"r{i}", r.start - t0, start + rest, r.output_tokens, i,
                                    held=r.first_token_held))  # fmt: skip
-    config = SimConfig(scheduler=ENGINE, num_blocks=cost.engine["num_blocks"],
-                       **cost.outside_steps())  # fmt: skip
-    return Simulator(config, cost).run_requests(requests).report
+    return Simulator(cost.sim_config(SimConfig()), cost).run_requests(requests).report
 
 
 def compare(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """Server-sent events as OpenAI streams them: ``data: <json>`` lines, ``[DONE]`` last.
 
-One reading for every client of a stream here (the gateway's relay, the load generator,
-the simulator's calibration loads): a line that is not a ``data:`` field (a comment, a
+One reading for every client of a stream here (the gateway's relay, the load generator's
+client, which sends the calibration loads too): a line that is not a ``data:`` field (a comment, a
 blank line between events, another field) carries no event; the payload is what follows
 ``data:``, without surrounding spaces. ``EventStreamResponse`` writes one.
 """

@@ -30,7 +30,7 @@ import itertools
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from sendpath.runner.cpu_step import CpuStepShape
+from sendpath.sim.config import SimConfig
 
 __all__ = ["TERMS", "Calibrated", "CostModelFileError", "FitError", "PointKind", "ProfilePoint"]
 
@@ -198,19 +199,18 @@ class Calibrated:
     def device(self) -> str:
         return str(self.meta.get("device", "unknown device"))
 
-    @property
-    def engine(self) -> dict[str, int]:
-        """The profiled engine's integer settings (KV blocks, block size, batch limits)."""
+    def sim_config(self, c: SimConfig) -> SimConfig:
+        """``c`` with the profiled engine's KV cache and batch limits and, from a served
+        profile, what it measured beyond the steps: a request's time outside them as the
+        round trip, and the output filter's hold on first tokens. ``ValueError`` for a
+        hold that is not a list of shares."""
         found = self.meta.get("engine")
-        if not isinstance(found, dict):
-            return {}
-        return {k: v for k, v in found.items() if isinstance(v, int) and not isinstance(v, bool)}
-
-    def outside_steps(self) -> dict[str, Any]:
-        """``SimConfig`` fields a served profile measured beyond the steps: a request's
-        time outside them as the round trip, and the output filter's hold on first
-        tokens. ``ValueError`` for a hold that is not a list of shares."""
-        out: dict[str, Any] = {}
+        settings = found.items() if isinstance(found, dict) else []
+        engine = {k: v for k, v in settings if isinstance(v, int) and not isinstance(v, bool)}
+        limits: dict[str, Any] = {
+            k: engine[k] for k in ("max_num_seqs", "max_num_batched_tokens") if k in engine
+        }
+        out: dict[str, Any] = {k: engine[k] for k in ("num_blocks", "block_size") if k in engine}
         overhead = self.meta.get("request_overhead_s")
         if isinstance(overhead, int | float) and overhead > 0:
             out["network_rtt_s"] = float(overhead)
@@ -219,7 +219,7 @@ class Calibrated:
             if not isinstance(hold, list) or not all(isinstance(x, int | float) for x in hold):
                 raise ValueError(f"first_token_hold must be a list of shares; got {hold!r}")
             out["first_token_hold"] = tuple(float(x) for x in hold)
-        return out
+        return replace(c, scheduler=replace(c.scheduler, **limits), **out)
 
     def save(self, path: str | Path) -> None:
         fit, held = self.error(), self.error(held_out=True)

@@ -149,25 +149,13 @@ def build_run(args: argparse.Namespace) -> Run:
         peak_ratio=args.peak_ratio if args.peak_ratio is not None else t.peak_ratio,
         tenants=args.tenants if args.tenants is not None else t.tenants,
     )
-    sched = c.scheduler
-    if args.cost_model is not None:  # the KV cache and batch limits of the profiled engine
+    if args.cost_model is not None:
         calibrated = Calibrated.load(args.cost_model)
-        engine = calibrated.engine
-        sched = SchedulerConfig(
-            max_num_seqs=engine.get("max_num_seqs", sched.max_num_seqs),
-            max_num_batched_tokens=engine.get("max_num_batched_tokens",
-                                              sched.max_num_batched_tokens),
-            max_queued_requests=sched.max_queued_requests,
-        )  # fmt: skip
-        c = replace(
-            c,
-            num_blocks=engine.get("num_blocks", c.num_blocks),
-            block_size=engine.get("block_size", c.block_size),
-        )
-        try:  # what a served profile measured outside the steps
-            c = replace(c, **calibrated.outside_steps())
+        try:  # the profiled engine's KV cache and limits, a served profile's time outside steps
+            c = calibrated.sim_config(c)
         except ValueError as exc:
             raise ValueError(f"{args.cost_model}: {exc}") from None
+    sched = c.scheduler
     config = replace(
         c,
         replicas=args.replicas if args.replicas is not None else c.replicas,

@@ -8,21 +8,19 @@ token each, so that the gateway's filters and the replica's tokenizer do their w
 fits the steps the replica itself logged (``GET /v1/steps``).
 
 Outside the steps, for the simulator: a lone request's time to first token past its
-steps (``request_overhead_s``: HTTP, gateway, tokenizer, stream), and how often the
-gateway's output filter held a chat answer's first token back until the next ones showed
-it could not start a blocked phrase (``first_token_hold``: the share of answers held h
-tokens, from ``chats`` greedy answers after the grid, not fitted; a replica alone has no
-filter, and the file says ``None``).
+steps (``request_overhead_s``, the median: HTTP, gateway, tokenizer, stream), and how
+often the gateway's output filter held a chat answer's first token back until the next
+ones showed it could not start a blocked phrase (``first_token_hold``: the share of
+answers held h tokens, from ``chats`` greedy answers after the grid, not fitted; a
+replica alone has no filter, and the file says ``None``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import statistics
-import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from functools import partial
@@ -30,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from sendpath.api.sse import sse_data
+from sendpath.bench.client import stream_request
 from sendpath.bench.workload import random_text
 from sendpath.sim.calibrated import Calibrated, ProfilePoint
 from sendpath.sim.profile import (
@@ -93,9 +91,7 @@ async def _profile(
         "dtype": engine.pop("dtype", None), "cpu_count": os.cpu_count(),
         "date": datetime.now(UTC).isoformat(timespec="seconds"), "engine": engine,
         "skipped": skipped,
-        # a request's time outside the engine's steps to its first token: the median
         "request_overhead_s": statistics.median(overheads) if overheads else None,
-        # the share of chat answers whose first token the output filter held h tokens
         "first_token_hold": [holds.count(h) / len(holds) for h in range(max(holds) + 1)]
         if holds else None,
         "first_token_hold_answers": len(holds),
@@ -158,32 +154,23 @@ class LoadDriver:
         count), after the cached preamble with ``cached_prefix``; a user message with
         ``chat``, whose first token's hold by the output filter goes in ``holds``. Sets
         ``first`` at its first token; returns the seconds to it, as the client saw them."""
-        sent, ttft = time.perf_counter(), 0.0
         prompt = random_text(self.rng, max(1, tokens - 1 - PREAMBLE * cached_prefix))
         prompt = f"{self.preamble} {prompt}" if cached_prefix else prompt
         body: dict[str, Any] = {"model": model, "max_tokens": answer, "ignore_eos": True,
-                                "temperature": 0, "stream": True}  # fmt: skip
+                                "temperature": 0}  # fmt: skip
         body.update({"messages": [{"role": "user", "content": prompt}]} if chat else
                     {"prompt": prompt})  # fmt: skip
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        first = first or asyncio.Event()
         try:
-            path = "/v1/chat/completions" if chat else "/v1/completions"
-            async with self.client.stream("POST", path, json=body) as r:
-                if r.status_code != 200:
-                    text = (await r.aread()).decode(errors="replace")
-                    raise ServedProfileError(
-                        f"a request was refused ({r.status_code}): {text[:300]}"
-                    )
-                async for payload in sse_data(r.aiter_lines()):
-                    if not ttft:
-                        ttft = time.perf_counter() - sent
-                        if first is not None:
-                            first.set()
-                    if chat and '"first_token_held"' in payload:  # the last event, a gateway's
-                        self.holds.append(int(json.loads(payload)["first_token_held"]))
+            found = await stream_request(self.client, path, body, on_text=lambda _: first.set())
         finally:
-            if first is not None:
-                first.set()  # whoever waits for it goes on (and meets the error, if any)
-        return ttft
+            first.set()  # whoever waits for it goes on (and meets the error, if any)
+        if not found.success:
+            raise ServedProfileError(f"a request failed: {found.error}")
+        if chat and found.first_token_held is not None:  # a gateway's output filter held it
+            self.holds.append(found.first_token_held)
+        return found.ttft or 0.0
 
     async def run(self, model: str, load: Load) -> float:
         """Send ``load`` as the in-process profiler runs it; the first request's seconds to

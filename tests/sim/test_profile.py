@@ -18,6 +18,7 @@ from sendpath.sim.calibrated import (
     ProfilePoint,
     _unfitted,
 )
+from sendpath.sim.config import SimConfig
 from sendpath.sim.profile import QUICK_GRID, profile
 from sendpath.sim.profile_command import print_fit
 
@@ -137,7 +138,9 @@ def test_save_and_load_round_trip(tmp_path: Path) -> None:
     assert loaded.coefficients == fitted.coefficients and loaded.seq_knots == KNOTS
     assert loaded.points == fitted.points
     assert loaded.meta == META and loaded.model_name == "Tiny-Test"
-    assert loaded.engine == {"num_blocks": 300, "block_size": 16, "max_num_seqs": 64}
+    # the simulator takes the profiled engine's KV cache and batch limits
+    config = loaded.sim_config(SimConfig())
+    assert (config.num_blocks, config.block_size, config.scheduler.max_num_seqs) == (300, 16, 64)
     data = json.loads(path.read_text())
     assert data["version"] == 6
     assert data["fit"]["fit_points"]["count"] == 29 and data["fit"]["held_out"]["count"] == 5
@@ -221,7 +224,7 @@ def test_profile_command_writes_a_file_sim_can_load(
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "measured vs fitted" in printed and f"wrote {out}" in printed
-    assert Calibrated.load(out).engine["num_blocks"] == 131  # 1.07 MB / (512 B x 16 tokens)
+    assert Calibrated.load(out).meta["engine"]["num_blocks"] == 131  # 1.07 MB / (512 B x 16 tokens)
 
 
 def test_sim_with_a_cost_model(tmp_path: Path) -> None:
