@@ -165,16 +165,28 @@ inline void store_lanes(at::BFloat16* p, __m512 v, int64_t n) {
   for (int64_t i = 0; i < n; ++i) p[i] = static_cast<at::BFloat16>(tmp[i]);
 }
 
-// Activation rows r0 .. r0 + R - 1 against weight groups [g_begin, g_end).
+// Activation rows r0 .. r0 + R - 1 against weight groups [g_begin, g_end) of this
+// thread's [.., g_end_all).
 template <int R, typename T>
 void groups_vnni(const Packed& w, const Quantized& x, T* out, int64_t n_out, int64_t r0,
-                 int64_t g_begin, int64_t g_end) {
+                 int64_t g_begin, int64_t g_end, int64_t g_end_all) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   for (int64_t g = g_begin; g < g_end; ++g) {
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < w.blocks; ++b) {
       const uint8_t* block = w.codes + (g * w.blocks + b) * w.block_bytes;
+      // From a few rows on, the products are bound by their arithmetic and the hardware's
+      // prefetch falls behind: the first pass over a group fetches the next group's block
+      // (8 decodes' forward about 8% faster; one row streams well without it).
+      if (x.rows >= 4 && r0 == 0 && g + 1 < g_end_all) {
+        const uint8_t* next = block + w.blocks * w.block_bytes;
+        for (int64_t line = 0; line < w.block_bytes; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T0);
+        const int64_t scales = ((g + 1) * w.blocks + b) * kLanes;
+        _mm_prefetch(reinterpret_cast<const char*>(w.d + scales), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w.m + scales), _MM_HINT_T0);
+      }
       __m512i quad[8];  // 16 rows x 4 codes each
       if (w.four_bit) {
         for (int j = 0; j < 4; ++j) {
@@ -219,14 +231,14 @@ void run(const Packed& w, const T* x, int64_t rows, int64_t k, T* out, int64_t n
     for (int64_t g = begin; g < end; ++g) {  // a group's weights stay in cache for all rows
       for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
         switch (std::min<int64_t>(kRowTile, rows - r0)) {
-          case 1: groups_vnni<1>(w, q, out, n_out, r0, g, g + 1); break;
-          case 2: groups_vnni<2>(w, q, out, n_out, r0, g, g + 1); break;
-          case 3: groups_vnni<3>(w, q, out, n_out, r0, g, g + 1); break;
-          case 4: groups_vnni<4>(w, q, out, n_out, r0, g, g + 1); break;
-          case 5: groups_vnni<5>(w, q, out, n_out, r0, g, g + 1); break;
-          case 6: groups_vnni<6>(w, q, out, n_out, r0, g, g + 1); break;
-          case 7: groups_vnni<7>(w, q, out, n_out, r0, g, g + 1); break;
-          default: groups_vnni<8>(w, q, out, n_out, r0, g, g + 1); break;
+          case 1: groups_vnni<1>(w, q, out, n_out, r0, g, g + 1, end); break;
+          case 2: groups_vnni<2>(w, q, out, n_out, r0, g, g + 1, end); break;
+          case 3: groups_vnni<3>(w, q, out, n_out, r0, g, g + 1, end); break;
+          case 4: groups_vnni<4>(w, q, out, n_out, r0, g, g + 1, end); break;
+          case 5: groups_vnni<5>(w, q, out, n_out, r0, g, g + 1, end); break;
+          case 6: groups_vnni<6>(w, q, out, n_out, r0, g, g + 1, end); break;
+          case 7: groups_vnni<7>(w, q, out, n_out, r0, g, g + 1, end); break;
+          default: groups_vnni<8>(w, q, out, n_out, r0, g, g + 1, end); break;
         }
       }
     }

@@ -38,15 +38,16 @@ def reference(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("head_dim", "heads", "kv_heads"), [(64, 9, 3), (128, 8, 2), (16, 4, 2)])
+@pytest.mark.parametrize("bs", [16, 8, 32])
 def test_the_kernel_is_softmax_attention_over_each_sequences_blocks(
-    kernel: Any, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int
+    kernel: Any, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int, bs: int
 ) -> None:
     torch.manual_seed(0)
-    bs, blocks = 16, 40
+    blocks = 64
     k = torch.randn(kv_heads, blocks * bs, head_dim).to(dtype)
     v = torch.randn_like(k)
-    lens = torch.tensor([1, 16, 17, 150])
-    tables = torch.stack([torch.randperm(blocks)[:10] for _ in lens])  # scattered blocks
+    lens = torch.tensor([1, 16, 17, 63, 64, 65, 150])  # inside a block, at its end, past it
+    tables = torch.stack([torch.randperm(blocks)[: -(-150 // bs)] for _ in lens])  # scattered
     q = torch.randn(len(lens), heads, head_dim).to(dtype)
     got = kernel.paged_decode_attention(q, k, v, tables, lens, bs, head_dim**-0.5)
     want = reference(q, k, v, tables, lens, bs)
