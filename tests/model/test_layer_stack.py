@@ -22,12 +22,12 @@ from sendpath.runner.model_runner import ModelRunner
 from tests.engine.test_core import make_core
 
 
-@pytest.fixture(scope="module")
-def quantized(tiny_llama_dir: Path) -> Iterator[LoadedModel]:
+@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+def quantized(tiny_llama_dir: Path, request: pytest.FixtureRequest) -> Iterator[LoadedModel]:
+    """The tiny model on four-bit block weights, with bfloat16 or float32 activations."""
     if block_kernels() is None:
         pytest.skip("the layer stack runs block-quantized weights: AVX-512 VNNI only")
-    loaded = load_model(tiny_llama_dir, dtype="bfloat16", quantization="int4")
-    yield loaded
+    yield load_model(tiny_llama_dir, dtype=request.param, quantization="int4")
 
 
 def layers(loaded: LoadedModel) -> list[DecoderLayer]:
@@ -81,8 +81,9 @@ def test_the_stack_is_the_modules_to_the_bit(quantized: LoadedModel) -> None:
 def test_a_qkv_bias_rides_along(quantized: LoadedModel) -> None:
     model, kernels = quantized.model, block_kernels()
     for layer in layers(quantized):
-        size = layer.self_attn.qkv_proj.weight.shape[0]
-        layer.self_attn.qkv_bias = nn.Parameter(torch.randn(size, dtype=torch.bfloat16) * 0.1)
+        size = layer.self_attn.q_size + 2 * layer.self_attn.kv_size
+        bias = torch.randn(size, dtype=quantized.model.dtype) * 0.1
+        layer.self_attn.qkv_bias = nn.Parameter(bias)
     try:
         model.use_kernels(kernels)
         core = make_core(quantized)
