@@ -49,7 +49,7 @@ def kv_bytes_per_token(config: LlamaConfig, dtype: torch.dtype) -> int:
 class _Prefill:
     rows: slice  # this chunk's rows in the flat batch
     slots: torch.Tensor  # [ctx] slots of the whole context (cache + chunk)
-    mask: torch.Tensor | None  # [n, ctx] causal mask, None when the chunk starts at 0
+    mask: torch.Tensor | None  # [n, ctx] causal, additive (0 / -inf); None when it starts at 0
 
 
 @dataclass
@@ -104,7 +104,11 @@ class PagedAttention:
                 mask = None
                 if start > 0:
                     q_pos = torch.arange(start, end, device=device)[:, None]
-                    mask = torch.arange(end, device=device)[None, :] <= q_pos
+                    later = torch.arange(end, device=device)[None, :] > q_pos
+                    # additive, in the cache's dtype: SDPA would make this from a boolean
+                    # mask in every layer
+                    mask = torch.zeros(later.shape, dtype=self.k_cache.dtype, device=device)
+                    mask.masked_fill_(later, float("-inf"))
                 slots = torch.tensor(ctx, dtype=torch.long, device=device)
                 self.prefills.append(_Prefill(slice(row, row + item.num_tokens), slots, mask))
             row += item.num_tokens
