@@ -91,7 +91,7 @@ def upstream_body(ctx: GatewayContext) -> tuple[dict[str, Any], dict[str, str], 
     """The body and extra headers a replica gets (module docstring), and whether the
     client asked for the usage chunk."""
     assert ctx.request is not None
-    body = ctx.request.model_dump(exclude_unset=True)
+    body = ctx.request.model_dump(exclude_unset=True, by_alias=True)  # the wire names
     headers: dict[str, str] = {}
     if ctx.cache_salt is not None:
         body["cache_salt"] = ctx.cache_salt

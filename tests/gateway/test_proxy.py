@@ -1,9 +1,11 @@
 """Relaying answers: the safety filter on input and on the streamed output (a phrase split
-across chunks), usage only when asked, the merged timings, prefix-cache isolation."""
+across chunks), usage only when asked, the merged timings, prefix-cache isolation, a
+request's fields under their wire names."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -192,3 +194,17 @@ def test_the_last_event_says_how_long_the_filter_held_the_first_token(
 async def bench_client(url: str, secret: str, body: dict[str, Any]) -> RequestResult:
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
         return await stream_request(client, "/v1/chat/completions", body, secret)
+
+
+def test_a_json_schema_reaches_the_replica_under_its_wire_name(
+    replica: Server, tmp_path: Path
+) -> None:
+    schema = {"type": "string", "enum": ["yes", "no"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    body = {**CHAT, "max_tokens": 16, "temperature": 0, "response_format": fmt}
+    with gateway(replica, tmp_path) as gw:
+        r = gw.post(gw.key("a"), body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]  # the schema held: not just any JSON
+    assert choice["finish_reason"] == "stop"
+    assert json.loads(choice["message"]["content"]) in ("yes", "no")
