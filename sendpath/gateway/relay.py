@@ -38,6 +38,7 @@ from sendpath.api.errors import error_body
 from sendpath.api.sse import DONE, data_of, event
 from sendpath.errors import ServiceUnavailableError
 from sendpath.gateway.chunks import (
+    Event,
     SSELines,
     arguments_chunk,
     call_part,
@@ -71,7 +72,7 @@ class StreamRelay:
     route: RouteRequest
     upstream: aiohttp.ClientResponse
     lines: SSELines
-    head: list[str]
+    head: list[Event]  # up to the first token (``chunks.read_head_events``)
     # one guard per choice's text and per tool call's arguments, made on its first piece
     new_guard: Callable[[], OutputGuard] | None
     wants_usage: bool
@@ -94,8 +95,9 @@ class StreamRelay:
         why = "the replica closed the stream before [DONE]"
         out: list[str] = []
         try:
-            async for lines in self._batches():
-                events, bad = self._read(lines)
+            async for events, bad in self._batches():
+                if self.new_guard is not None:
+                    self._plan(events)
                 for payload, chunk in events:
                     if self._on_event(payload, chunk, out):
                         last = "".join(out)
@@ -128,24 +130,23 @@ class StreamRelay:
         # what came before the break, then why
         yield "".join(out) + event(self._broken(why)), False
 
-    async def _batches(self) -> AsyncIterator[list[str]]:
+    async def _batches(self) -> AsyncIterator[tuple[list[Event], ValueError | None]]:
         """The head with the rest of the read that brought its first token, then the
-        lines of each further read, each within ``between_tokens_s``."""
-        yield self.head + self.lines.received()
+        events of each further read, each within ``between_tokens_s`` (``_read``)."""
+        events, bad = self._read(self.lines.received())
+        yield self.head + events, bad
         while True:
             async with asyncio.timeout(self.between_tokens_s):
                 lines = await self.lines.batch()
             if not lines:
                 return
-            yield lines
+            yield self._read(lines)
 
-    def _read(
-        self, lines: list[str]
-    ) -> tuple[list[tuple[str, dict[str, Any] | None]], ValueError | None]:
-        """The events of one read's lines: (payload, its chunk; ``None`` for ``[DONE]``),
-        up to one that is not JSON (returned, to be raised once those before it are sent).
-        A guard given several text chunks of the answer judges them at once (``_plan``)."""
-        events: list[tuple[str, dict[str, Any] | None]] = []
+    @staticmethod
+    def _read(lines: list[str]) -> tuple[list[Event], ValueError | None]:
+        """The events of one read's lines, up to one that is not JSON (returned, to be
+        raised once those before it are sent)."""
+        events: list[Event] = []
         bad = None
         for line in lines:
             payload = data_of(line)
@@ -159,11 +160,9 @@ class StreamRelay:
             except ValueError as exc:
                 bad = exc
                 break
-        if self.new_guard is not None:
-            self._plan(events)
         return events, bad
 
-    def _plan(self, events: list[tuple[str, dict[str, Any] | None]]) -> None:
+    def _plan(self, events: list[Event]) -> None:
         """One guard's work for a read's text chunks: when everything up to the read's end
         (or ``[DONE]``, or an error event) is one answer's plain text chunks (no other
         choice, no tool calls), its guard judges their text once (``push_each``) and each

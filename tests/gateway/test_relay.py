@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from sendpath.clock import SettableClock
-from sendpath.gateway.chunks import SSELines
+from sendpath.gateway.chunks import SSELines, read_head_events
 from sendpath.gateway.context import GatewayContext
 from sendpath.gateway.relay import StreamRelay
 from sendpath.gateway.safety import OutputGuard, RulesFilter
@@ -53,8 +53,8 @@ class Endpoint:
 
 
 def relay(*reads: str) -> list[tuple[str, bool]]:
-    """What the client is sent, write by write, for the replica's reads (the first read's
-    first line is the role chunk, already read as the head)."""
+    """What the client is sent, write by write, for the replica's reads (the head, up to
+    the first token, read as the attempt reads it)."""
 
     async def run() -> list[tuple[str, bool]]:
         async def parts() -> AsyncIterator[bytes]:
@@ -62,7 +62,7 @@ def relay(*reads: str) -> list[tuple[str, bool]]:
                 yield part.encode()
 
         lines = SSELines(parts())
-        head = [await lines.line()]
+        head = await read_head_events(lines)
         router = Router()
         r = StreamRelay(
             GatewayContext(SettableClock(), 0.0), router, Endpoint(), None, Upstream(),  # type: ignore[arg-type]
