@@ -176,7 +176,7 @@ class StreamRelay:
             if not choices:
                 continue
             choice = choices[0]
-            if choice.get("index", 0) != 0 or tool_calls_of(choice) is not None:
+            if len(choices) > 1 or choice.get("index", 0) != 0 or tool_calls_of(choice) is not None:
                 return
             text = text_of(choice)
             if text:
