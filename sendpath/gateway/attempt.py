@@ -21,10 +21,10 @@ from fastapi.responses import JSONResponse, Response
 
 from sendpath.api.disconnect import ClientGone, ClientWatch, Interrupt
 from sendpath.api.errors import error_body
-from sendpath.api.sse import EventStreamResponse, data_of
+from sendpath.api.sse import EventStreamResponse
 from sendpath.clock import Clock
 from sendpath.errors import SendpathError
-from sendpath.gateway.chunks import SSELines, answer_text, read_head
+from sendpath.gateway.chunks import Event, SSELines, answer_text, read_head_events
 from sendpath.gateway.context import GatewayContext
 from sendpath.gateway.relay import StreamRelay
 from sendpath.router.policy import RouteRequest
@@ -165,7 +165,7 @@ class Attempt:
                     self.upstream.release()  # to the pool if read whole, else closed
                 self.release()
 
-    async def _watched(self, stop: Interrupt) -> Response | Retry | list[str]:
+    async def _watched(self, stop: Interrupt) -> Response | Retry | list[Event]:
         """``_exchange``, stopped by ``ClientGone`` if the client disconnects first, by
         ``_Stuck`` if the replica's health check finds its engine stuck first."""
         stuck = _StuckWatch(self.endpoint, stop)
@@ -176,7 +176,7 @@ class Attempt:
             unwatch()
             stuck.cancel()
 
-    async def _exchange(self) -> Response | Retry | list[str]:
+    async def _exchange(self) -> Response | Retry | list[Event]:
         """The upstream call: a final answer, a retry, or a stream's head to relay."""
         proxy, ctx, endpoint = self.proxy, self.ctx, self.endpoint
         # The replica's arrival on this clock: its x-sendpath-clock header when that reading
@@ -210,13 +210,13 @@ class Attempt:
             proxy.router.answered(self.route, endpoint, answer_text(data))
             return proxy.answer(ctx, data, self.passed)
         self.lines = SSELines(upstream.content.iter_any())
-        head = await read_head(self.lines)
+        head = await read_head_events(self.lines)
         if (error := _error_event(head)) is not None:  # a 200 that opens with an error
             status, raw = error
             return proxy.refused(ctx, endpoint, status, raw, self.passed)
         return head
 
-    def _relay(self, head: list[str]) -> EventStreamResponse:
+    def _relay(self, head: list[Event]) -> EventStreamResponse:
         proxy = self.proxy
         assert self.upstream is not None and self.lines is not None
         proxy.router.succeeded(self.endpoint)
@@ -228,12 +228,12 @@ class Attempt:
         return EventStreamResponse(relay.events(), self.watch, self.passed)
 
 
-def _error_event(head: list[str]) -> tuple[int, bytes] | None:
+def _error_event(head: list[Event]) -> tuple[int, bytes] | None:
     """(status, body) when a stream's head ends in an error event instead of a token."""
-    last = (data_of(head[-1]) or "") if head else ""
-    if not last.startswith("{"):
+    last = head[-1][1] if head else None
+    if last is None:
         return None
-    error = json.loads(last).get("error")
+    error = last.get("error")
     if not isinstance(error, dict):
         return None
     code = error.get("code")

@@ -11,7 +11,11 @@ from typing import Any
 
 from sendpath.api.sse import DONE, data_of
 
+# One event of a stream: its payload, and its chunk parsed (``None``: ``[DONE]``)
+Event = tuple[str, dict[str, Any] | None]
+
 __all__ = [
+    "Event",
     "SSELines",
     "answer_text",
     "arguments_chunk",
@@ -19,6 +23,7 @@ __all__ = [
     "finished",
     "numbers",
     "read_head",
+    "read_head_events",
     "text_of",
     "tool_calls_of",
     "with_arguments",
@@ -185,10 +190,19 @@ def answer_text(data: dict[str, Any]) -> str:
 
 
 async def read_head(lines: SSELines) -> list[str]:
+    """The stream's lines up to its first token (``read_head_events``), as they came."""
+    return [line for line, _ in await _head(lines)]
+
+
+async def read_head_events(lines: SSELines) -> list[Event]:
     """The stream's events up to its first token (or its end), held back so the request
     can still go to another replica if this one fails before producing one. Raises
     StopAsyncIteration if the stream ends without any event."""
-    head: list[str] = []
+    return [event for _, event in await _head(lines)]
+
+
+async def _head(lines: SSELines) -> list[tuple[str, Event]]:
+    head: list[tuple[str, Event]] = []
     while True:
         try:
             line = await lines.line()
@@ -197,12 +211,13 @@ async def read_head(lines: SSELines) -> list[str]:
         payload = data_of(line)
         if payload is None:
             continue
-        head.append(line)
         if payload == DONE:
+            head.append((line, (payload, None)))
             return head
-        event = json.loads(payload)
-        choices = event.get("choices") or []
-        if "error" in event or (
+        chunk = json.loads(payload)
+        head.append((line, (payload, chunk)))
+        choices = chunk.get("choices") or []
+        if "error" in chunk or (
             choices
             and (
                 text_of(choices[0]) or tool_calls_of(choices[0]) or choices[0].get("finish_reason")

@@ -8,7 +8,10 @@ Text goes through the output guard, which holds back only what could still becom
 blocked phrase; a blocked stream ends with finish_reason ``content_filter`` (the replica
 is disconnected, which aborts the request there). Each choice of an ``n > 1`` answer has
 its own guard (their chunks interleave; a phrase is looked for within one choice), and so
-has each tool call's arguments (the piece that names the function goes on at once). The
+has each tool call's arguments (the piece that names the function goes on at once).
+Several text chunks of a one-choice answer that one read brought are judged as one text
+(one check instead of one per token; they go out in one write anyway), unless that text
+would be blocked: then chunk by chunk, so what came before the phrase still goes out. The
 finish and usage chunks are held until the end, so the last event can carry the stitched
 ``timings`` and, under the output filter, ``first_token_held``: how many more text chunks
 (tokens, nearly always) the first one waited for before it could go out. The usage chunk
@@ -24,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +38,7 @@ from sendpath.api.errors import error_body
 from sendpath.api.sse import DONE, data_of, event
 from sendpath.errors import ServiceUnavailableError
 from sendpath.gateway.chunks import (
+    Event,
     SSELines,
     arguments_chunk,
     call_part,
@@ -67,7 +72,7 @@ class StreamRelay:
     route: RouteRequest
     upstream: aiohttp.ClientResponse
     lines: SSELines
-    head: list[str]
+    head: list[Event]  # up to the first token (``chunks.read_head_events``)
     # one guard per choice's text and per tool call's arguments, made on its first piece
     new_guard: Callable[[], OutputGuard] | None
     wants_usage: bool
@@ -78,6 +83,7 @@ class StreamRelay:
     def __post_init__(self) -> None:
         self.tail: list[dict[str, Any]] = []  # the finish and usage chunks, held for timings
         self.guards: dict[tuple[int, int], OutputGuard] = {}  # (choice, call or -1: text)
+        self.planned: deque[str] = deque()  # a read's text chunks' parts (``_plan``)
         self.upstream_timings: dict[str, Any] | None = None
         self.answer: list[str] = []  # what the replica generated (and now has cached)
         self.done = False  # the replica sent [DONE]
@@ -89,9 +95,11 @@ class StreamRelay:
         why = "the replica closed the stream before [DONE]"
         out: list[str] = []
         try:
-            async for lines in self._batches():
-                for line in lines:
-                    if self._on_line(line, out):
+            async for events, bad in self._batches():
+                if self.new_guard is not None:
+                    self._plan(events)
+                for payload, chunk in events:
+                    if self._on_event(payload, chunk, out):
                         last = "".join(out)
                         out.clear()
                         try:
@@ -103,6 +111,8 @@ class StreamRelay:
                         if self.done and not self.upstream.content.at_eof():
                             await self.lines.drain(DRAIN_S)
                         return
+                if bad is not None:  # after what came before it
+                    raise bad
                 if out:
                     yield "".join(out), True
                     out.clear()
@@ -120,27 +130,72 @@ class StreamRelay:
         # what came before the break, then why
         yield "".join(out) + event(self._broken(why)), False
 
-    async def _batches(self) -> AsyncIterator[list[str]]:
+    async def _batches(self) -> AsyncIterator[tuple[list[Event], ValueError | None]]:
         """The head with the rest of the read that brought its first token, then the
-        lines of each further read, each within ``between_tokens_s``."""
-        yield self.head + self.lines.received()
+        events of each further read, each within ``between_tokens_s`` (``_read``)."""
+        events, bad = self._read(self.lines.received())
+        yield self.head + events, bad
         while True:
             async with asyncio.timeout(self.between_tokens_s):
                 lines = await self.lines.batch()
             if not lines:
                 return
-            yield lines
+            yield self._read(lines)
 
-    def _on_line(self, line: str, out: list[str]) -> bool:
-        """Add the events one upstream line becomes to ``out``; ``True``: the stream ends."""
-        payload = data_of(line)
-        if payload is None:
-            return False
-        if payload == DONE:
+    @staticmethod
+    def _read(lines: list[str]) -> tuple[list[Event], ValueError | None]:
+        """The events of one read's lines, up to one that is not JSON (returned, to be
+        raised once those before it are sent)."""
+        events: list[Event] = []
+        bad = None
+        for line in lines:
+            payload = data_of(line)
+            if payload is None:
+                continue
+            if payload == DONE:
+                events.append((payload, None))
+                continue
+            try:
+                events.append((payload, json.loads(payload)))
+            except ValueError as exc:
+                bad = exc
+                break
+        return events, bad
+
+    def _plan(self, events: list[Event]) -> None:
+        """One guard's work for a read's text chunks: when everything up to the read's end
+        (or ``[DONE]``, or an error event) is one answer's plain text chunks (no other
+        choice, no tool calls), its guard judges their text once (``push_each``) and each
+        chunk takes its part. Else, or when the text would be blocked, each chunk is
+        pushed on its own. The chunks go out in one write either way."""
+        texts: list[str] = []
+        for _, chunk in events:
+            if chunk is None or "error" in chunk:
+                break
+            choices = chunk.get("choices") or []
+            if not choices:
+                continue
+            choice = choices[0]
+            if len(choices) > 1 or choice.get("index", 0) != 0 or tool_calls_of(choice) is not None:
+                return
+            text = text_of(choice)
+            if text:
+                texts.append(text)
+        if len(texts) > 1:
+            guard = self._guard(0)
+            assert guard is not None
+            self.planned.extend(guard.push_each(texts) or ())
+
+    def _release(self, guard: OutputGuard, text: str) -> str:
+        """What goes out of ``text`` now: its part of the read's plan, else ``push``."""
+        return self.planned.popleft() if self.planned else guard.push(text)
+
+    def _on_event(self, payload: str, chunk: dict[str, Any] | None, out: list[str]) -> bool:
+        """Add what one upstream event becomes to ``out``; ``True``: the stream ends."""
+        if chunk is None:  # [DONE]
             self.done = True
             out.extend(self._finish())
             return True
-        chunk = json.loads(payload)
         if "error" in chunk:  # the replica's own error event: pass it on, no [DONE]
             error = chunk["error"] if isinstance(chunk["error"], dict) else {}
             if error.get("code") != "request_failed":  # else the request's own fault
@@ -193,7 +248,7 @@ class StreamRelay:
             if choice.get("index", 0) == 0:  # what the router's prefix cache learns
                 self.answer.append(text)
             self.ctx.streamed_chunks += 1
-            released = guard.push(text) if guard is not None else text
+            released = self._release(guard, text) if guard is not None else text
             if guard is not None and guard.blocked is not None:
                 self._block(chunk)
                 return None

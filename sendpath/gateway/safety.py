@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import tomllib
 import unicodedata
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -169,6 +170,30 @@ class OutputGuard:
         out, self._pending = self._pending[:cut], self._pending[cut:]
         self._seen = (self._seen + out)[-self.window :]
         return out
+
+    def push_each(self, deltas: Sequence[str]) -> list[str] | None:
+        """Several deltas that arrived together, judged as one text (one check and one
+        search instead of two per delta): what goes out with each, in order. What is
+        released goes to the deltas it came from (the first also takes what was held
+        before it), so a delta released whole goes as it came; what could still become a
+        phrase is held after the last, as ``push`` holds it. ``None``, with nothing
+        changed, when the text would be blocked: then push them one at a time, which
+        releases what came before the phrase as ``push`` does."""
+        if self.blocked is not None:
+            return ["" for _ in deltas]
+        before = (self._seen, self._pending, self._forced)
+        held = len(self._pending)
+        out = self.push("".join(deltas))
+        if self.blocked is not None:
+            self._seen, self._pending, self._forced = before
+            self.blocked = None
+            return None
+        each, at = [], 0
+        for i, delta in enumerate(deltas):
+            end = at + len(delta) + (held if i == 0 else 0)
+            each.append(out[at:end])
+            at = end
+        return each
 
     def flush(self) -> str:
         """At the end of the stream: the held-back text, if it passes."""

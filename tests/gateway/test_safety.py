@@ -58,6 +58,18 @@ def test_only_a_possible_match_is_held_back() -> None:
     assert guard.flush() == "" and guard.blocked is None
 
 
+def test_deltas_judged_together_each_take_their_part_or_none_if_blocked() -> None:
+    guard = OutputGuard(RulesFilter({"spoilers": ["the butler did it"]}))
+    assert guard.push("Then the bu") == "Then "
+    # what was held goes with the first; the rest each keep their own; "the" may grow
+    assert guard.push_each(["s ", "came, ", "the"]) == ["the bus ", "came, ", ""]
+    assert guard.push_each(["n ", "the but", "ler did it"]) is None  # nothing changed:
+    assert guard.blocked is None and guard.flush() == "the"  # pushed one by one instead
+    one_by_one = OutputGuard(RulesFilter({"spoilers": ["the butler did it"]}))
+    sent = [one_by_one.push(d) for d in ["Spoiler: ", "the but", "ler did it"]]
+    assert sent == ["Spoiler: ", "", ""] and one_by_one.blocked == "spoilers"
+
+
 def test_hold_back_is_capped_by_the_window() -> None:
     guard = OutputGuard(RulesFilter({"long": ["start.{0,500}end"]}), window=16)
     out = guard.push("start" + "x" * 40)
