@@ -12,7 +12,7 @@
   (``model/quant.py``'s ``BlockWeights``).
 - ``layer_stack.cpp``: every decoder layer of a step in one call, with those kernels, for a
   model whose layers all have block-quantized weights (``LlamaModel.use_kernels``): the
-  Python between a layer's nine kernel calls cost about a quarter of a one-request step.
+  Python between a layer's nine kernel calls cost about a third of a one-request step.
 
 They are one module (``bindings.cpp``; ``kernels.h`` declares what each source defines),
 built by ``torch.utils.cpp_extension`` (ninja and gcc, ``-O3 -march=native``) into

@@ -2,7 +2,7 @@
 //
 // Between its kernels a decode step of a small model pays for Python: each layer made
 // about nine kernel calls through modules, views and checks, about 70 microseconds a
-// layer, 2 ms a step of SmolLM2's 30 layers (a quarter of a one-request step). A
+// layer, 2-2.5 ms a step of SmolLM2's 30 layers (a third of a one-request step). A
 // `LayerStack` holds every layer's weights (as `BlockWeights` packs them) and runs the
 // layers here, with Python's lock released, so that the server's other threads run
 // meanwhile. It calls the same kernels in the same order as `LlamaModel.forward`'s modules
