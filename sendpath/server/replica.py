@@ -90,13 +90,14 @@ class Replica:
         self.engine = engine
         runs = self.runs_on()
         logger.info(
-            "%s loaded: %s, %s weights, quantization %s (%s); decode attention: %s",
+            "%s loaded: %s, %s weights, quantization %s (%s); decode attention: %s; layer ops: %s",
             self.model_name,
             runs.get("device"),
             runs.get("dtype"),
             runs.get("quantization"),
             runs.get("precision_reason"),
             runs.get("decode_attention"),
+            runs.get("layer_ops"),
         )
 
     def runs_on(self) -> dict[str, Any]:
