@@ -22,7 +22,6 @@ __all__ = [
     "call_part",
     "finished",
     "numbers",
-    "read_head",
     "read_head_events",
     "text_of",
     "tool_calls_of",
@@ -189,20 +188,11 @@ def answer_text(data: dict[str, Any]) -> str:
     return text if isinstance(text, str) else ""
 
 
-async def read_head(lines: SSELines) -> list[str]:
-    """The stream's lines up to its first token (``read_head_events``), as they came."""
-    return [line for line, _ in await _head(lines)]
-
-
 async def read_head_events(lines: SSELines) -> list[Event]:
     """The stream's events up to its first token (or its end), held back so the request
     can still go to another replica if this one fails before producing one. Raises
     StopAsyncIteration if the stream ends without any event."""
-    return [event for _, event in await _head(lines)]
-
-
-async def _head(lines: SSELines) -> list[tuple[str, Event]]:
-    head: list[tuple[str, Event]] = []
+    head: list[Event] = []
     while True:
         try:
             line = await lines.line()
@@ -212,10 +202,10 @@ async def _head(lines: SSELines) -> list[tuple[str, Event]]:
         if payload is None:
             continue
         if payload == DONE:
-            head.append((line, (payload, None)))
+            head.append((payload, None))
             return head
         chunk = json.loads(payload)
-        head.append((line, (payload, chunk)))
+        head.append((payload, chunk))
         choices = chunk.get("choices") or []
         if "error" in chunk or (
             choices

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
-from sendpath.gateway.chunks import SSELines, read_head
+from sendpath.gateway.chunks import Event, SSELines, read_head_events
 
 
 async def reads(*parts: bytes) -> AsyncIterator[bytes]:
@@ -26,17 +27,23 @@ def test_lines_split_across_reads_and_characters_split_across_reads() -> None:
     assert asyncio.run(run()) == [["data: a", ""], ["data: bc", ""], ["data: ☃"], []]
 
 
+def parsed(line: str) -> Event:
+    """A ``data:`` line as the head gives it: its payload and its chunk."""
+    payload = line.removeprefix("data: ")
+    return payload, json.loads(payload)
+
+
 def test_the_head_stops_at_the_first_token_and_leaves_the_rest() -> None:
     role = 'data: {"choices":[{"delta":{"role":"assistant"}}]}'
     token = 'data: {"choices":[{"delta":{"content":"Hi"}}]}'
     body = f"{role}\n\n{token}\n\ndata: [DONE]\n\n".encode()
 
-    async def run() -> tuple[list[str], list[str]]:
+    async def run() -> tuple[list[Event], list[str]]:
         lines = SSELines(reads(body))
-        return await read_head(lines), await lines.batch()
+        return await read_head_events(lines), await lines.batch()
 
     head, rest = asyncio.run(run())
-    assert head == [role, token]
+    assert head == [parsed(role), parsed(token)]
     assert rest == ["", "data: [DONE]", ""]
 
 
@@ -60,12 +67,12 @@ def test_what_a_read_brought_after_the_head_is_there_without_waiting() -> None:
     token = 'data: {"choices":[{"delta":{"content":"Hi"}}]}'
     body = f"{role}\n\n{token}\n\ndata: [DONE]\n\n".encode()
 
-    async def run() -> tuple[list[str], list[str], list[str]]:
+    async def run() -> tuple[list[Event], list[str], list[str]]:
         lines = SSELines(reads(body))
-        head = await read_head(lines)
+        head = await read_head_events(lines)
         return head, lines.received(), lines.received()
 
     head, rest, nothing = asyncio.run(run())
-    assert head == [role, token]
+    assert head == [parsed(role), parsed(token)]
     assert rest == ["", "data: [DONE]", ""]  # the same read: the relay writes it with the head
     assert nothing == []
