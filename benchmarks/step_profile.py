@@ -76,9 +76,9 @@ class _Named:
     def __getattr__(self, name: str) -> Any:  # the module's other kernels, as they are
         return getattr(self.module, name)
 
-    def paged_decode_attention(self, *args: Any) -> torch.Tensor:
+    def paged_attention(self, *args: Any) -> torch.Tensor:
         with record_function("paged_attention"):
-            out: torch.Tensor = self.module.paged_decode_attention(*args)
+            out: torch.Tensor = self.module.paged_attention(*args)
         return out
 
 

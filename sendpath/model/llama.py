@@ -84,8 +84,8 @@ class AttentionBackend(Protocol):
     Must store ``k``/``v`` (the new tokens' keys and values) in layer ``layer``'s cache and
     return causal attention of ``q`` over everything cached so far for each token's sequence.
     q: [T, H, Dh]; k, v: [T, Hkv, Dh]; returns [T, H, Dh]. A backend may also have
-    ``paged_decode()``: for a step of decodes only, the paged cache and the step's slots,
-    block tables and lengths, which the C++ layer stack then reads in place (else None).
+    ``paged()``: the paged cache and the step's slots, and each row's block table and context
+    length, which the C++ layer stack then reads in place (else None).
     """
 
     def __call__(
@@ -364,9 +364,9 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, D]
         cos, sin = self.rope(positions, x.dtype)
         if self.stack is not None:  # the same kernels in the same order, in one call
-            decode = getattr(attn, "paged_decode", None)
+            paged = getattr(attn, "paged", None)
             out: torch.Tensor = self.stack.forward(
-                x, self.norm.weight, cos, sin, attn, decode() if decode else None
+                x, self.norm.weight, cos, sin, attn, paged() if paged else None
             )
             return out
         residual = None

@@ -5,12 +5,13 @@ head ([L, Hkv, S, Dh]); a token at position p of a request lives in slot
 ``block_ids[p // block_size] * block_size + p % block_size``. Each step:
 
 1. flattens every scheduled request's new tokens into one [T] batch with positions and slots;
-2. runs the model once; each layer writes the new K/V to their slots, then attends:
-   all decodes together, each prefill chunk on its own (causal over cache + chunk). On the
-   CPU the decodes read their blocks in place (``model/kernels/paged_attention.cpp``) and the
-   model's small operations run fused (``model/kernels/fused_ops.cpp``); elsewhere, or where
-   those kernels cannot be built, torch's ops do the same, and the decodes' block tables
-   are gathered into one padded [B, Hkv, L, Dh] batch with a padding mask;
+2. runs the model once; each layer writes the new K/V to their slots, then attends. On
+   the CPU every row (a decode, or one token of a prompt chunk) reads its own context's
+   blocks in place, up to its own position (``model/kernels/paged_attention.cpp``), and
+   the model's small operations run fused (``model/kernels/fused_ops.cpp``). Elsewhere, or
+   where those kernels cannot be built, torch's ops do the same: each prefill chunk on its
+   own (SDPA, causal over cache + chunk), and the decodes' block tables gathered into one
+   padded [B, Hkv, L, Dh] batch with a padding mask;
 3. computes logits only for requests whose plan says ``sample``, and samples each with its
    own parameters and generator; a row that cannot be sampled is reported in ``failed``.
 
@@ -63,10 +64,13 @@ class _Decodes:
 class PagedAttention:
     """The ``AttentionBackend`` over the paged cache, set up once per step for all layers.
 
-    Cache layout per layer: [Hkv, S, Dh] with S = num_blocks * block_size slots, so that
-    gathering whole blocks for a batch of decodes yields [Hkv, B, L, Dh], whose transpose is
-    the [B, Hkv, L, Dh] SDPA takes without another copy. Decodes use grouped-query attention
-    by folding each KV head's query heads into the query-length axis: [B, Hkv, group, Dh].
+    Cache layout per layer: [Hkv, S, Dh] with S = num_blocks * block_size slots. With the
+    CPU kernels, each row of the step gets its sequence's block table and its context
+    length (its position + 1), and one kernel call a layer attends them all. Without
+    them, gathering whole blocks for a batch of decodes yields [Hkv, B, L, Dh], whose
+    transpose is the [B, Hkv, L, Dh] SDPA takes without another copy; decodes use
+    grouped-query attention by folding each KV head's query heads into the query-length
+    axis: [B, Hkv, group, Dh].
     """
 
     def __init__(
@@ -80,13 +84,45 @@ class PagedAttention:
         self.block_size = block_size
         self.kernel = kernel  # kernels.cpu_kernels(), or None: index_copy_, gather and SDPA
         self.slot_mapping = torch.empty(0, dtype=torch.long)
+        self.tables = torch.empty(0, 0, dtype=torch.long)  # [T, nb]: the kernel's, per row
+        self.lens = torch.empty(0, dtype=torch.long)  # [T] each row's context length
         self.prefills: list[_Prefill] = []
         self.decodes: _Decodes | None = None
 
     def prepare(self, items: list[ScheduledRequest], device: torch.device) -> None:
         """Build slot mappings, block tables and masks for a step (not per layer)."""
         bs = self.block_size
-        slots_all: list[int] = []
+        slots = [
+            item.block_ids[p // bs] * bs + p % bs
+            for item in items
+            for p in range(item.start_pos, item.start_pos + item.num_tokens)
+        ]
+        self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+        if self.kernel is not None:
+            self._prepare_rows(items, device)
+        else:
+            self._prepare_torch(items, device)
+
+    def _prepare_rows(self, items: list[ScheduledRequest], device: torch.device) -> None:
+        """Each row's block table and context length, for the kernel."""
+        ends = [item.start_pos + item.num_tokens for item in items]
+        nb = max((-(-end // self.block_size) for end in ends), default=0)
+        tables = [item.block_ids[:nb] + [0] * (nb - len(item.block_ids)) for item in items]
+        self.tables = torch.tensor(tables, dtype=torch.long, device=device).view(len(items), nb)
+        self.lens = torch.tensor(ends, dtype=torch.long, device=device)
+        if any(item.num_tokens > 1 for item in items):  # a chunk's rows: one per position
+            counts = torch.tensor([item.num_tokens for item in items], device=device)
+            self.tables = self.tables.repeat_interleave(counts, dim=0)
+            lens = [
+                p + 1
+                for item in items
+                for p in range(item.start_pos, item.start_pos + item.num_tokens)
+            ]
+            self.lens = torch.tensor(lens, device=device)
+
+    def _prepare_torch(self, items: list[ScheduledRequest], device: torch.device) -> None:
+        """Each prefill chunk's context slots and mask, and the decodes' padded tables."""
+        bs = self.block_size
         self.prefills = []
         decode_rows: list[int] = []
         decode_tables: list[list[int]] = []
@@ -94,7 +130,6 @@ class PagedAttention:
         row = 0
         for item in items:
             start, end = item.start_pos, item.start_pos + item.num_tokens
-            slots_all += [item.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
             if item.num_tokens == 1 and start > 0:
                 decode_rows.append(row)
                 decode_tables.append(item.block_ids[: -(-end // bs)])
@@ -112,9 +147,7 @@ class PagedAttention:
                 slots = torch.tensor(ctx, dtype=torch.long, device=device)
                 self.prefills.append(_Prefill(slice(row, row + item.num_tokens), slots, mask))
             row += item.num_tokens
-        self.slot_mapping = torch.tensor(slots_all, dtype=torch.long, device=device)
         self.decodes = None
-        self.decodes_only = not self.prefills  # then the decodes are rows 0..B-1, in order
         if decode_rows:
             nb = max(len(t) for t in decode_tables)
             tables = [t + [0] * (nb - len(t)) for t in decode_tables]
@@ -127,31 +160,29 @@ class PagedAttention:
                 mask=mask[:, None, None, :],
             )
 
-    def paged_decode(self) -> tuple[Any, ...] | None:
-        """For a step of decodes only, on the kernels: the caches, slots, block tables,
-        lengths and block size the C++ layer stack reads the cache with, as ``__call__``
-        does per layer (``model/layer_stack.py``); else None."""
-        d = self.decodes
-        if not (self.decodes_only and d is not None and self.kernel is not None):
+    def paged(self) -> tuple[Any, ...] | None:
+        """On the kernels: the caches, slots, block tables, lengths and block size the C++
+        layer stack reads the cache with, as ``__call__`` does per layer
+        (``model/layer_stack.py``); else None."""
+        if self.kernel is None:
             return None
-        return self.k_cache, self.v_cache, self.slot_mapping, d.blocks, d.lens, self.block_size
+        caches = self.k_cache, self.v_cache
+        return *caches, self.slot_mapping, self.tables, self.lens, self.block_size
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]  # [Hkv, S, Dh]
-        if self.kernel is not None:
-            self.kernel.write_kv(k, v, k_cache, v_cache, self.slot_mapping)
-        else:
-            k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
-            v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
         num_kv, dh = k.shape[1], k.shape[2]
+        if self.kernel is not None:  # every row on its own context, read in place
+            self.kernel.write_kv(k, v, k_cache, v_cache, self.slot_mapping)
+            return self.kernel.paged_attention(  # type: ignore[no-any-return]
+                q, k_cache, v_cache, self.tables, self.lens, self.block_size, dh**-0.5
+            )  # [T, H, Dh]
+        k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
         group = q.shape[1] // num_kv
         d = self.decodes
-        if self.decodes_only and d is not None and self.kernel is not None:
-            return self.kernel.paged_decode_attention(  # type: ignore[no-any-return]
-                q, k_cache, v_cache, d.blocks, d.lens, self.block_size, dh**-0.5
-            )  # [B, H, Dh], read in place: the whole output
         out = torch.empty_like(q)  # [T, H, Dh]
         for p in self.prefills:
             if p.mask is None:  # the chunk is the whole context: its own k/v, no gather
@@ -167,11 +198,7 @@ class PagedAttention:
                 enable_gqa=True,  # each kv head serves its group of query heads, no copies
             )  # [1, H, n, Dh]
             out[p.rows] = o[0].transpose(0, 1)
-        if d is not None and self.kernel is not None:
-            out[d.rows] = self.kernel.paged_decode_attention(
-                q[d.rows], k_cache, v_cache, d.blocks, d.lens, self.block_size, dh**-0.5
-            )  # [B, H, Dh], read in place
-        elif d is not None:
+        if d is not None:
             b = d.blocks.shape[0]
             paged = (num_kv, -1, self.block_size, dh)
             keys = k_cache.view(paged)[:, d.blocks].view(num_kv, b, -1, dh).transpose(0, 1)
@@ -202,7 +229,7 @@ class ModelRunner:
             "device": describe_device(self.model.device),
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "quantization": self.precision.quantization,
-            "decode_attention": "paged kernel" if self.attention.kernel else "torch gather",
+            "attention": "paged kernel" if self.attention.kernel else "torch SDPA",
             "layer_ops": self._layer_ops(),
             "precision_reason": self.precision.reason,
             "torch": torch.__version__,

@@ -90,13 +90,13 @@ class Replica:
         self.engine = engine
         runs = self.runs_on()
         logger.info(
-            "%s loaded: %s, %s weights, quantization %s (%s); decode attention: %s; layer ops: %s",
+            "%s loaded: %s, %s weights, quantization %s (%s); attention: %s; layer ops: %s",
             self.model_name,
             runs.get("device"),
             runs.get("dtype"),
             runs.get("quantization"),
             runs.get("precision_reason"),
-            runs.get("decode_attention"),
+            runs.get("attention"),
             runs.get("layer_ops"),
         )
 

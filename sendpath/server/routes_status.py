@@ -25,7 +25,7 @@ from sendpath.server.replica import Replica
 __all__ = ["replica_of", "router"]
 
 router = APIRouter()
-_PRECISION = ("dtype", "quantization", "precision_reason", "decode_attention")  # of /load
+_PRECISION = ("dtype", "quantization", "precision_reason", "attention")  # of /load
 
 
 def replica_of(request: Request) -> Replica:
@@ -61,10 +61,7 @@ async def load(request: Request) -> dict[str, Any]:
         "kv_cache_usage": stats.kv_cache_usage,
         "prefix_cache_queries": stats.prefix_cache_queries,
         "prefix_cache_hits": stats.prefix_cache_hits,
-        "precision": {
-            k: runs.get(k)
-            for k in ("dtype", "quantization", "precision_reason", "decode_attention")
-        },
+        "precision": {k: runs.get(k) for k in _PRECISION},
     }
 
 
@@ -130,7 +127,7 @@ def _steps(core: EngineCore, after: int) -> dict[str, Any]:
             "device": runs_on.get("device", "unknown device"),
             "dtype": runs_on.get("dtype"),
             "quantization": runs_on.get("quantization"),
-            "decode_attention": runs_on.get("decode_attention"),
+            "attention": runs_on.get("attention"),
             "max_num_seqs": sched.config.max_num_seqs,
             "max_num_batched_tokens": sched.config.max_num_batched_tokens,
             "block_size": kv.block_size,

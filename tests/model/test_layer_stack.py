@@ -1,7 +1,7 @@
 """The C++ layer stack against the model's own modules: the same hidden states and the
-same cache, to the bit, on a step of decodes (the paged cache read in place) and on prompt
-chunks (the attention backend called back), with a Qwen2-style bias too; models it cannot
-run keep the modules."""
+same cache, to the bit, on prompt chunks and on a step of decodes (the paged cache read in
+place), and with the attention backend called back where it has no kernel; with a
+Qwen2-style bias too; models it cannot run keep the modules."""
 
 from __future__ import annotations
 
@@ -67,14 +67,19 @@ def test_the_stack_is_the_modules_to_the_bit(quantized: LoadedModel) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
     for prompt in ([5, 6, 7], list(range(100, 160)), [9] * 20):
         core.add_request(prompt, params)
-    fast, slow = forward_both(core)  # the prompts' chunks: attention called back
-    assert torch.equal(fast, slow)
-    assert core.runner.attention.paged_decode() is None  # type: ignore[attr-defined]
+    attention = core.runner.attention  # type: ignore[attr-defined]
+    fast, slow = forward_both(core)  # the prompts' chunks: the paged cache read in place
+    assert torch.equal(fast, slow) and attention.paged() is not None
+    kernel, attention.kernel = attention.kernel, None
+    try:
+        fast, slow = forward_both(core)  # no kernel: the attention backend called back
+        assert torch.equal(fast, slow) and attention.paged() is None
+    finally:
+        attention.kernel = kernel
     core.step()  # the same plan, now run: every request has its first token
     while core.scheduler.waiting:
         core.step()
-    fast, slow = forward_both(core)  # decodes only: the paged cache read in place
-    assert core.runner.attention.paged_decode() is not None  # type: ignore[attr-defined]
+    fast, slow = forward_both(core)  # decodes only
     assert torch.equal(fast, slow) and fast.shape[0] == 3
 
 

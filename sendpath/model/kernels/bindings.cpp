@@ -5,8 +5,8 @@
 void bind_layer_stack(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over the paged KV cache, read in place");
+  m.def("paged_attention", &paged_attention,
+        "each query row's attention over its own context in the paged KV cache, read in place");
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
         "residual += x; x = rms_norm(residual) * weight, in place");
   m.def("rotary_", &rotary_, "RoPE in place on the first `heads` heads of each row");

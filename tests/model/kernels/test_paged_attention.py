@@ -1,6 +1,7 @@
-"""The paged decode-attention kernel against plain softmax attention, on both of its paths
-(AVX-512 for head dims 64 and 128, the portable loop otherwise), and the CPU kernels in the
-engine, where they must give the tokens torch's ops give."""
+"""The paged attention kernel against plain softmax attention, on both of its paths
+(AVX-512 for head dims 64 and 128, the portable loop otherwise); the runner's attention
+backend with it against torch's attention, on prompt chunks and decodes; and the CPU kernels
+in the engine, where they must give the tokens torch's ops give."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import pytest
 import torch
 
 from sendpath.engine.core import EngineCore
+from sendpath.engine.scheduler import ScheduledRequest
 from sendpath.model.loader import LoadedModel
 from sendpath.request import SamplingParams
+from sendpath.runner.model_runner import PagedAttention
 from tests.engine.test_core import make_core
 
 
@@ -49,14 +52,42 @@ def test_the_kernel_is_softmax_attention_over_each_sequences_blocks(
     lens = torch.tensor([1, 16, 17, 63, 64, 65, 150])  # inside a block, at its end, past it
     tables = torch.stack([torch.randperm(blocks)[: -(-150 // bs)] for _ in lens])  # scattered
     q = torch.randn(len(lens), heads, head_dim).to(dtype)
-    got = kernel.paged_decode_attention(q, k, v, tables, lens, bs, head_dim**-0.5)
+    got = kernel.paged_attention(q, k, v, tables, lens, bs, head_dim**-0.5)
     want = reference(q, k, v, tables, lens, bs)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     assert got.dtype == dtype and torch.allclose(got.float(), want, atol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_chunks_and_decodes_attend_as_torch_attention_does(
+    kernel: Any, dtype: torch.dtype
+) -> None:
+    torch.manual_seed(0)
+    bs, heads, kv_heads, dh = 16, 4, 2, 64
+    k_cache = torch.randn(1, kv_heads, 32 * bs, dh).to(dtype)  # one layer, 32 blocks
+    v_cache = torch.randn_like(k_cache)
+    items = [  # a prompt's first chunk, a chunk resuming at 40, a decode at position 33
+        ScheduledRequest("fresh", [1] * 20, 0, [3, 9], True),
+        ScheduledRequest("resumed", [1] * 12, 40, [7, 1, 12, 30], True),
+        ScheduledRequest("decode", [1], 33, [5, 6, 20], True),
+    ]
+    q = torch.randn(33, heads, dh).to(dtype)
+    k, v = torch.randn(33, kv_heads, dh).to(dtype), torch.randn(33, kv_heads, dh).to(dtype)
+    outs, caches = [], []
+    for backend_kernel in (kernel, None):
+        cache = k_cache.clone(), v_cache.clone()
+        attention = PagedAttention(*cache, bs, backend_kernel)
+        attention.prepare(items, torch.device("cpu"))
+        outs.append(attention(0, q, k, v).float())
+        caches.append(cache)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(outs[0], outs[1], atol=tolerance)
+
+
+@pytest.mark.parametrize("chunk", [2048, 16])
 def test_the_engine_gives_the_same_tokens_with_and_without_it(
-    kernel: Any, tiny: LoadedModel
+    kernel: Any, tiny: LoadedModel, chunk: int
 ) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [[5, 6, 7], list(range(100, 160)), list(range(300, 333)), [9] * 20]
@@ -67,10 +98,10 @@ def test_the_engine_gives_the_same_tokens_with_and_without_it(
             core.step()
         return [r.output_token_ids for r in requests]
 
-    fast = make_core(tiny)
+    fast = make_core(tiny, max_num_batched_tokens=chunk)  # 16: chunks resume, beside decodes
     assert fast.runner.attention.kernel is not None  # type: ignore[attr-defined]
     with_kernels = run(fast)
-    slow = make_core(tiny)  # the same model object: its layers' kernels go too
+    slow = make_core(tiny, max_num_batched_tokens=chunk)  # the same model: its kernels go too
     slow.runner.attention.kernel = None  # type: ignore[attr-defined]
     tiny.model.use_kernels(None)
     try:
