@@ -16,7 +16,8 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sendpath.clock import Clock, RealClock
 from sendpath.config import EngineConfig, SchedulerConfig
@@ -269,6 +270,31 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+    def step_log(self, after: int = 0) -> dict[str, Any]:
+        """The logged steps after step ``after`` (shape and wall time) and the engine
+        settings they ran under: what ``GET /v1/steps`` serves and `sendpath profile` fits."""
+        sched, kv = self.scheduler, self.scheduler.kv
+        describe = getattr(self.runner, "describe", None)  # the model runner's
+        runs_on = describe() if describe is not None else {}
+        return {
+            "engine": {
+                "device": runs_on.get("device", "unknown device"),
+                "dtype": runs_on.get("dtype"),
+                "quantization": runs_on.get("quantization"),
+                "attention": runs_on.get("attention"),
+                "max_num_seqs": sched.config.max_num_seqs,
+                "max_num_batched_tokens": sched.config.max_num_batched_tokens,
+                "block_size": kv.block_size,
+                "num_blocks": kv.pool.num_blocks,
+                "max_model_len": self.max_model_len,
+            },
+            "steps": [
+                {"seq": r.seq, "start": r.start, "seconds": r.seconds, "busy_after": r.busy_after}
+                | asdict(r.shape)
+                for r in self.steps.since(after)
+            ],
+        }
 
     def _execute(self, plan: SchedulerOutput) -> RunnerOutput:
         """The runner's result for ``plan``; when it raises, each request's own result,

@@ -11,14 +11,12 @@ snapshot, never waiting for a step.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import asdict
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from sendpath.engine.core import EngineCore
 from sendpath.errors import TraceNotFoundError
 from sendpath.server.replica import Replica
 
@@ -77,7 +75,7 @@ async def steps(request: Request, after: int = 0) -> dict[str, Any]:
     """The engine's recent steps (shape and wall time) after step ``after``, with the
     engine settings they ran under: what `sendpath profile --url` fits."""
     engine = replica_of(request).ready_engine()
-    found: dict[str, Any] = await asyncio.wrap_future(engine.call(lambda c: _steps(c, after)))
+    found: dict[str, Any] = await asyncio.wrap_future(engine.call(lambda c: c.step_log(after)))
     return found
 
 
@@ -116,27 +114,3 @@ async def models(request: Request) -> dict[str, Any]:
     if replica.engine is not None:
         card["max_model_len"] = replica.engine.core.max_model_len
     return {"object": "list", "data": [card]}
-
-
-def _steps(core: EngineCore, after: int) -> dict[str, Any]:
-    sched, kv = core.scheduler, core.scheduler.kv
-    describe = getattr(core.runner, "describe", None)  # the model runner's
-    runs_on = describe() if describe is not None else {}
-    return {
-        "engine": {
-            "device": runs_on.get("device", "unknown device"),
-            "dtype": runs_on.get("dtype"),
-            "quantization": runs_on.get("quantization"),
-            "attention": runs_on.get("attention"),
-            "max_num_seqs": sched.config.max_num_seqs,
-            "max_num_batched_tokens": sched.config.max_num_batched_tokens,
-            "block_size": kv.block_size,
-            "num_blocks": kv.pool.num_blocks,
-            "max_model_len": core.max_model_len,
-        },
-        "steps": [
-            {"seq": r.seq, "start": r.start, "seconds": r.seconds,
-             "busy_after": r.busy_after, **asdict(r.shape)}
-            for r in core.steps.since(after)
-        ],
-    }  # fmt: skip

@@ -31,7 +31,7 @@ import os
 import random
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
 
@@ -180,12 +180,6 @@ class _Engine:
             first += [self.send(load.tokens, load.answer) for _ in range(load.count - 1)]
         self.until(first, self.done)
 
-    def logged(self, after: int) -> list[dict[str, Any]]:
-        """The step log after step ``after``, as ``GET /v1/steps`` serves it."""
-        return [{"seq": r.seq, "start": r.start, "seconds": r.seconds,
-                 "busy_after": r.busy_after, **asdict(r.shape)}
-                for r in self.core.steps.since(after)]  # fmt: skip
-
 
 def profile(
     config: EngineConfig,
@@ -202,7 +196,7 @@ def profile(
     found = []
     for load in runnable:
         engine.run(load)
-        steps = engine.logged(last)
+        steps: list[dict[str, Any]] = core.step_log(last)["steps"]
         last = steps[-1]["seq"] if steps else last
         for point in points(load.label, step_times(steps)):
             progress(point)

@@ -2,8 +2,8 @@
 
 - ``paged_attention.cpp``: attention over the paged KV cache, read in place, for decodes
   and prompt chunks alike (the torch path copies every decoding sequence's whole context
-  into a padded batch in every layer); ``paged_attention_bf16.cpp`` its bfloat16 task on AVX-512 BF16 dot products, and
-  ``attention_simd.h`` what the two share.
+  into a padded batch in every layer); ``paged_attention_bf16.cpp`` its bfloat16 task on
+  AVX-512 BF16 dot products, and ``attention_simd.h`` what the two share.
 - ``fused_ops.cpp``: the small operations around a layer's matmuls (residual add + RMSNorm,
   RoPE, the cache write, SiLU and its product), one call each instead of about six torch
   ops each.

@@ -177,7 +177,7 @@ void task_avx512(const scalar_t* q, const scalar_t* k_head, const scalar_t* v_he
 #endif
 
 template <typename scalar_t>
-void decode_attention(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
+void attend_rows(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
                       const int64_t* block_tables, const int64_t* seq_lens, scalar_t* out,
                       const Shape& s) {
   const int64_t group = s.heads / s.kv_heads;
@@ -229,12 +229,12 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   TORCH_CHECK(s.heads % s.kv_heads == 0 && k_cache.size(2) == s.head_dim);
   auto out = torch::empty_like(query);
   if (query.scalar_type() == at::kBFloat16) {
-    decode_attention<at::BFloat16>(query.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
+    attend_rows<at::BFloat16>(query.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
                                    v_cache.data_ptr<at::BFloat16>(), tables.data_ptr<int64_t>(),
                                    lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), s);
   } else {
     TORCH_CHECK(query.scalar_type() == at::kFloat, "float32 or bfloat16 only");
-    decode_attention<float>(query.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+    attend_rows<float>(query.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                             tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), s);
   }
   return out;
