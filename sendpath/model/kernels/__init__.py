@@ -3,7 +3,8 @@
 - ``paged_attention.cpp``: attention over the paged KV cache, read in place, for decodes
   and prompt chunks alike (the torch path copies every decoding sequence's whole context
   into a padded batch in every layer); ``paged_attention_bf16.cpp`` its bfloat16 task on
-  AVX-512 BF16 dot products, and ``attention_simd.h`` what the two share.
+  AVX-512 BF16 dot products, ``paged_prefill_bf16.cpp`` a prompt chunk's rows a tile at a
+  time on them, and ``attention_simd.h`` what they share.
 - ``fused_ops.cpp``: the small operations around a layer's matmuls (residual add + RMSNorm,
   RoPE, the cache write, SiLU and its product), one call each instead of about six torch
   ops each.
@@ -45,6 +46,7 @@ _SOURCES = [
         "bindings.cpp",
         "paged_attention.cpp",
         "paged_attention_bf16.cpp",
+        "paged_prefill_bf16.cpp",
         "fused_ops.cpp",
         "block_matmul.cpp",
         "layer_stack.cpp",

@@ -108,4 +108,16 @@ bool decode_task_bf16(const at::BFloat16* q, const at::BFloat16* k_head, const a
                       const int64_t* table, int64_t length, at::BFloat16* out, const Shape& s,
                       int64_t group);
 
+// How many tokens of a prompt chunk `prefill_tile_bf16` takes at once: 1 where it cannot
+// run (no AVX-512 BF16, another head dim, a block size not a multiple of 16).
+int64_t prefill_tile_tokens(const Shape& s, int64_t group);
+
+// `tokens` consecutive rows of one sequence (a prompt chunk's, the first one with
+// `first_len` tokens of context) against one kv head on a bfloat16 cache; q and out point
+// at the first row's group of query heads, rows `row_stride` elements apart.
+void prefill_tile_bf16(const at::BFloat16* q, const at::BFloat16* k_head,
+                       const at::BFloat16* v_head, const int64_t* table, int64_t first_len,
+                       int64_t tokens, int64_t row_stride, at::BFloat16* out, const Shape& s,
+                       int64_t group);
+
 }  // namespace sendpath_attention

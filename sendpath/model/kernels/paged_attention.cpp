@@ -176,36 +176,73 @@ void task_avx512(const scalar_t* q, const scalar_t* k_head, const scalar_t* v_he
 
 #endif
 
+// Consecutive rows of one sequence (consecutive lengths, the same blocks): a prompt
+// chunk's, taken `most` at a time; a decode is a run of one.
+struct Run {
+  int64_t row, tokens;
+};
+
+std::vector<Run> runs(const int64_t* tables, const int64_t* lens, const Shape& s, int64_t most) {
+  std::vector<Run> out;
+  for (int64_t r = 0; r < s.batch;) {
+    int64_t end = r + 1;
+    while (end < s.batch && end - r < most && lens[end] == lens[end - 1] + 1 &&
+           std::memcmp(tables + r * s.max_blocks, tables + end * s.max_blocks,
+                       sizeof(int64_t) * ((lens[end] + s.block_size - 1) / s.block_size)) == 0)
+      ++end;
+    out.push_back({r, end - r});
+    r = end;
+  }
+  return out;
+}
+
+template <typename scalar_t>
+void attend_row(const scalar_t* q, const scalar_t* k_head, const scalar_t* v_head,
+                const int64_t* table, int64_t length, scalar_t* out, const Shape& s,
+                int64_t group) {
+  const bool fast = group <= kMaxGroup && s.block_size <= 64;
+#ifdef __AVX512F__
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    if (fast && decode_task_bf16(q, k_head, v_head, table, length, out, s, group)) return;
+  }
+  if (fast && s.head_dim == 64)
+    return task_avx512<64>(q, k_head, v_head, table, length, out, s, group);
+  if (fast && s.head_dim == 128)
+    return task_avx512<128>(q, k_head, v_head, table, length, out, s, group);
+#endif
+  (void)fast;
+  task_portable(q, k_head, v_head, table, length, out, s, group);
+}
+
+// One task per (run, kv head): a run of one row is the row task, a longer one (a bfloat16
+// cache on AVX-512 BF16) a prompt tile. Runs go in the order first, last, second, second
+// to last, ...: the threads take contiguous shares of the tasks, and a causal chunk's
+// later tiles read more keys than its earlier ones.
 template <typename scalar_t>
 void attend_rows(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
-                      const int64_t* block_tables, const int64_t* seq_lens, scalar_t* out,
-                      const Shape& s) {
+                 const int64_t* block_tables, const int64_t* seq_lens, scalar_t* out,
+                 const Shape& s) {
   const int64_t group = s.heads / s.kv_heads;
-  at::parallel_for(0, s.batch * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  int64_t most = 1;
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) most = prefill_tile_tokens(s, group);
+  const std::vector<Run> all = runs(block_tables, seq_lens, s, most);
+  const int64_t count = static_cast<int64_t>(all.size());
+  at::parallel_for(0, count * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / s.kv_heads, kvh = task % s.kv_heads;
-      const int64_t offset = (b * s.heads + kvh * group) * s.head_dim;
+      const int64_t i = task / s.kv_heads, kvh = task % s.kv_heads;
+      const Run run = all[i % 2 == 0 ? i / 2 : count - 1 - i / 2];
+      const int64_t offset = (run.row * s.heads + kvh * group) * s.head_dim;
       const scalar_t* k_head = k_cache + kvh * s.slots * s.head_dim;
       const scalar_t* v_head = v_cache + kvh * s.slots * s.head_dim;
-      const int64_t* table = block_tables + b * s.max_blocks;
-      const bool fast = group <= kMaxGroup && s.block_size <= 64;
-#ifdef __AVX512F__
+      const int64_t* table = block_tables + run.row * s.max_blocks;
       if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-        if (fast && decode_task_bf16(q + offset, k_head, v_head, table, seq_lens[b], out + offset, s,
-                                     group))
+        if (run.tokens > 1) {
+          prefill_tile_bf16(q + offset, k_head, v_head, table, seq_lens[run.row], run.tokens,
+                            s.heads * s.head_dim, out + offset, s, group);
           continue;
+        }
       }
-      if (fast && s.head_dim == 64) {
-        task_avx512<64>(q + offset, k_head, v_head, table, seq_lens[b], out + offset, s, group);
-        continue;
-      }
-      if (fast && s.head_dim == 128) {
-        task_avx512<128>(q + offset, k_head, v_head, table, seq_lens[b], out + offset, s, group);
-        continue;
-      }
-#endif
-      (void)fast;
-      task_portable(q + offset, k_head, v_head, table, seq_lens[b], out + offset, s, group);
+      attend_row(q + offset, k_head, v_head, table, seq_lens[run.row], out + offset, s, group);
     }
   });
 }

@@ -1,0 +1,203 @@
+// Attention of a prompt chunk's tokens on a bfloat16 cache, a tile of them at a time (AVX-512
+// BF16), flash-attention style.
+//
+// paged_attention.cpp's row task scores one query row against 16 keys as 16 dot products
+// along the head dim, then sums each one's lanes (attention_simd.h's sum_each): right for a
+// decode, which has one row per sequence, but most of its instructions are those sums. The
+// rows of a prompt chunk are consecutive positions of one sequence, so they share their
+// keys: here a tile of up to kTileRows rows (tokens x the kv head's query heads) reads each
+// 16 keys once, transposed so that lane k of a register holds key k's dims (2p, 2p + 1),
+// and a row's 16 scores are one register built by head_dim / 2 dot products of pairs, with
+// nothing to sum. The values go as in the row task, two rows interleaved against the pair
+// of their weights. A row stops at its own position (the causal mask: lanes past it get no
+// weight), and the online softmax (a running max and a sum per row, as lanes until the end)
+// folds each 16 keys into float accumulators.
+
+#include "attention_simd.h"
+
+#include <cstring>
+
+namespace sendpath_attention {
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+namespace {
+
+constexpr int kTileRows = 48;
+
+inline int lane_dim(int half, int lane) { return (lane / 4) * 8 + half * 4 + lane % 4; }
+
+// r[i] holds row i's 16 dwords; afterwards r[j] holds column j (lane i: row i's dword j).
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  __m512i u[16];  // u[4a + c], 128-bit lane j: rows 4a..4a+3 of column 4j + c
+  for (int a = 0; a < 4; ++a) {
+    u[4 * a] = _mm512_unpacklo_epi64(t[4 * a], t[4 * a + 2]);
+    u[4 * a + 1] = _mm512_unpackhi_epi64(t[4 * a], t[4 * a + 2]);
+    u[4 * a + 2] = _mm512_unpacklo_epi64(t[4 * a + 1], t[4 * a + 3]);
+    u[4 * a + 3] = _mm512_unpackhi_epi64(t[4 * a + 1], t[4 * a + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v = _mm512_shuffle_i32x4(u[c], u[4 + c], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512i w = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512i v2 = _mm512_shuffle_i32x4(u[c], u[4 + c], _MM_SHUFFLE(3, 1, 3, 1));
+    const __m512i w2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
+    r[c] = _mm512_shuffle_i32x4(v, w, _MM_SHUFFLE(2, 0, 2, 0));
+    r[8 + c] = _mm512_shuffle_i32x4(v, w, _MM_SHUFFLE(3, 1, 3, 1));
+    r[4 + c] = _mm512_shuffle_i32x4(v2, w2, _MM_SHUFFLE(2, 0, 2, 0));
+    r[12 + c] = _mm512_shuffle_i32x4(v2, w2, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+template <int kDim>
+void tile_avx512_bf16(const at::BFloat16* q, const at::BFloat16* k_head,
+                      const at::BFloat16* v_head, const int64_t* table, int64_t first_len,
+                      int64_t tokens, int64_t row_stride, at::BFloat16* out, const Shape& s,
+                      int64_t group) {
+  constexpr int kPairs = kDim / 2;    // dim pairs: registers of 16 keys' transposed keys
+  constexpr int kChunks = kDim / 32;  // registers of one bfloat16 row
+  const int64_t rows = tokens * group, bs = s.block_size, last = first_len + tokens - 1;
+  alignas(64) uint32_t keys_t[kPairs][16];      // lane k: key k's dims 2p, 2p + 1
+  alignas(64) uint16_t pairs[8][kChunks][2][32];  // rows 2i, 2i + 1 interleaved (lane_dim)
+  alignas(64) float acc[kTileRows][kDim];        // [row][chunk, half, lane]
+  alignas(64) float sums[kTileRows][16];
+  float run_max[kTileRows];
+  const uint32_t* q32[kTileRows];
+  for (int64_t r = 0; r < rows; ++r) {
+    const at::BFloat16* row = q + (r / group) * row_stride + (r % group) * kDim;
+    q32[r] = reinterpret_cast<const uint32_t*>(row);
+    run_max[r] = -std::numeric_limits<float>::infinity();
+    std::memset(acc[r], 0, sizeof(acc[r]));
+    std::memset(sums[r], 0, sizeof(sums[r]));
+  }
+  const __m512 scale = _mm512_set1_ps(s.scale);
+  const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t start = 0; start < last; start += 16) {  // 16 keys at a time
+    const int64_t n = std::min<int64_t>(16, last - start);
+    const int64_t slot = table[start / bs] * bs + start % bs;  // bs is a multiple of 16
+    const at::BFloat16* k_rows = k_head + slot * kDim;
+    const at::BFloat16* v_rows = v_head + slot * kDim;
+    for (int half = 0; half < kPairs / 16; ++half) {  // 16 keys x 16 dim pairs each time
+      __m512i r[16];
+      for (int k = 0; k < 16; ++k)
+        r[k] = k < n ? _mm512_loadu_si512(k_rows + k * kDim + half * 32)
+                     : _mm512_setzero_si512();
+      transpose16(r);
+      for (int p = 0; p < 16; ++p) _mm512_store_si512(keys_t[half * 16 + p], r[p]);
+    }
+    for (int64_t i = 0; i < 8; ++i) {
+      for (int c = 0; c < kChunks; ++c) {
+        const __m512i zero = _mm512_setzero_si512();
+        const at::BFloat16* a = v_rows + 2 * i * kDim + c * 32;
+        const __m512i x = 2 * i < n ? _mm512_loadu_si512(a) : zero;
+        const __m512i y = 2 * i + 1 < n ? _mm512_loadu_si512(a + kDim) : zero;
+        _mm512_store_si512(pairs[i][c][0], _mm512_unpacklo_epi16(x, y));
+        _mm512_store_si512(pairs[i][c][1], _mm512_unpackhi_epi16(x, y));
+      }
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {  // four rows' scores at once
+      const int64_t count = std::min<int64_t>(4, rows - r0);
+      __m512 dot[4][2];
+      for (int j = 0; j < 4; ++j) dot[j][0] = dot[j][1] = _mm512_setzero_ps();
+      {
+        const uint32_t* qr[4];  // the last row stands in for missing ones (scores unused)
+        for (int j = 0; j < 4; ++j) qr[j] = q32[r0 + std::min<int64_t>(j, count - 1)];
+        for (int p = 0; p < kPairs; p += 2) {
+          const __m512bh k0 = (__m512bh)_mm512_load_si512(keys_t[p]);
+          const __m512bh k1 = (__m512bh)_mm512_load_si512(keys_t[p + 1]);
+#pragma GCC unroll 4
+          for (int j = 0; j < 4; ++j) {
+            const __m512i q0 = _mm512_set1_epi32(static_cast<int>(qr[j][p]));
+            const __m512i q1 = _mm512_set1_epi32(static_cast<int>(qr[j][p + 1]));
+            dot[j][0] = _mm512_dpbf16_ps(dot[j][0], k0, (__m512bh)q0);
+            dot[j][1] = _mm512_dpbf16_ps(dot[j][1], k1, (__m512bh)q1);
+          }
+        }
+      }
+      for (int j = 0; j < count; ++j) {
+        const int64_t r = r0 + j;
+        const int64_t valid = first_len + r / group - start;  // keys this row sees here
+        if (valid <= 0) continue;
+        const __mmask16 seen = first(valid);
+        const __m512 score = _mm512_mask_mov_ps(
+            none, seen, _mm512_mul_ps(_mm512_add_ps(dot[j][0], dot[j][1]), scale));
+        const float new_max = std::max(run_max[r], _mm512_reduce_max_ps(score));
+        const __m512 e = _mm512_maskz_mov_ps(
+            seen, exp_nonpositive(_mm512_sub_ps(score, _mm512_set1_ps(new_max))));
+        __m512 o[kChunks][2];
+        for (int c = 0; c < kChunks; ++c)
+          for (int h = 0; h < 2; ++h) o[c][h] = _mm512_load_ps(acc[r] + (c * 2 + h) * 16);
+        __m512 sum = _mm512_load_ps(sums[r]);
+        if (new_max > run_max[r]) {  // rescale what came before by e^(old max - new max)
+          const __m512 f = exp_nonpositive(_mm512_set1_ps(run_max[r] - new_max));
+          for (int c = 0; c < kChunks; ++c)
+            for (int h = 0; h < 2; ++h) o[c][h] = _mm512_mul_ps(o[c][h], f);
+          sum = _mm512_mul_ps(sum, f);
+          run_max[r] = new_max;
+        }
+        _mm512_store_ps(sums[r], _mm512_add_ps(sum, e));
+        alignas(32) uint32_t weights[8];  // keys 2i and 2i + 1's, as bfloat16 pairs
+        _mm256_store_si256(reinterpret_cast<__m256i*>(weights), (__m256i)_mm512_cvtneps_pbh(e));
+        const auto add_pair = [&](int64_t i) {
+          const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(weights[i]));
+          for (int c = 0; c < kChunks; ++c)
+            for (int h = 0; h < 2; ++h)
+              o[c][h] = _mm512_dpbf16_ps(o[c][h], (__m512bh)_mm512_load_si512(pairs[i][c][h]), w);
+        };
+        const int64_t seen_pairs = (std::min(valid, n) + 1) / 2;
+        if (seen_pairs == 8) {  // a whole 16 keys: unrolled
+#pragma GCC unroll 8
+          for (int64_t i = 0; i < 8; ++i) add_pair(i);
+        } else {
+          for (int64_t i = 0; i < seen_pairs; ++i) add_pair(i);
+        }
+        for (int c = 0; c < kChunks; ++c)
+          for (int h = 0; h < 2; ++h) _mm512_store_ps(acc[r] + (c * 2 + h) * 16, o[c][h]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float total = _mm512_reduce_add_ps(_mm512_load_ps(sums[r]));
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+    at::BFloat16* o = out + (r / group) * row_stride + (r % group) * kDim;
+    for (int c = 0; c < kChunks; ++c)
+      for (int h = 0; h < 2; ++h)
+        for (int lane = 0; lane < 16; ++lane)
+          o[c * 32 + lane_dim(h, lane)] =
+              static_cast<at::BFloat16>(acc[r][(c * 2 + h) * 16 + lane] * inv);
+  }
+}
+
+}  // namespace
+#endif
+
+int64_t prefill_tile_tokens(const Shape& s, int64_t group) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if ((s.head_dim == 64 || s.head_dim == 128) && s.block_size % 16 == 0 && group <= kTileRows)
+    return kTileRows / group;
+#endif
+  (void)s, (void)group;
+  return 1;
+}
+
+void prefill_tile_bf16(const at::BFloat16* q, const at::BFloat16* k_head,
+                       const at::BFloat16* v_head, const int64_t* table, int64_t first_len,
+                       int64_t tokens, int64_t row_stride, at::BFloat16* out, const Shape& s,
+                       int64_t group) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if (s.head_dim == 64)
+    return tile_avx512_bf16<64>(q, k_head, v_head, table, first_len, tokens, row_stride, out, s,
+                                group);
+  if (s.head_dim == 128)
+    return tile_avx512_bf16<128>(q, k_head, v_head, table, first_len, tokens, row_stride, out, s,
+                                 group);
+#endif
+  (void)q, (void)k_head, (void)v_head, (void)table, (void)first_len, (void)tokens;
+  (void)row_stride, (void)out, (void)s, (void)group;
+  TORCH_CHECK(false, "prefill_tile_bf16: no tile path here (see prefill_tile_tokens)");
+}
+
+}  // namespace sendpath_attention
