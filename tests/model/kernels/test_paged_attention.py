@@ -40,46 +40,39 @@ def reference(
     return torch.stack(out)[:, :, 0]  # [B, H, D]
 
 
+def rows_of(layout: str, blocks: int, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query rows' block tables and context lengths: scattered sequences' decodes, or prompt
+    chunks' consecutive positions (several tiles of one) with decodes among them."""
+    if layout == "sequences":
+        lens = torch.tensor([1, 16, 17, 63, 64, 65, 150])  # inside a block, at its end, past it
+        return torch.stack([torch.randperm(blocks)[: -(-150 // bs)] for _ in lens]), lens
+    first, second = (torch.randperm(blocks)[: -(-150 // bs)] for _ in range(2))
+    rows = [(first, p + 1) for p in range(45, 115)]  # a chunk resuming at 45
+    rows += [(second, 100)]  # a decode between chunks
+    rows += [(second, p + 1) for p in range(5)]  # a short chunk starting a prompt
+    rows += [(first, 120), (first, 121)]  # two rows of one sequence, not one chunk: the same
+    return torch.stack([t for t, _ in rows]), torch.tensor([n for _, n in rows])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("head_dim", "heads", "kv_heads"), [(64, 9, 3), (128, 8, 2), (16, 4, 2)])
+@pytest.mark.parametrize(
+    ("head_dim", "heads", "kv_heads"), [(64, 9, 3), (128, 8, 2), (16, 4, 2), (64, 4, 4)]
+)
 @pytest.mark.parametrize("bs", [16, 8, 32])
-def test_the_kernel_is_softmax_attention_over_each_sequences_blocks(
-    kernel: Any, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int, bs: int
+@pytest.mark.parametrize("layout", ["sequences", "chunks"])
+def test_the_kernel_is_softmax_attention_over_each_rows_blocks(
+    kernel: Any, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int, bs: int, layout: str
 ) -> None:
     torch.manual_seed(0)
     blocks = 64
     k = torch.randn(kv_heads, blocks * bs, head_dim).to(dtype)
     v = torch.randn_like(k)
-    lens = torch.tensor([1, 16, 17, 63, 64, 65, 150])  # inside a block, at its end, past it
-    tables = torch.stack([torch.randperm(blocks)[: -(-150 // bs)] for _ in lens])  # scattered
+    tables, lens = rows_of(layout, blocks, bs)
     q = torch.randn(len(lens), heads, head_dim).to(dtype)
     got = kernel.paged_attention(q, k, v, tables, lens, bs, head_dim**-0.5)
     want = reference(q, k, v, tables, lens, bs)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     assert got.dtype == dtype and torch.allclose(got.float(), want, atol=tolerance)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("head_dim", "heads", "kv_heads"), [(64, 9, 3), (128, 8, 2), (64, 4, 4)])
-@pytest.mark.parametrize("bs", [16, 32, 8])
-def test_a_prompt_chunks_rows_attend_causally(
-    kernel: Any, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int, bs: int
-) -> None:
-    torch.manual_seed(0)
-    blocks = 64
-    k = torch.randn(kv_heads, blocks * bs, head_dim).to(dtype)
-    v = torch.randn_like(k)
-    first, second = (torch.randperm(blocks)[: -(-150 // bs)] for _ in range(2))
-    rows = [(first, p + 1) for p in range(45, 115)]  # a chunk resuming at 45: several tiles
-    rows += [(second, 100)]  # a decode between chunks
-    rows += [(second, p + 1) for p in range(5)]  # a short chunk starting a prompt
-    rows += [(first, 120), (first, 121)]  # two rows of one sequence, not one chunk: the same
-    tables, lens = torch.stack([t for t, _ in rows]), torch.tensor([n for _, n in rows])
-    q = torch.randn(len(rows), heads, head_dim).to(dtype)
-    got = kernel.paged_attention(q, k, v, tables, lens, bs, head_dim**-0.5)
-    want = reference(q, k, v, tables, lens, bs)
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    assert torch.allclose(got.float(), want, atol=tolerance)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
