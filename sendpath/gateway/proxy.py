@@ -37,7 +37,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from sendpath.api.disconnect import ClientWatch
+from sendpath.api.disconnect import ClientWatch, signal_of
 from sendpath.api.errors import error_body
 from sendpath.api.schema import DEFAULT_CAP_HEADER
 from sendpath.api.sse import EventStreamResponse
@@ -131,7 +131,7 @@ class Proxy:
 
     async def forward(self, request: Request) -> Response:
         """Forward one POST to ``/v1/chat/completions`` or ``/v1/completions``."""
-        watch = ClientWatch(request.receive)
+        watch = ClientWatch(request.receive, signal_of(request.scope))
         try:
             response = await self._forward(request, watch)
         except BaseException:
