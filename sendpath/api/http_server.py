@@ -21,6 +21,10 @@ A response's head is written with the first part of its body (``HeadWithBody``):
 writes each ASGI message as it comes, so a head and a body sent in the same turn of the
 loop were two writes to the socket, two segments and two wake-ups of the client.
 
+Each request's scope carries a ``DisconnectSignal`` (``disconnect.py``) in its
+extensions, set when the connection is lost before the response is complete: what
+``receive()`` would say, so an app can follow its client without a task waiting on it.
+
 ``run(app, host, port, limits)`` is what the commands call; ``limits`` also carries the
 keep-alive idle bound (uvicorn's own).
 """
@@ -31,11 +35,12 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from sendpath.api.disconnect import SIGNAL_KEY, DisconnectSignal
 from sendpath.config import ConnectionLimits
 
 __all__ = ["GuardedProtocol", "HeadWithBody", "run", "uvicorn_config"]
@@ -97,6 +102,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._unanswered = 0  # requests received whole whose response is not done yet
+        self._disconnect = DisconnectSignal(self.loop)  # the current cycle's
         super().connection_made(transport)
         size = self.limits.send_buffer_bytes
         sock = transport.get_extra_info("socket")
@@ -111,6 +117,8 @@ class GuardedProtocol(HttpToolsProtocol):
         for timer in (self._request_timer, self._stall_timer):
             if timer is not None:
                 timer.cancel()
+        if self.cycle is not None and not self.cycle.response_complete:  # as uvicorn says
+            self._disconnect.set()
         super().connection_lost(exc)
 
     def on_headers_complete(self) -> None:
@@ -118,6 +126,10 @@ class GuardedProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         if self.cycle is not cycle:  # a new request's cycle: its head goes with its body
             self.cycle.transport = HeadWithBody(self.transport, self.loop)  # type: ignore[assignment]
+            # and its client's disconnect is told without a task waiting on receive()
+            self._disconnect = DisconnectSignal(self.loop)
+            scope = cast(dict[str, Any], self.cycle.scope)
+            scope.setdefault("extensions", {})[SIGNAL_KEY] = self._disconnect
 
     def on_message_complete(self) -> None:
         if not self.cycle.response_complete:  # else answered before its body was in (a 401)

@@ -15,25 +15,24 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from sendpath.api.disconnect import ClientGone, ClientWatch, Interrupt
 from sendpath.api.errors import error_body
 from sendpath.api.sse import EventStreamResponse
-from sendpath.clock import Clock
 from sendpath.errors import SendpathError
 from sendpath.gateway.chunks import Event, SSELines, answer_text, read_head_events
 from sendpath.gateway.context import GatewayContext
 from sendpath.gateway.relay import StreamRelay
+from sendpath.gateway.upstream import ConnectTimeout, UpstreamConnectionError, UpstreamResponse
 from sendpath.router.policy import RouteRequest
 from sendpath.router.pool import Endpoint
 
 if TYPE_CHECKING:
     from sendpath.gateway.proxy import Proxy
 
-__all__ = ["Attempt", "Retry", "SentAt", "UpstreamTimeoutError", "body_sent"]
+__all__ = ["Attempt", "Retry", "UpstreamTimeoutError"]
 
 PASS_HEADERS = ("retry-after", "x-request-id")  # a replica's headers the client gets
 
@@ -83,24 +82,6 @@ class _StuckWatch:
             self.poll = None  # it and this refer to each other: let go now
 
 
-class SentAt:
-    """When an attempt's request body went out (``body_sent`` sets it). Its own object,
-    not the attempt: aiohttp keeps it for the response's life, and an attempt that its
-    response pointed back to would be a reference cycle, freed only by the cyclic GC."""
-
-    def __init__(self, clock: Clock) -> None:
-        self.clock, self.at = clock, clock.now()
-
-
-async def body_sent(
-    session: aiohttp.ClientSession, trace: Any, params: aiohttp.TraceRequestChunkSentParams
-) -> None:
-    """aiohttp's trace hook: the attempt's request body went out now."""
-    sent = trace.trace_request_ctx
-    if isinstance(sent, SentAt):
-        sent.at = sent.clock.now()
-
-
 @dataclass
 class Attempt:
     """One try of one request on one replica."""
@@ -117,7 +98,7 @@ class Attempt:
 
     def __post_init__(self) -> None:
         self.held = False
-        self.upstream: aiohttp.ClientResponse | None = None
+        self.upstream: UpstreamResponse | None = None
         self.streaming = self.body.get("stream") is True
         self.passed: dict[str, str] = {}  # the replica's headers the client gets
         self.lines: SSELines | None = None
@@ -134,7 +115,8 @@ class Attempt:
         endpoint.in_flight += 1
         self.held = True
         keep_open = False  # only a stream that started stays open, for the relay
-        limit = proxy.timeouts.first_token_s if self.streaming else None
+        timeouts = proxy.timeouts
+        limit = timeouts.first_token_s if self.streaming else timeouts.whole_answer_s
         try:
             async with asyncio.timeout(limit), Interrupt() as stop:
                 outcome = await self._watched(stop)
@@ -144,7 +126,7 @@ class Attempt:
             return outcome
         except ClientGone:  # closing the upstream connection aborts the request there
             return Response(status_code=499)
-        except aiohttp.ServerTimeoutError as exc:  # connect (a TimeoutError too): next one
+        except ConnectTimeout as exc:  # a TimeoutError too, but the next one is tried as usual
             proxy.router.failed(endpoint, f"{type(exc).__name__}: {exc}")
             return Retry()
         except (TimeoutError, _Stuck) as exc:
@@ -156,7 +138,7 @@ class Attempt:
                 why = f"no answer within {proxy.timeouts.whole_answer_s:g} s"
             proxy.router.failed(endpoint, why)
             return Retry(_timeout_response(ctx, endpoint, why), late=True)
-        except (aiohttp.ClientError, StopAsyncIteration, ValueError) as exc:
+        except (UpstreamConnectionError, StopAsyncIteration, ValueError) as exc:
             proxy.router.failed(endpoint, f"{type(exc).__name__}: {exc}")
             return Retry()
         finally:
@@ -181,24 +163,20 @@ class Attempt:
         proxy, ctx, endpoint = self.proxy, self.ctx, self.endpoint
         # The replica's arrival on this clock: its x-sendpath-clock header when that reading
         # falls inside this attempt (same host, same monotonic clock); otherwise the moment
-        # the request body was sent.
-        sent = SentAt(ctx.clock)
-        t0 = sent.at
+        # the request was written.
+        t0 = sent = ctx.clock.now()
+
+        def written() -> None:
+            nonlocal sent
+            sent = ctx.clock.now()
+
         url = endpoint.url + self.request.scope["path"]  # one of the two generation paths
         headers = {**self.headers, **endpoint.headers, "content-type": "application/json"}
-        self.upstream = upstream = await proxy.session().post(
-            url,
-            data=json.dumps(self.body).encode(),
-            headers=headers,
-            timeout=aiohttp.ClientTimeout(
-                total=None if self.streaming else proxy.timeouts.whole_answer_s,
-                sock_connect=proxy.timeouts.connect_s,
-            ),
-            trace_request_ctx=sent,
-        )
+        body = json.dumps(self.body).encode()
+        self.upstream = upstream = await proxy.client.post(url, body, headers, written)
         ctx.reached_replica = True
-        self.passed = {k: v for k, v in upstream.headers.items() if k.lower() in PASS_HEADERS}
-        ctx.replica_arrival = _arrival(upstream.headers, t0, ctx.clock.now(), sent.at)
+        self.passed = {k: v for k, v in upstream.headers.items() if k in PASS_HEADERS}
+        ctx.replica_arrival = _arrival(upstream.headers, t0, ctx.clock.now(), sent)
         ctx.replica_request_id = upstream.headers.get("x-request-id")
         if upstream.status != 200:
             raw = await upstream.read()

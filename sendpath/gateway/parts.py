@@ -117,7 +117,7 @@ def build_parts(
         router=router,
         proxy=proxy,
         ledger=UsageLedger(keys),
-        text=ReplicaText(pool, proxy.session),
+        text=ReplicaText(pool, proxy.client),
         client=httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=config.connect_timeout_s)),
         fleet_status=fleet_status,
     )

@@ -34,19 +34,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from sendpath.api.disconnect import ClientWatch
+from sendpath.api.disconnect import ClientWatch, signal_of
 from sendpath.api.errors import error_body
 from sendpath.api.schema import DEFAULT_CAP_HEADER
 from sendpath.api.sse import EventStreamResponse
 from sendpath.errors import SendpathError, ServiceUnavailableError
-from sendpath.gateway.attempt import Attempt, Retry, UpstreamTimeoutError, body_sent
+from sendpath.gateway.attempt import Attempt, Retry, UpstreamTimeoutError
 from sendpath.gateway.chunks import numbers
 from sendpath.gateway.context import GatewayContext, context
 from sendpath.gateway.safety import OutputGuard
+from sendpath.gateway.upstream import UpstreamClient
 from sendpath.router.policy import route_request
 from sendpath.router.pool import Endpoint
 from sendpath.router.router import Router
@@ -83,7 +83,7 @@ class ProxyTimeouts:
 
 
 # An idle pooled connection is dropped after this: before the replica's own keep-alive
-# bound (uvicorn's 5 s) closes it under a request (aiohttp does not resend a POST)
+# bound (uvicorn's 5 s) closes it under a request (a POST is not sent twice)
 KEEPALIVE_S = 4.0
 
 
@@ -109,8 +109,8 @@ def upstream_body(ctx: GatewayContext) -> tuple[dict[str, Any], dict[str, str], 
 class Proxy:
     """Sends requests to replicas over one pooled HTTP client (module docstring).
 
-    The client is aiohttp's (its C parser and pool cost a fraction of httpx's per request:
-    ``benchmarks/gateway_overhead.py``), made on first use inside the running loop."""
+    The client is ``upstream.UpstreamClient`` (its own, on httptools: aiohttp's
+    request machinery cost more per request, ``benchmarks/gateway_overhead.py``)."""
 
     def __init__(
         self,
@@ -123,28 +123,15 @@ class Proxy:
         self.on_done = on_done  # a request finished: record its trace and metrics
         self.guard = guard
         self.timeouts = timeouts
-        self._session: aiohttp.ClientSession | None = None
-
-    def session(self) -> aiohttp.ClientSession:
-        """The pooled client (each replica's key goes per request)."""
-        if self._session is None:
-            trace = aiohttp.TraceConfig()
-            trace.on_request_chunk_sent.append(body_sent)
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
-                timeout=aiohttp.ClientTimeout(sock_connect=self.timeouts.connect_s),
-                trace_configs=[trace],
-            )
-        return self._session
+        # the pooled client (each replica's key goes per request)
+        self.client = UpstreamClient(timeouts.connect_s, KEEPALIVE_S)
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self.client.aclose()
 
     async def forward(self, request: Request) -> Response:
         """Forward one POST to ``/v1/chat/completions`` or ``/v1/completions``."""
-        watch = ClientWatch(request.receive)
+        watch = ClientWatch(request.receive, signal_of(request.scope))
         try:
             response = await self._forward(request, watch)
         except BaseException:

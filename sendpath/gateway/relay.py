@@ -32,8 +32,6 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-
 from sendpath.api.errors import error_body
 from sendpath.api.sse import DONE, data_of, event
 from sendpath.errors import ServiceUnavailableError
@@ -51,6 +49,7 @@ from sendpath.gateway.chunks import (
 )
 from sendpath.gateway.context import GatewayContext
 from sendpath.gateway.safety import OutputGuard
+from sendpath.gateway.upstream import UpstreamConnectionError, UpstreamResponse
 from sendpath.router.policy import RouteRequest
 from sendpath.router.pool import Endpoint
 from sendpath.router.router import Router
@@ -70,7 +69,7 @@ class StreamRelay:
     router: Router
     endpoint: Endpoint
     route: RouteRequest
-    upstream: aiohttp.ClientResponse
+    upstream: UpstreamResponse
     lines: SSELines
     head: list[Event]  # up to the first token (``chunks.read_head_events``)
     # one guard per choice's text and per tool call's arguments, made on its first piece
@@ -118,7 +117,7 @@ class StreamRelay:
                     out.clear()
         except TimeoutError:
             why = f"it sent nothing for {self.between_tokens_s:g} s"
-        except aiohttp.ClientError as exc:
+        except UpstreamConnectionError as exc:
             why = f"the connection failed ({type(exc).__name__})"
         except ValueError:
             why = "it sent an event that is not JSON"

@@ -19,16 +19,15 @@ first answer.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import math
-from collections.abc import Callable
 from typing import Any
-
-import aiohttp
 
 from sendpath.api.prompt import GenerationBody, message_texts, prompt_text, tools_text
 from sendpath.api.schema import ChatBody, CompletionBody
+from sendpath.gateway.upstream import UpstreamClient, UpstreamConnectionError
 from sendpath.router.pool import ReplicaPool
 
 __all__ = ["ReplicaText", "byte_bound", "estimate_prompt_tokens"]
@@ -69,8 +68,8 @@ def byte_bound(request: GenerationBody) -> int:
 class ReplicaText:
     """Token questions for the replicas behind one gateway."""
 
-    def __init__(self, pool: ReplicaPool, session: Callable[[], aiohttp.ClientSession]) -> None:
-        self.pool, self.session = pool, session  # the proxy's pooled client
+    def __init__(self, pool: ReplicaPool, client: UpstreamClient) -> None:
+        self.pool, self.client = pool, client  # the proxy's pooled client
         self._turn = itertools.count()
 
     async def count(self, request: GenerationBody) -> int:
@@ -106,14 +105,18 @@ class ReplicaText:
         start = next(self._turn) % len(candidates)
         for endpoint in candidates[start:] + candidates[:start]:
             try:
-                async with self.session().post(
-                    endpoint.url + path,
-                    data=json.dumps(body).encode(),
-                    headers={**endpoint.headers, "content-type": "application/json"},
-                    timeout=aiohttp.ClientTimeout(total=ASK_TIMEOUT_S),
-                ) as r:
-                    if r.status == 200 and isinstance(found := json.loads(await r.read()), dict):
-                        return found
-            except (aiohttp.ClientError, TimeoutError, ValueError):
+                async with asyncio.timeout(ASK_TIMEOUT_S):
+                    r = await self.client.post(
+                        endpoint.url + path,
+                        json.dumps(body).encode(),
+                        {**endpoint.headers, "content-type": "application/json"},
+                    )
+                    try:
+                        raw = await r.read()
+                    finally:
+                        r.release()
+                if r.status == 200 and isinstance(found := json.loads(raw), dict):
+                    return found
+            except (UpstreamConnectionError, TimeoutError, ValueError):
                 continue
         return None

@@ -7,7 +7,13 @@ import asyncio
 import pytest
 from starlette.types import Message
 
-from sendpath.api.disconnect import ClientGone, ClientWatch, Interrupt, wait_disconnect
+from sendpath.api.disconnect import (
+    ClientGone,
+    ClientWatch,
+    DisconnectSignal,
+    Interrupt,
+    wait_disconnect,
+)
 
 
 def test_waiting_for_a_disconnect_skips_the_body_messages() -> None:
@@ -73,6 +79,32 @@ def test_a_watch_calls_back_once_the_client_has_gone_and_not_after_it_is_unwatch
             await asyncio.sleep(0)
         watch.on_gone(lambda: calls.append("late"))  # already gone: called all the same
         await asyncio.sleep(0)
+        return calls, watch.gone
+
+    assert asyncio.run(run()) == (["first", "late"], True)
+
+
+def test_a_watch_on_the_servers_signal_calls_back_the_same_without_reading_receive() -> None:
+    async def run() -> tuple[list[str], bool]:
+        async def receive() -> Message:
+            raise AssertionError("the signal says it: nothing waits on receive")
+
+        signal = DisconnectSignal(asyncio.get_running_loop())
+        calls: list[str] = []
+        watch = ClientWatch(receive, signal)
+        watch.on_gone(lambda: calls.append("first"))
+        unwatch = watch.on_gone(lambda: calls.append("second"))
+        unwatch()
+        assert not watch.gone
+        signal.set()  # as the server's protocol does when the connection is lost
+        signal.set()  # once only
+        assert watch.gone and calls == []  # called soon, on the loop
+        await asyncio.sleep(0)
+        watch.on_gone(lambda: calls.append("late"))  # already gone: called all the same
+        unlate = watch.on_gone(lambda: calls.append("withdrawn"))
+        unlate()
+        await asyncio.sleep(0)
+        watch.close()
         return calls, watch.gone
 
     assert asyncio.run(run()) == (["first", "late"], True)

@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
+from sendpath.api.disconnect import signal_of
 from sendpath.api.http_server import HeadWithBody, uvicorn_config
 from sendpath.config import ConnectionLimits
 from tests.conftest import wait_for
@@ -27,6 +28,8 @@ class Events:
     def __init__(self) -> None:
         self.closed = threading.Event()  # the endless stream's generator was closed
         self.sent = 0
+        self.watching = threading.Event()  # /watched has its disconnect signal
+        self.gone = threading.Event()  # and it was set
 
 
 @contextmanager
@@ -49,11 +52,22 @@ def server(events: Events) -> Iterator[int]:
     async def refuse(request: Request) -> PlainTextResponse:  # answers before the body
         return PlainTextResponse("no", status_code=401)
 
+    async def watched(request: Request) -> PlainTextResponse:  # answers once its client left
+        signal = signal_of(request.scope)
+        assert signal is not None and not signal.gone
+        left = asyncio.Event()
+        signal.subscribe(left.set)
+        events.watching.set()
+        await left.wait()
+        events.gone.set()
+        return PlainTextResponse("too late")
+
     app = Starlette(
         routes=[
             Route("/stream", endless),
             Route("/echo", echo, methods=["POST"]),
             Route("/refuse", refuse, methods=["POST"]),
+            Route("/watched", watched),
         ]
     )
     sock = socket.socket()
@@ -176,3 +190,14 @@ def test_the_server_writes_a_whole_short_answer_at_once() -> None:
         answer = c.recv(65536)  # head and body came in one segment
         assert answer.startswith(b"HTTP/1.1 200 OK") and answer.endswith(b"\r\n\r\n3")
         c.close()
+
+
+def test_a_request_is_told_its_client_left_without_reading_its_receive() -> None:
+    events = Events()
+    with server(events) as port:
+        c = socket.create_connection(("127.0.0.1", port))
+        c.sendall(b"GET /watched HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert events.watching.wait(10)
+        assert not events.gone.is_set()
+        c.close()  # the connection is lost before the response: the signal is set
+        assert events.gone.wait(10)

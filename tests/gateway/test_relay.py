@@ -26,9 +26,9 @@ def chunk(text: str | None = None, finish: str | None = None) -> str:
 
 
 class Upstream:
-    """What the relay asks of aiohttp's response."""
+    """What the relay asks of the replica's response (``upstream.UpstreamResponse``)."""
 
-    class content:  # aiohttp's attribute
+    class content:  # its body
         @staticmethod
         def at_eof() -> bool:
             return True
