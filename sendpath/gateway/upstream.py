@@ -250,12 +250,15 @@ class UpstreamClient:
         closed, which aborts the request at the replica if it got there."""
         scheme, host, port, target, host_header = self._target(url)
         key = (scheme, host, port)
-        conn = self._take(key) or await self._connect(scheme, host, port)
         head = [b"POST ", target.encode(), b" HTTP/1.1\r\nhost: ", host_header]
         head.append(b"\r\ncontent-length: %d\r\n" % len(body))
         for name, value in headers.items():
-            head.append(f"{name}: {value}\r\n".encode("latin-1"))
+            line = f"{name}: {value}"
+            if "\r" in line or "\n" in line:  # would end the header early: a second request
+                raise ValueError(f"a header for the replica holds a line break: {name!r}")
+            head.append(f"{line}\r\n".encode("latin-1"))
         head += [b"\r\n", body]
+        conn = self._take(key) or await self._connect(scheme, host, port)
         try:
             conn.start()
             conn.busy = True

@@ -103,6 +103,15 @@ def test_a_post_goes_out_in_one_piece_and_its_answer_is_read_whole() -> None:
     assert sent == b'{"a": 1}'
 
 
+def test_a_header_with_a_line_break_is_refused_before_anything_is_sent() -> None:
+    async def test(client: UpstreamClient, url: str, replica: Replica) -> int:
+        with pytest.raises(ValueError, match="line break"):
+            await client.post(url + "/v1/completions", b"{}", {"x-key": "k\r\nx-admin: 1"})
+        return replica.connections
+
+    assert run(lambda _, w: whole(b"{}", w), test) == 0  # not even a connection made
+
+
 def test_a_connection_read_to_the_end_is_reused_and_a_stale_one_is_not() -> None:
     async def test(client: UpstreamClient, url: str, replica: Replica) -> list[int]:
         counts = []
