@@ -4,7 +4,7 @@ The built-in model in the configuration ``make serve`` runs (``--dtype auto
 --quantization auto``), B requests decoding with ~190-token contexts (random prompt
 tokens), profiled over 10 steps with torch's profiler. Each aten op's own CPU time is put
 in one bucket: low-precision matmuls (sendpath's block kernel on AVX-512 VNNI, else
-torch's int4 / int8 weight kernels), dense matmuls, attention (the paged decode kernel or
+torch's int4 / int8 weight kernels), dense matmuls, attention (the paged attention kernel or
 torch's SDPA), and the rest (norms, RoPE, sampling, the cache writes, and the Python and
 dispatch between them: the step's wall time less the three buckets). Where the model
 runs every layer in one C++ call (``model/layer_stack.py``), the profiler cannot see the

@@ -20,6 +20,7 @@ __all__ = [
     "answer_text",
     "arguments_chunk",
     "call_part",
+    "event_of",
     "finished",
     "numbers",
     "read_head_events",
@@ -188,6 +189,12 @@ def answer_text(data: dict[str, Any]) -> str:
     return text if isinstance(text, str) else ""
 
 
+def event_of(payload: str) -> Event:
+    """An event's payload with its chunk parsed (``None`` for ``[DONE]``); ValueError when
+    the payload is not JSON."""
+    return (payload, None) if payload == DONE else (payload, json.loads(payload))
+
+
 async def read_head_events(lines: SSELines) -> list[Event]:
     """The stream's events up to its first token (or its end), held back so the request
     can still go to another replica if this one fails before producing one. Raises
@@ -201,11 +208,10 @@ async def read_head_events(lines: SSELines) -> list[Event]:
         payload = data_of(line)
         if payload is None:
             continue
-        if payload == DONE:
-            head.append((payload, None))
+        head.append(event := event_of(payload))
+        chunk = event[1]
+        if chunk is None:  # [DONE]
             return head
-        chunk = json.loads(payload)
-        head.append((payload, chunk))
         choices = chunk.get("choices") or []
         if "error" in chunk or (
             choices

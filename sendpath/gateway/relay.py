@@ -25,7 +25,6 @@ told which replica (by name) and why, in words that name no internal address.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -33,13 +32,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from sendpath.api.errors import error_body
-from sendpath.api.sse import DONE, data_of, event
+from sendpath.api.sse import data_of, event
 from sendpath.errors import ServiceUnavailableError
 from sendpath.gateway.chunks import (
     Event,
     SSELines,
     arguments_chunk,
     call_part,
+    event_of,
     finished,
     numbers,
     text_of,
@@ -151,11 +151,8 @@ class StreamRelay:
             payload = data_of(line)
             if payload is None:
                 continue
-            if payload == DONE:
-                events.append((payload, None))
-                continue
             try:
-                events.append((payload, json.loads(payload)))
+                events.append(event_of(payload))
             except ValueError as exc:
                 bad = exc
                 break

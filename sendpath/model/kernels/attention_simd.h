@@ -1,6 +1,7 @@
-// What the decode-attention kernels share: the task's shape and the AVX-512 pieces of an
+// What the paged-attention kernels share: the task's shape and the AVX-512 pieces of an
 // online softmax (paged_attention.cpp: float32 and the portable loop;
-// paged_attention_bf16.cpp: AVX-512 BF16 on a bfloat16 cache).
+// paged_attention_bf16.cpp: AVX-512 BF16 on a bfloat16 cache; paged_prefill_bf16.cpp: a
+// prompt chunk's rows a tile at a time on it).
 
 #pragma once
 
