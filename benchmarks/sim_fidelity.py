@@ -47,8 +47,8 @@ from sendpath.bench.command import served_model
 from sendpath.bench.report import summarize
 from sendpath.bench.runner import Load, run
 from sendpath.bench.workload import LengthSpec, build
+from sendpath.engine.steps import StepShape
 from sendpath.fleet import free_port
-from sendpath.runner.cpu_step import CpuStepShape
 from sendpath.sim.calibrated import Calibrated
 from sendpath.sim.profile import step_kind, step_times
 from sendpath.sim.profile_served import profile_served
@@ -58,7 +58,7 @@ from sendpath.sim.traffic import SimRequest
 RESULTS = Path(__file__).parent / "results" / "sim_fidelity.json"
 PROFILE = Path(__file__).parent / "results" / "sim_fidelity_profile.json"  # the served fit
 STEPS = Path(__file__).parent / "results" / "sim_fidelity_steps.json"  # each run's step log
-STEP_KEYS = ("seq", "start", "seconds", "busy_after", *(f.name for f in fields(CpuStepShape)))
+STEP_KEYS = ("seq", "start", "seconds", "busy_after", *(f.name for f in fields(StepShape)))
 # (name, prompt words, answer tokens): random text, lengths drawn per request
 WORKLOADS = (
     ("chat", LengthSpec(40, 200), LengthSpec(32, 128)),

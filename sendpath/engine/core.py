@@ -23,12 +23,11 @@ from sendpath.clock import Clock, RealClock
 from sendpath.config import EngineConfig, SchedulerConfig
 from sendpath.engine.outputs import EngineOutput, OutputStream
 from sendpath.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput, SchedulerStats
-from sendpath.engine.steps import StepLog
+from sendpath.engine.steps import StepLog, StepShape
 from sendpath.errors import InvalidRequestError, PromptTooLongError
 from sendpath.kvcache.manager import KVCacheManager
 from sendpath.model.tokenizer import Chat, ChatMessage, Tokenizer
 from sendpath.request import Request, RequestStatus, SamplingParams, TokenLogprobs
-from sendpath.runner.cpu_step import CpuStepShape
 from sendpath.trace import EventType
 
 if TYPE_CHECKING:
@@ -90,7 +89,7 @@ class EngineCore:
         self._streams: dict[str, OutputStream] = {}
         self._ids = itertools.count()
         # every step's shape and time: calibration from a live server
-        self.steps: StepLog[CpuStepShape] = StepLog()
+        self.steps = StepLog()
 
     @classmethod
     def from_config(cls, config: EngineConfig, clock: Clock | None = None) -> EngineCore:
@@ -264,7 +263,7 @@ class EngineCore:
             outputs.append(self._output(request, stream, [token], text, logprobs))
         if not plan.is_empty:
             busy = self.scheduler.has_unfinished_requests()
-            shape = CpuStepShape.of(plan, self.scheduler.kv.block_size)
+            shape = StepShape.of(plan)
             self.steps.record(start, self.clock.now() - start, busy, shape)
         return outputs
 

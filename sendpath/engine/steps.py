@@ -4,8 +4,7 @@
 sequences, the context they attend to, the KV they read); the simulator's cost models
 price it, and the engine core records every real step's shape with its wall time in a
 ``StepLog`` (a bounded ring, read by the replica's ``GET /v1/steps``), so a live server
-can be calibrated as it serves (`sendpath profile --url`). What one runner adds to that
-(the KV the CPU runner gathers) lives with the runner: ``runner/cpu_step.py``.
+can be calibrated as it serves (`sendpath profile --url`).
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass
-from typing import Generic, TypeVar
 
 from sendpath.engine.scheduler import SchedulerOutput
 
@@ -32,12 +30,11 @@ class StepShape:
     # token), and how many chunks; 0 where unknown (steps logged before they were kept)
     prompt_tokens: int = 0
     prefills: int = 0
-    resumed: int = 0  # prefill chunks not starting at position 0 (a later chunk, a cache hit)
 
     @classmethod
     def of(cls, plan: SchedulerOutput) -> StepShape:
         """The shape of the step that runs ``plan``."""
-        tokens = context = kv = prompt = prefills = resumed = 0
+        tokens = context = kv = prompt = prefills = 0
         for item in plan.requests:
             n, start = len(item.token_ids), item.start_pos
             tokens += n
@@ -46,36 +43,32 @@ class StepShape:
             if not (n == 1 and start > 0):  # a prefill chunk, not a decode
                 prompt += n
                 prefills += 1
-                resumed += start > 0
-        return cls(tokens, len(plan.requests), context, kv, prompt, prefills, resumed)
-
-
-Shape = TypeVar("Shape", bound=StepShape)  # what the engine's runner logs of a step
+        return cls(tokens, len(plan.requests), context, kv, prompt, prefills)
 
 
 @dataclass(frozen=True)
-class StepRecord(Generic[Shape]):
+class StepRecord:
     seq: int  # 1, 2, 3, ... since the engine started
     start: float  # clock seconds
     seconds: float  # schedule + forward + update
     busy_after: bool  # requests were left: the next step followed at once
-    shape: Shape
+    shape: StepShape
 
 
-class StepLog(Generic[Shape]):
+class StepLog:
     """The last ``capacity`` steps (written by the engine thread only)."""
 
     def __init__(self, capacity: int = 8192) -> None:
-        self._steps: deque[StepRecord[Shape]] = deque(maxlen=capacity)
+        self._steps: deque[StepRecord] = deque(maxlen=capacity)
         self._seq = itertools.count(1)
 
-    def record(self, start: float, seconds: float, busy_after: bool, shape: Shape) -> None:
+    def record(self, start: float, seconds: float, busy_after: bool, shape: StepShape) -> None:
         self._steps.append(StepRecord(next(self._seq), start, seconds, busy_after, shape))
 
     @property
-    def last(self) -> StepRecord[Shape] | None:
+    def last(self) -> StepRecord | None:
         return self._steps[-1] if self._steps else None
 
-    def since(self, seq: int) -> list[StepRecord[Shape]]:
+    def since(self, seq: int) -> list[StepRecord]:
         """Steps after ``seq`` (0: all kept), oldest first."""
         return [s for s in self._steps if s.seq > seq]

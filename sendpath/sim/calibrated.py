@@ -1,23 +1,22 @@
 """The calibrated step-cost model: a step's time fitted to this machine's engine.
 
 One coefficient per cost a step pays, fitted to the steps the engine logged
-(`sendpath profile`); the runner runs prompt tokens and decodes differently, so:
+(`sendpath profile`). The runner computes every row of a step (a decode, a prompt
+chunk's token) in the same matmuls and one paged attention call a layer, so:
 
-    step = c_step + c_prompt * prompt_tokens + c_prefill * prefills + c_resume * resumed
-           + c_context * context_tokens + c_kv * kv_gathered
-           + (c_prefilling + c_ride * decodes + c_riding   if the step has a prefill chunk
-              else seqs(decodes))                          (c_riding: if any decode rides)
+    step = c_step + c_prompt * prompt_tokens + c_prefill * prefills
+           + c_context * context_tokens + c_kv * kv_tokens
+           + (c_ride * decodes   if the step has a prompt chunk   else seqs(decodes))
 
 ``step``: once a step (weights streamed, every layer's kernels dispatched); ``prompt``:
-the matmuls' work per prompt token; ``prefill``: per chunk (its attention call, mask and
-gather); ``prefilling``: once a step with chunks (packing them); ``resume``: per chunk not
-from position 0 (after a prefix-cache hit, as a chat request's system prompt is: the
-runner attends it through an explicit mask, not the fused causal kernel); ``context``: the
-positions each token attends to, summed; ``kv``: the KV gathered for attention; ``ride``:
-a decode beside a chunk (its rows ride in the chunk's GEMMs); ``riding``: once, the
-decodes' own attention call beside a chunk; ``seqs``: a decode-only step's sequences, a
-line through a value fitted at each measured power-of-two batch size (``seqs@k``, 0 at
-one), its last slope carried on (on 2 CPU cores 4 decodes cost nearly what 8 do).
+the matmuls' work per prompt token; ``prefill``: per chunk (its sequence's tables, its
+sampled token); ``context``: the positions each token attends to, summed (the attention
+kernel's work); ``kv``: the KV each sequence reads (a decode reads its whole context for
+one token, where a chunk reads each key once for many); ``ride``: a decode beside a chunk,
+its row one more in the chunk's matmuls; ``seqs``: a decode-only step's sequences, a line
+through a value fitted at each measured power-of-two batch size (``seqs@k``, 0 at one),
+its last slope carried on (few rows leave the matmuls waiting on the weights' bytes: on
+2 CPU cores 4 decodes cost nearly what 8 do).
 
 Fitted by non-negative least squares (``scipy.optimize.nnls``: a negative cost would make
 some shapes free) on relative error, so a 40 ms decode counts as much as a 2 s prefill,
@@ -38,15 +37,14 @@ from typing import Any
 import numpy as np
 from scipy.optimize import nnls
 
-from sendpath.runner.cpu_step import CpuStepShape
+from sendpath.engine.steps import StepShape
 from sendpath.sim.config import SimConfig
 
 __all__ = ["TERMS", "Calibrated", "CostModelFileError", "FitError", "PointKind", "ProfilePoint"]
 
-TERMS = ("step", "prompt", "prefill", "prefilling", "resume", "context", "kv", "ride",
-         "riding")  # then ``seqs@k`` for each knot k past 1  # fmt: skip
+TERMS = ("step", "prompt", "prefill", "context", "kv", "ride")  # then ``seqs@k`` per knot k > 1
 FORMAT = "sendpath-profile"
-VERSION = 6  # the only one read: earlier files had other forms
+VERSION = 7  # the only one read: earlier files had other forms
 
 
 def _bends(s: int, knots: tuple[int, ...]) -> list[float]:
@@ -63,29 +61,24 @@ def _bends(s: int, knots: tuple[int, ...]) -> list[float]:
     return weights
 
 
-def _features(shape: CpuStepShape, knots: tuple[int, ...]) -> list[float]:
+def _features(shape: StepShape, knots: tuple[int, ...]) -> list[float]:
     """The step's amount of each term (``TERMS``, then the knots'), in order."""
     decodes = shape.num_seqs - shape.prefills
-    chunked = 1.0 if shape.prefills else 0.0
-    ride = float(decodes) if shape.prefills else 0.0
-    return [1.0, float(shape.prompt_tokens), float(shape.prefills), chunked,
-            float(shape.resumed), float(shape.context_tokens), float(shape.kv_gathered), ride,
-            1.0 if ride else 0.0, *_bends(0 if shape.prefills else decodes, knots)]  # fmt: skip
+    return [
+        1.0,
+        float(shape.prompt_tokens),
+        float(shape.prefills),
+        float(shape.context_tokens),
+        float(shape.kv_tokens),
+        float(decodes) if shape.prefills else 0.0,
+        *_bends(0 if shape.prefills else decodes, knots),
+    ]
 
 
 def _held_out(points: Sequence[ProfilePoint]) -> list[bool]:
     """Every second mixed step checks the fit (the others price the riding decodes)."""
     mixed = itertools.count()
     return [p.kind is PointKind.MIXED and next(mixed) % 2 == 1 for p in points]
-
-
-def _unfitted(used: Sequence[ProfilePoint]) -> set[str]:
-    """Terms these points cannot tell from others (left at 0): ``prefilling`` unless some
-    step runs several chunks (else it is ``prefill``'s column); ``riding`` unless prompt
-    steps come with no decodes and with two numbers of them (else it is another's)."""
-    beside = {p.shape.num_seqs - p.shape.prefills for p in used if p.shape.prefills}
-    prefilling = {"prefilling"} if all(p.shape.prefills < 2 for p in used) else set()
-    return prefilling | ({"riding"} if 0 not in beside or len(beside) < 3 else set())
 
 
 class PointKind(StrEnum):
@@ -100,7 +93,7 @@ class ProfilePoint:
 
     kind: PointKind
     label: str
-    shape: CpuStepShape
+    shape: StepShape
     seconds: float
     steps: int = 1
 
@@ -151,8 +144,6 @@ class Calibrated:
         self._c = [self.coefficients[t] for t in self.terms]
         self.points = list(points)
         self.held_out = _held_out(self.points)
-        used = [p for p, out in zip(self.points, self.held_out, strict=True) if not out]
-        self.unfitted = _unfitted(used)  # terms those points cannot tell apart (left at 0)
         self.meta = dict(meta or {})
 
     @classmethod
@@ -162,24 +153,20 @@ class Calibrated:
         # the per-sequence cost may bend at 1 and at each measured power-of-two batch size
         batches = sorted({p.shape.num_seqs for p in used if not p.shape.prefills})
         knots = (1, *(k for k in batches if k > 1 and k & (k - 1) == 0))
-        off = _unfitted(used)
         terms = (*TERMS, *(f"seqs@{k}" for k in knots[1:]))
-        fitted = [t not in off for t in terms]
-        if len(used) < sum(fitted):
-            raise ValueError(f"fitting {sum(fitted)} terms needs as many points, got {len(used)}")
+        if len(used) < len(terms):
+            raise ValueError(f"fitting {len(terms)} terms needs as many points, got {len(used)}")
         if any(p.seconds <= 0 for p in used):
             raise ValueError("every measured step time must be > 0")
         weight = np.sqrt([[max(1, p.steps)] for p in used])
-        rows = (np.array([_features(p.shape, knots) for p in used])[:, fitted]
-                / np.array([[p.seconds] for p in used]) * weight)  # fmt: skip
+        features = np.array([_features(p.shape, knots) for p in used])
+        rows = features / np.array([[p.seconds] for p in used]) * weight
         scale = np.abs(rows).max(axis=0)
         scale[scale == 0] = 1.0  # a term no point exercises stays 0
-        x = iter(nnls(rows / scale, weight[:, 0])[0] / scale)
-        coefficients = {t: float(next(x)) if on else 0.0
-                        for t, on in zip(terms, fitted, strict=True)}  # fmt: skip
-        return cls(coefficients, points, meta, knots)
+        x = nnls(rows / scale, weight[:, 0])[0] / scale
+        return cls(dict(zip(terms, map(float, x), strict=True)), points, meta, knots)
 
-    def step_seconds(self, shape: CpuStepShape) -> float:
+    def step_seconds(self, shape: StepShape) -> float:
         return sum(c * f for c, f in zip(self._c, _features(shape, self.seq_knots), strict=True))
 
     def error(self, held_out: bool = False) -> FitError | None:
@@ -223,14 +210,29 @@ class Calibrated:
 
     def save(self, path: str | Path) -> None:
         fit, held = self.error(), self.error(held_out=True)
-        points = [{"kind": p.kind.value, "label": p.label, **asdict(p.shape),
-                   "measured_s": p.seconds, "fitted_s": self.step_seconds(p.shape),
-                   "steps": p.steps} for p in self.points]  # fmt: skip
-        data = {"format": FORMAT, "version": VERSION, "meta": self.meta,
-                "coefficients_s": self.coefficients, "seq_knots": list(self.seq_knots),
-                "fit": {"fit_points": asdict(fit) if fit else None,
-                        "held_out": asdict(held) if held else None},
-                "points": points}  # fmt: skip
+        points = [
+            {
+                "kind": p.kind.value,
+                "label": p.label,
+                **asdict(p.shape),
+                "measured_s": p.seconds,
+                "fitted_s": self.step_seconds(p.shape),
+                "steps": p.steps,
+            }
+            for p in self.points
+        ]
+        data = {
+            "format": FORMAT,
+            "version": VERSION,
+            "meta": self.meta,
+            "coefficients_s": self.coefficients,
+            "seq_knots": list(self.seq_knots),
+            "fit": {
+                "fit_points": asdict(fit) if fit else None,
+                "held_out": asdict(held) if held else None,
+            },
+            "points": points,
+        }
         Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
     @classmethod
@@ -249,11 +251,17 @@ class Calibrated:
                 path, f"version {data.get('version')!r}, and this sendpath reads only {VERSION}"
             )
         try:
-            shape = [f.name for f in fields(CpuStepShape)]
-            points = [ProfilePoint(PointKind(p["kind"]), str(p["label"]),
-                                   CpuStepShape(**{k: int(p[k]) for k in shape}),
-                                   float(p["measured_s"]), int(p["steps"]))
-                      for p in data["points"]]  # fmt: skip
+            shape = [f.name for f in fields(StepShape)]
+            points = [
+                ProfilePoint(
+                    PointKind(p["kind"]),
+                    str(p["label"]),
+                    StepShape(**{k: int(p[k]) for k in shape}),
+                    float(p["measured_s"]),
+                    int(p["steps"]),
+                )
+                for p in data["points"]
+            ]
             if not isinstance(data["meta"], dict):
                 raise TypeError("meta is not an object")
             return cls(data["coefficients_s"], points, data["meta"], data["seq_knots"])

@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import Protocol
 
 from sendpath.engine.steps import StepShape
-from sendpath.runner.cpu_step import CpuStepShape
 from sendpath.sim.hardware import Hardware, ModelSpec
 
 __all__ = ["COMPUTE_EFF", "MEMORY_EFF", "CostModel", "Roofline", "StepShape"]
@@ -33,10 +32,9 @@ MEMORY_EFF = 0.8
 
 
 class CostModel(Protocol):
-    """Seconds one engine step takes. It is handed the step as the CPU runner runs it:
-    the step's shape and the KV slots it gathers (which only ``Calibrated`` reads)."""
+    """Seconds one engine step of this shape takes."""
 
-    def step_seconds(self, shape: CpuStepShape) -> float: ...
+    def step_seconds(self, shape: StepShape) -> float: ...
 
 
 class Roofline:

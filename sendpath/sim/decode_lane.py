@@ -38,13 +38,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from sendpath.engine.scheduler import Scheduler
+from sendpath.engine.steps import StepShape
 from sendpath.kvcache.manager import KVCacheManager
 from sendpath.request import Request
-from sendpath.runner.cpu_step import CpuStepShape, padded_decode_kv
 from sendpath.sim.cost_model import CostModel
 from sendpath.trace import EventType
 
-__all__ = ["DecodeLane", "decode_seconds"]
+__all__ = ["DecodeLane", "beside", "decode_seconds"]
 
 
 @dataclass(slots=True)
@@ -56,12 +56,10 @@ class _Parked:
     phase: int  # the step number modulo block_size at which it needs a new block
 
 
-def decode_seconds(
-    cost: CostModel, batch: int, context: int, longest: int, steps: int, block_size: int
-) -> list[float]:
+def decode_seconds(cost: CostModel, batch: int, context: int, steps: int) -> list[float]:
     """The seconds of ``steps`` decode steps of ``batch`` sequences whose computed tokens
-    add up to ``context`` (the longest ``longest``) before the first; a cost model with
-    ``decode_steps`` prices them in one call, bit for bit as ``step_seconds`` would."""
+    add up to ``context`` before the first; a cost model with ``decode_steps`` prices
+    them in one call, bit for bit as ``step_seconds`` would."""
     fast = getattr(cost, "decode_steps", None)
     if fast is not None:
         seconds: list[float] = fast(batch, context, steps)
@@ -69,11 +67,22 @@ def decode_seconds(
     seconds = []
     for _ in range(steps):
         context += batch
-        longest += 1
-        gathered = padded_decode_kv(batch, longest, block_size)
-        shape = CpuStepShape(batch, batch, context, context, kv_gathered=gathered)
-        seconds.append(cost.step_seconds(shape))
+        seconds.append(cost.step_seconds(StepShape(batch, batch, context, context)))
     return seconds
+
+
+def beside(shape: StepShape, decodes: int, computed: int) -> StepShape:
+    """``shape`` with ``decodes`` parked decodes run beside it, their computed tokens
+    ``computed`` summed: each computes one token and attends to its context and it."""
+    added = computed + decodes
+    return StepShape(
+        shape.num_tokens + decodes,
+        shape.num_seqs + decodes,
+        shape.context_tokens + added,
+        shape.kv_tokens + added,
+        shape.prompt_tokens,
+        shape.prefills,
+    )
 
 
 class DecodeLane:
@@ -87,12 +96,10 @@ class DecodeLane:
         self._offset = 0
         self._parked: dict[str, _Parked] = {}
         self._finishes: list[tuple[int, int, str]] = []  # (last step, key, request id)
-        self._longest: list[tuple[int, int, str]] = []  # (-(computed - step), key, id)
         self._buckets: list[list[tuple[int, str]]] = [[] for _ in range(self.bs)]  # key, id
         self._context = 0  # sum over parked of computed - step at parking
         self._keys: dict[str, int] = {}  # request id -> running order (unparked too)
         self._first: list[_Parked] = []  # parked before their first token (its step next)
-        self._tidy_at = 64  # heap size / logged steps past which to drop what is stale
         self._trim_at = 8192
         self._next_key = itertools.count()
 
@@ -103,13 +110,6 @@ class DecodeLane:
     def context(self) -> int:
         """Computed tokens of the parked requests, summed, now."""
         return self._context + len(self._parked) * self.step
-
-    def longest(self) -> int:
-        """The most computed tokens of a parked request, now (0 if none)."""
-        heap, parked = self._longest, self._parked
-        while heap and heap[0][2] not in parked:
-            heapq.heappop(heap)
-        return self.step - heap[0][0] if heap else 0
 
     def next_finish(self) -> int:
         """The step at whose end the next parked request finishes."""
@@ -129,7 +129,7 @@ class DecodeLane:
         steps = self.next_finish() - self.step
         if self.crossers(steps) > self.kv.pool.num_free_blocks:
             return None
-        return decode_seconds(cost, self.batch, self.context(), self.longest(), steps, self.bs)
+        return decode_seconds(cost, self.batch, self.context(), steps)
 
     def can_schedule_beside(self, sched: Scheduler) -> bool:
         """Whether the scheduler can plan the rest of the next step beside the parked
@@ -178,16 +178,11 @@ class DecodeLane:
             self._parked[rid] = _Parked(r, key, step, computed, phase)
             left = r.sampling_params.max_tokens - len(r.output_token_ids)
             heapq.heappush(self._finishes, (step + left, key, rid))
-            heapq.heappush(self._longest, (step - computed, key, rid))
             bisect.insort(self._buckets[phase], (key, rid))
             self._context += computed - step
             if not r.output_token_ids:
                 self._first.append(self._parked[rid])
         sched.running[:] = keep
-        if len(self._longest) > self._tidy_at:  # finished requests' entries
-            self._longest = [e for e in self._longest if e[2] in self._parked]
-            heapq.heapify(self._longest)
-            self._tidy_at = 2 * len(self._longest) + 64
 
     def _write(self, p: _Parked, base: int, sched: Scheduler, cache: bool = True) -> list[float]:
         """Bring a parked request's ``Request`` up to now (``cache``: offer its filled
@@ -241,7 +236,6 @@ class DecodeLane:
         self._parked.clear()
         self._first.clear()  # their step did not run: the scheduler runs it
         self._finishes.clear()
-        self._longest.clear()
         for bucket in self._buckets:
             bucket.clear()
         self._context = 0

@@ -6,9 +6,7 @@ on the engine `sendpath replica` builds from the same flags, in this process;
 `sendpath profile --url` sends the same loads to a running server (``profile_served.py``).
 The loads, as a server meets them:
 
-- single prompts of N tokens, every second one after a cached prefix (``PREAMBLE``
-  tokens a short request cached first): its chunk resumes there, as a chat request's
-  does after its system prompt;
+- single prompts of N tokens (past the chunk budget, a chunk resumes where one ended);
 - B requests of C tokens: one first, the others once it decodes (their prefill chunks
   beside its decodes), each answer long enough that all B then decode together for
   about ``answer`` steps;
@@ -37,14 +35,25 @@ from typing import Any
 
 from sendpath.config import EngineConfig
 from sendpath.engine.core import EngineCore
+from sendpath.engine.steps import StepShape
 from sendpath.request import SamplingParams
-from sendpath.runner.cpu_step import CpuStepShape
 from sendpath.sim.calibrated import Calibrated, PointKind, ProfilePoint
 
-__all__ = ["DEFAULT_GRID", "PREAMBLE", "QUICK_GRID", "RIDER_PROMPT", "WARM_UP", "Grid", "Load",
-           "loads", "points", "profile", "step_kind", "step_times"]  # fmt: skip
+__all__ = [
+    "DEFAULT_GRID",
+    "QUICK_GRID",
+    "RIDER_PROMPT",
+    "WARM_UP",
+    "Grid",
+    "Load",
+    "loads",
+    "meta",
+    "points",
+    "profile",
+    "step_kind",
+    "step_times",
+]
 
-PREAMBLE = 32  # tokens (words, over HTTP) of the shared prompt start: two KV blocks
 RIDER_PROMPT = 16  # tokens of a riding request's prompt
 
 
@@ -62,11 +71,24 @@ class Grid:
 
 # about 4 minutes on 2 idle cores with the built-in model over HTTP, less in process
 DEFAULT_GRID = Grid(
-    prefill=(16, 64, 128, 256, 512, 1024), repeats=3, batches=(1, 2, 4, 8, 16, 32, 64),
-    contexts=(64, 512), answer=24, riders=(4, 16, 32), late=(32, 128, 384),
-)  # fmt: skip
-QUICK_GRID = Grid(prefill=(8, 48), repeats=2, batches=(1, 4), contexts=(16,), answer=32,
-                  riders=(4,), late=(16,), chats=4)  # fmt: skip
+    prefill=(16, 64, 128, 256, 512, 1024),
+    repeats=3,
+    batches=(1, 2, 4, 8, 16, 32, 64),
+    contexts=(64, 512),
+    answer=24,
+    riders=(4, 16, 32),
+    late=(32, 128, 384),
+)
+QUICK_GRID = Grid(
+    prefill=(8, 48),
+    repeats=2,
+    batches=(1, 4),
+    contexts=(16,),
+    answer=32,
+    riders=(4,),
+    late=(16,),
+    chats=4,
+)
 
 
 @dataclass(frozen=True)
@@ -75,22 +97,23 @@ class Load:
     count: int  # requests
     tokens: int  # prompt tokens each
     answer: int  # answer tokens each
-    cached_prefix: bool = False  # the prompt starts with the cached preamble
     late: tuple[int, ...] = ()  # riders: prompts sent one at a time while they decode
 
 
-# first, in process and over HTTP: warms the engine up and caches the preamble's blocks
-WARM_UP = Load("warm-up and cache the preamble", 1, 8, 2, cached_prefix=True)
+# first, in process and over HTTP: the first steps of a process are slow
+WARM_UP = Load("warm-up", 1, 8, 2)
 
 
 def loads(grid: Grid, engine: dict[str, Any]) -> tuple[list[Load], list[str]]:
     """The grid's loads that fit ``engine`` (its ``GET /v1/steps`` settings), and the
     labels of those that do not."""
-    found = [Load(f"prompt {n}" + (" after a cached prefix" if r % 2 else ""), 1, n, 1, r % 2 == 1)
-             for n in grid.prefill for r in range(grid.repeats)]  # fmt: skip
+    found = [Load(f"prompt {n}", 1, n, 1) for n in grid.prefill for _ in range(grid.repeats)]
     budget = engine["max_num_batched_tokens"]  # the other B - 1 prompts' steps, then ``answer``
-    found += [Load(f"{b} x {c}", b, c, grid.answer + -(-(b - 1) * c // budget))
-              for c in grid.contexts for b in grid.batches]  # fmt: skip
+    found += [
+        Load(f"{b} x {c}", b, c, grid.answer + -(-(b - 1) * c // budget))
+        for c in grid.contexts
+        for b in grid.batches
+    ]
     ride = grid.answer + 8 * len(grid.late)  # riders outlast the late prompts
     found += [Load(f"{b} riding", b, RIDER_PROMPT, ride, late=grid.late) for b in grid.riders]
 
@@ -98,13 +121,16 @@ def loads(grid: Grid, engine: dict[str, Any]) -> tuple[list[Load], list[str]]:
         late = max(x.late, default=0) + 2
         size = x.count * (x.tokens + x.answer + 16) + (late + 16 if x.late else 0)
         seqs, blocks = int(engine["max_num_seqs"]), int(engine["num_blocks"])
-        return (x.count + bool(x.late) <= seqs and size <= blocks * int(engine["block_size"])
-                and max(x.tokens + x.answer, late) <= int(engine["max_model_len"]))  # fmt: skip
+        return (
+            x.count + bool(x.late) <= seqs
+            and size <= blocks * int(engine["block_size"])
+            and max(x.tokens + x.answer, late) <= int(engine["max_model_len"])
+        )
 
     return [x for x in found if fits(x)], [x.label for x in found if not fits(x)]
 
 
-def step_kind(shape: CpuStepShape) -> PointKind:
+def step_kind(shape: StepShape) -> PointKind:
     """Decode (one-token steps only), prefill (prompt chunks only) or mixed."""
     if shape.prefills == 0 and shape.num_tokens == shape.num_seqs:
         return PointKind.DECODE
@@ -113,7 +139,7 @@ def step_kind(shape: CpuStepShape) -> PointKind:
     return PointKind.MIXED
 
 
-def step_times(steps: list[dict[str, Any]]) -> list[tuple[CpuStepShape, float]]:
+def step_times(steps: list[dict[str, Any]]) -> list[tuple[StepShape, float]]:
     """Each logged step's shape and time (``GET /v1/steps``' records): its period when
     the next step followed at once."""
     out = []
@@ -121,15 +147,13 @@ def step_times(steps: list[dict[str, Any]]) -> list[tuple[CpuStepShape, float]]:
         seconds = step["seconds"]
         if step["busy_after"] and nxt is not None and nxt["seq"] == step["seq"] + 1:
             seconds = max(seconds, nxt["start"] - step["start"])
-        shape = CpuStepShape(**{f.name: int(step[f.name]) for f in fields(CpuStepShape)
-                             if f.name in step})  # fmt: skip
-        out.append((shape, seconds))
+        out.append((StepShape(**{f.name: int(step[f.name]) for f in fields(StepShape)}), seconds))
     return out
 
 
-def points(label: str, timed: list[tuple[CpuStepShape, float]]) -> list[ProfilePoint]:
+def points(label: str, timed: list[tuple[StepShape, float]]) -> list[ProfilePoint]:
     """One point per kind and size: the median step (by time) of each group."""
-    groups: dict[tuple[PointKind, int, int], list[tuple[CpuStepShape, float]]] = defaultdict(list)
+    groups: dict[tuple[PointKind, int, int], list[tuple[StepShape, float]]] = defaultdict(list)
     for shape, seconds in timed:
         groups[(step_kind(shape), shape.num_seqs, shape.num_tokens)].append((shape, seconds))
     found = []
@@ -146,17 +170,15 @@ class _Engine:
     def __init__(self, core: EngineCore) -> None:
         self.core, self.rng = core, random.Random(0)
         self.vocab = core.loaded.config.vocab_size if core.loaded else 32
-        self.preamble = self.tokens(PREAMBLE)
         self.decoding: set[str] = set()  # requests that have a token out
         self.done: set[str] = set()
 
     def tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(self.vocab) for _ in range(n)]
 
-    def send(self, tokens: int, answer: int, cached_prefix: bool = False) -> str:
-        prompt = self.preamble + self.tokens(max(1, tokens - PREAMBLE)) if cached_prefix else []
+    def send(self, tokens: int, answer: int) -> str:
         params = SamplingParams(max_tokens=answer, ignore_eos=True)
-        return self.core.add_request(prompt or self.tokens(tokens), params).request_id
+        return self.core.add_request(self.tokens(tokens), params).request_id
 
     def until(self, ids: list[str], state: set[str]) -> None:
         """Step until every one of ``ids`` is in ``state`` (``decoding`` or ``done``)."""
@@ -169,7 +191,7 @@ class _Engine:
                     self.done.add(out.request_id)
 
     def run(self, load: Load) -> None:
-        first = [self.send(load.tokens, load.answer, load.cached_prefix)]
+        first = [self.send(load.tokens, load.answer)]
         if load.late:  # riders: all of them first, then each late prompt alone beside them
             first += [self.send(load.tokens, load.answer) for _ in range(load.count - 1)]
             self.until(first, self.decoding)
@@ -188,36 +210,36 @@ def profile(
 ) -> Calibrated:
     """Load the engine ``config`` describes, run ``grid``'s loads on it, fit its steps."""
     core = EngineCore.from_config(config)
-    meta = _meta(core)
-    engine = _Engine(core)
-    engine.run(WARM_UP)
+    driver = _Engine(core)
+    driver.run(WARM_UP)
     last = core.steps.last.seq if core.steps.last else 0
-    runnable, skipped = loads(grid, meta["engine"])
+    engine: dict[str, Any] = core.step_log(last)["engine"]
+    runnable, skipped = loads(grid, engine)
     found = []
     for load in runnable:
-        engine.run(load)
+        driver.run(load)
         steps: list[dict[str, Any]] = core.step_log(last)["steps"]
         last = steps[-1]["seq"] if steps else last
         for point in points(load.label, step_times(steps)):
             progress(point)
             found.append(point)
-    return Calibrated.fit(found, {**meta, "skipped": skipped})
+    return Calibrated.fit(found, meta(core.model_name, engine, skipped=skipped))
 
 
-def _meta(core: EngineCore) -> dict[str, Any]:
-    from sendpath.runner.model_runner import ModelRunner
-
-    assert core.loaded is not None and isinstance(core.runner, ModelRunner)
-    runs_on, sched, kv = core.runner.describe(), core.scheduler.config, core.scheduler.kv
+def meta(
+    model: str, engine: dict[str, Any], served_at: str | None = None, **more: Any
+) -> dict[str, Any]:
+    """What a profile measured: ``model`` on the engine ``GET /v1/steps`` describes (its
+    device and dtype lifted out; ``served_at``: a server's URL), on this many cores, when."""
+    settings = dict(engine)
+    device = str(settings.pop("device", "unknown device"))
     return {
-        "model": core.model_name, "model_path": str(core.loaded.path),
-        "dtype": runs_on["dtype"], "device": runs_on["device"], "torch": runs_on["torch"],
-        "torch_threads": runs_on["torch_threads"], "cpu_count": os.cpu_count(),
+        "model": model,
+        "device": f"served: {device}" if served_at else device,
+        "dtype": settings.pop("dtype", None),
+        "cpu_count": os.cpu_count(),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "engine": {
-            "max_model_len": core.max_model_len, "max_num_seqs": sched.max_num_seqs,
-            "max_num_batched_tokens": sched.max_num_batched_tokens,
-            "block_size": kv.block_size, "num_blocks": kv.capacity_tokens // kv.block_size,
-            "prefix_caching": kv.enable_prefix_caching,
-        },
-    }  # fmt: skip
+        "engine": settings,
+        **({"served_at": served_at} if served_at else {}),
+        **more,
+    }

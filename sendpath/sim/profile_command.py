@@ -28,19 +28,31 @@ DESCRIPTION = (
 
 
 def add_profile_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, metavar="FILE",
-                   help=f"where the fitted model goes (default: ./{DEFAULT_OUT})")  # fmt: skip
-    p.add_argument("--quick", action="store_true",
-                   help="a tiny grid (seconds): checks the pipeline, too few points for a "
-                   "good fit")  # fmt: skip
-    p.add_argument("--url", default=None,
-                   help="profile a running server instead (sendpath serve --replicas 1, or one "
-                   "replica) from its own step log, as served (engine flags are then the "
-                   "server's own)")  # fmt: skip
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        metavar="FILE",
+        help=f"where the fitted model goes (default: ./{DEFAULT_OUT})",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a tiny grid (seconds): checks the pipeline, too few points for a good fit",
+    )
+    p.add_argument(
+        "--url",
+        default=None,
+        help="profile a running server instead (sendpath serve --replicas 1, or one replica) "
+        "from its own step log, as served (engine flags are then the server's own)",
+    )
     p.add_argument("--api-key", default=None, help="with --url: the gateway's API key")
-    p.add_argument("--replica-api-key", default=os.environ.get("SENDPATH_REPLICA_API_KEY"),
-                   help="with --url: the key the replica wants for its step log, as given to "
-                   "`sendpath serve` (default: $SENDPATH_REPLICA_API_KEY)")  # fmt: skip
+    p.add_argument(
+        "--replica-api-key",
+        default=os.environ.get("SENDPATH_REPLICA_API_KEY"),
+        help="with --url: the key the replica wants for its step log, as given to "
+        "`sendpath serve` (default: $SENDPATH_REPLICA_API_KEY)",
+    )
     add_engine_args(p)
 
 
@@ -61,8 +73,8 @@ def run_profile(args: argparse.Namespace) -> int:
     print_fit(cal)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     cal.save(args.out)
-    print(f"wrote {args.out} ({cal.model_name}, {cal.meta.get('dtype')}, {cal.device}). "
-          f"Use it: sendpath sim --cost-model {args.out} ...")  # fmt: skip
+    about = f"{cal.model_name}, {cal.meta.get('dtype')}, {cal.device}"
+    print(f"wrote {args.out} ({about}). Use it: sendpath sim --cost-model {args.out} ...")
     return 0
 
 
@@ -72,21 +84,30 @@ def _progress(p: ProfilePoint) -> None:
 
 def print_fit(cal: Calibrated) -> None:
     """The measured vs fitted table, the coefficients and the fit's errors."""
-    print(f"\nstep time, measured vs fitted: {cal.model_name} ({cal.meta.get('dtype')}, "
-          f"{cal.device})")  # fmt: skip
-    print(f"{'point':<34}{'tokens':>7}{'seqs':>6}{'context':>9}{'kv':>7}"
-          f"{'measured ms':>13}{'fitted ms':>11}{'error':>8}")  # fmt: skip
+    print(
+        f"\nstep time, measured vs fitted: {cal.model_name} ({cal.meta.get('dtype')}, {cal.device})"
+    )
+    columns = "{:<34}{:>7}{:>6}{:>9}{:>7}{:>13}{:>11}{:>8}"
+    print(
+        columns.format(
+            "point", "tokens", "seqs", "context", "kv", "measured ms", "fitted ms", "error"
+        )
+    )
     for p, held_out in zip(cal.points, cal.held_out, strict=True):
         fitted, s = cal.step_seconds(p.shape), p.shape
-        label = p.label + (" (held out)" if held_out else "")
-        print(f"{label:<34}{s.num_tokens:>7}{s.num_seqs:>6}{s.context_tokens:>9}"
-              f"{s.kv_tokens:>7}{p.seconds * 1e3:>13.1f}{fitted * 1e3:>11.1f}"
-              f"{(fitted - p.seconds) / p.seconds:>+8.1%}")  # fmt: skip
-    c, off = cal.coefficients, cal.unfitted
-    if off:  # its price is in another term's: say so, not "0"
-        print(f"not fitted (the grid cannot tell them apart from other terms): "
-              f"{', '.join(sorted(off))}")  # fmt: skip
-    terms = ", ".join(f"{t} {'n/a' if t in off else format(c[t] * 1e3, '.3g')}" for t in cal.terms)
+        print(
+            columns.format(
+                p.label + (" (held out)" if held_out else ""),
+                s.num_tokens,
+                s.num_seqs,
+                s.context_tokens,
+                s.kv_tokens,
+                f"{p.seconds * 1e3:.1f}",
+                f"{fitted * 1e3:.1f}",
+                f"{(fitted - p.seconds) / p.seconds:+.1%}",
+            )
+        )
+    terms = ", ".join(f"{t} {cal.coefficients[t] * 1e3:.3g}" for t in cal.terms)
     print(f"fitted, in ms (the terms: sendpath/sim/calibrated.py): {terms}")
     for name, err in (("fit points", cal.error()), ("held-out mixed steps", cal.error(True))):
         if err is not None:

@@ -18,11 +18,9 @@ replica alone has no filter, and the file says ``None``).
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import statistics
 from collections.abc import Callable
-from datetime import UTC, datetime
 from functools import partial
 from typing import Any
 
@@ -31,16 +29,7 @@ import httpx
 from sendpath.bench.client import stream_request
 from sendpath.bench.workload import random_text
 from sendpath.sim.calibrated import Calibrated, ProfilePoint
-from sendpath.sim.profile import (
-    DEFAULT_GRID,
-    PREAMBLE,
-    WARM_UP,
-    Grid,
-    Load,
-    loads,
-    points,
-    step_times,
-)
+from sendpath.sim.profile import DEFAULT_GRID, WARM_UP, Grid, Load, loads, meta, points, step_times
 
 __all__ = ["LoadDriver", "ServedProfileError", "profile_served"]
 
@@ -86,17 +75,19 @@ async def _profile(
         for _ in range(grid.chats):  # one at a time, steady: how often the filter holds
             await driver.one(model, driver.rng.randint(40, 120), max(2, grid.answer), chat=True)
     holds = driver.holds
-    meta = {
-        "model": model, "served_at": url, "device": f"served: {engine.pop('device', '?')}",
-        "dtype": engine.pop("dtype", None), "cpu_count": os.cpu_count(),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"), "engine": engine,
-        "skipped": skipped,
-        "request_overhead_s": statistics.median(overheads) if overheads else None,
-        "first_token_hold": [holds.count(h) / len(holds) for h in range(max(holds) + 1)]
-        if holds else None,
-        "first_token_hold_answers": len(holds),
-    }  # fmt: skip
-    return Calibrated.fit(found, meta)
+    hold = [holds.count(h) / len(holds) for h in range(max(holds) + 1)] if holds else None
+    return Calibrated.fit(
+        found,
+        meta(
+            model,
+            engine,
+            url,
+            skipped=skipped,
+            request_overhead_s=statistics.median(overheads) if overheads else None,
+            first_token_hold=hold,
+            first_token_hold_answers=len(holds),
+        ),
+    )
 
 
 class LoadDriver:
@@ -110,7 +101,6 @@ class LoadDriver:
         self.replica_headers = {"Authorization": f"Bearer {replica_key}"} if replica_key else {}
         self.client = httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=600)
         self.rng = random.Random(0)
-        self.preamble = random_text(random.Random(1), PREAMBLE)
         self.holds: list[int] = []  # per answer: tokens the output filter held its first for
         self.replica = str(self.client.base_url).rstrip("/")  # whose steps to read (``connect``)
 
@@ -136,30 +126,42 @@ class LoadDriver:
 
     async def steps(self, after: int) -> dict[str, Any]:
         """The replica's step log after step ``after`` and its engine (``GET /v1/steps``)."""
-        r = await self.client.get(f"{self.replica}/v1/steps", params={"after": after},
-                                  headers=self.replica_headers or None)  # fmt: skip
+        r = await self.client.get(
+            f"{self.replica}/v1/steps",
+            params={"after": after},
+            headers=self.replica_headers or None,
+        )
         if r.status_code == 401:
-            raise ServedProfileError(f"{self.replica} wants its replica key for GET /v1/steps: "
-                                     "give --replica-api-key (or $SENDPATH_REPLICA_API_KEY), "
-                                     "as `sendpath serve` was given it")  # fmt: skip
+            raise ServedProfileError(
+                f"{self.replica} wants its replica key for GET /v1/steps: give "
+                "--replica-api-key (or $SENDPATH_REPLICA_API_KEY), as `sendpath serve` was given it"
+            )
         if r.status_code != 200:
-            raise ServedProfileError(f"{self.replica} has no step log (GET /v1/steps: "
-                                     f"{r.status_code})")  # fmt: skip
+            raise ServedProfileError(
+                f"{self.replica} has no step log (GET /v1/steps: {r.status_code})"
+            )
         found: dict[str, Any] = r.json()
         return found
 
-    async def one(self, model: str, tokens: int, answer: int, first: asyncio.Event | None = None,
-                  cached_prefix: bool = False, chat: bool = False) -> float:  # fmt: skip
+    async def one(
+        self,
+        model: str,
+        tokens: int,
+        answer: int,
+        first: asyncio.Event | None = None,
+        chat: bool = False,
+    ) -> float:
         """One streamed request of about ``tokens`` words (the step log has the exact
-        count), after the cached preamble with ``cached_prefix``; a user message with
-        ``chat``, whose first token's hold by the output filter goes in ``holds``. Sets
-        ``first`` at its first token; returns the seconds to it, as the client saw them."""
-        prompt = random_text(self.rng, max(1, tokens - 1 - PREAMBLE * cached_prefix))
-        prompt = f"{self.preamble} {prompt}" if cached_prefix else prompt
-        body: dict[str, Any] = {"model": model, "max_tokens": answer, "ignore_eos": True,
-                                "temperature": 0}  # fmt: skip
-        body.update({"messages": [{"role": "user", "content": prompt}]} if chat else
-                    {"prompt": prompt})  # fmt: skip
+        count); a user message with ``chat``, whose first token's hold by the output
+        filter goes in ``holds``. Sets ``first`` at its first token; returns the seconds
+        to it, as the client saw them."""
+        prompt = random_text(self.rng, max(1, tokens - 1))
+        body: dict[str, Any] = {"model": model, "max_tokens": answer, "ignore_eos": True}
+        body["temperature"] = 0
+        if chat:
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
         path = "/v1/chat/completions" if chat else "/v1/completions"
         first = first or asyncio.Event()
         try:
@@ -178,7 +180,7 @@ class LoadDriver:
         decodes, the others at once, or (riders) each late prompt alone beside them."""
         started = [asyncio.Event() for _ in range(load.count if load.late else 1)]
         one = partial(self.one, model, load.tokens, load.answer)
-        first = [asyncio.create_task(one(event, load.cached_prefix)) for event in started]
+        first = [asyncio.create_task(one(event)) for event in started]
         try:
             await asyncio.gather(*(event.wait() for event in started))
             for tokens in load.late:

@@ -42,6 +42,7 @@ from sendpath.bench.client import RequestResult
 from sendpath.bench.report import summarize
 from sendpath.clock import SettableClock, VirtualClock
 from sendpath.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from sendpath.engine.steps import StepShape
 from sendpath.errors import QueueFullError
 from sendpath.gateway.ratelimit import Limits, MemoryLimiter
 from sendpath.kvcache.manager import KVCacheManager
@@ -49,10 +50,9 @@ from sendpath.request import Request, RequestStatus, SamplingParams
 from sendpath.router.policy import RouteRequest, RoutingPolicy, make_policy
 from sendpath.router.pool import ReplicaPool
 from sendpath.router.prefix_aware import PrefixAware
-from sendpath.runner.cpu_step import CpuStepShape
 from sendpath.sim.config import ITL_SAMPLE, MODES, SimConfig, SimResult
 from sendpath.sim.cost_model import CostModel
-from sendpath.sim.decode_lane import DecodeLane
+from sendpath.sim.decode_lane import DecodeLane, beside
 from sendpath.sim.results import client_view, token_times
 from sendpath.sim.traffic import SimRequest, Traffic
 from sendpath.trace import EventType
@@ -255,10 +255,11 @@ class Simulator:
         if plan.is_empty:
             rep.busy = False
             return
-        self._price(rep, index, t, plan, CpuStepShape.of(plan, self.config.block_size))
+        self._price(rep, index, t, plan, StepShape.of(plan))
 
-    def _price(self, rep: _Replica, index: int, t: float, plan: SchedulerOutput,
-               shape: CpuStepShape) -> None:  # fmt: skip
+    def _price(
+        self, rep: _Replica, index: int, t: float, plan: SchedulerOutput, shape: StepShape
+    ) -> None:
         seconds = self.cost.step_seconds(shape)
         rep.busy_s += seconds
         self.num_steps += 1
@@ -317,12 +318,11 @@ class Simulator:
             return True
         if not lane.can_schedule_beside(sched):
             return False
-        decodes = (lane.batch, lane.context(), lane.longest())
         lane.allocate(1)
         plan = sched.schedule(num_parked_decodes=lane.batch)
         assert not plan.preempted
         lane.order(sched.running)
-        self._price(rep, index, t, plan, CpuStepShape.of(plan, self.config.block_size, decodes))
+        self._price(rep, index, t, plan, beside(StepShape.of(plan), lane.batch, lane.context()))
         return True
 
     def _unpark(self, rep: _Replica, lane: DecodeLane) -> None:

@@ -16,14 +16,14 @@ def test_step_shape_counts_tokens_context_kv_and_prompt_chunks() -> None:
             ScheduledRequest("e", [1], 0, [4], True),  # a one-token prompt: a chunk, no decode
         ]
     )
-    assert StepShape.of(plan) == StepShape(num_tokens=10, num_seqs=5, context_tokens=162,
-                                           kv_tokens=137, prompt_tokens=8, prefills=3,
-                                           resumed=1)  # fmt: skip
+    assert StepShape.of(plan) == StepShape(
+        num_tokens=10, num_seqs=5, context_tokens=162, kv_tokens=137, prompt_tokens=8, prefills=3
+    )
     assert StepShape.of(SchedulerOutput()) == StepShape(0, 0, 0, 0)
 
 
 def test_step_log_keeps_the_last_steps_numbered_from_one() -> None:
-    log: StepLog[StepShape] = StepLog(capacity=2)
+    log = StepLog(capacity=2)
     assert log.last is None
     for i in range(3):
         log.record(float(i), 0.5, True, StepShape(i + 1, 1, 1, 1))

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from sendpath.engine.scheduler import RunnerOutput, Scheduler
-from sendpath.runner.cpu_step import CpuStepShape
-from sendpath.sim.decode_lane import DecodeLane, decode_seconds
+from sendpath.engine.steps import StepShape
+from sendpath.sim.decode_lane import DecodeLane, beside, decode_seconds
 from tests.factories import make_request, make_scheduler
 
 
@@ -23,7 +23,7 @@ def test_parked_decodes_get_blocks_when_they_cross_and_finish_at_their_step() ->
     lane.order(s.running)
     lane.park(s)
     assert not s.running and lane.batch == 2
-    assert (lane.context(), lane.longest(), lane.next_finish()) == (9, 6, 2)
+    assert (lane.context(), lane.next_finish()) == (9, 2)
     # b crosses into a new block in step 2, a in step 3, and both every 4 steps after
     assert [lane.crossers(n) for n in (1, 2, 3, 5)] == [0, 1, 2, 2]
     lane.allocate(2)
@@ -33,7 +33,7 @@ def test_parked_decodes_get_blocks_when_they_cross_and_finish_at_their_step() ->
     [(b, times)] = lane.finishing(bases, s, continued=lambda _: False)
     assert b.request_id == "b" and times == [1.0, 2.0] and s.running == [b]
     assert b.output_token_ids == [7, 2004, 2005] and b.num_computed_tokens == 5
-    assert (lane.batch, lane.context(), lane.longest()) == (1, 8, 8)
+    assert (lane.batch, lane.context()) == (1, 8)
     s.running.remove(b)
     # the rest back in the scheduler: a, written up to the 2 steps it ran parked
     assert lane.unpark(bases, s) == {"a": [1.0, 2.0]} and lane.batch == 0
@@ -42,19 +42,24 @@ def test_parked_decodes_get_blocks_when_they_cross_and_finish_at_their_step() ->
 
 
 class Recorded:
-    """A cost model that prices a step at its gathered KV, and keeps every shape."""
+    """A cost model that prices a step at its attended context, and keeps every shape."""
 
     def __init__(self) -> None:
-        self.shapes: list[CpuStepShape] = []
+        self.shapes: list[StepShape] = []
 
-    def step_seconds(self, shape: CpuStepShape) -> float:
+    def step_seconds(self, shape: StepShape) -> float:
         self.shapes.append(shape)
-        return float(shape.kv_gathered)
+        return float(shape.context_tokens)
 
 
-def test_decode_seconds_prices_each_step_of_the_batch_as_the_cpu_runner_gathers_it() -> None:
+def test_decode_seconds_prices_each_step_of_the_batch() -> None:
     cost = Recorded()
-    # 2 decodes with 9 tokens computed in all, the longest 6: contexts 7 then 8 (2 blocks)
-    assert decode_seconds(cost, 2, 9, 6, 3, 4) == [16.0, 16.0, 24.0]
-    assert cost.shapes[0] == CpuStepShape(2, 2, 11, 11, kv_gathered=16)
-    assert cost.shapes[2] == CpuStepShape(2, 2, 15, 15, kv_gathered=24)
+    # 2 decodes with 9 tokens computed in all: each step computes 2 and attends to 2 more
+    assert decode_seconds(cost, 2, 9, 3) == [11.0, 13.0, 15.0]
+    assert cost.shapes[0] == StepShape(2, 2, 11, 11)
+    assert cost.shapes[2] == StepShape(2, 2, 15, 15)
+
+
+def test_parked_decodes_beside_a_step_add_a_token_each_and_their_context() -> None:
+    chunk = StepShape(16, 1, 16 * 32 + 136, 48, 16, 1)  # a chunk of 16 resuming at 32
+    assert beside(chunk, 3, 100) == StepShape(19, 4, 16 * 32 + 136 + 103, 48 + 103, 16, 1)

@@ -10,25 +10,26 @@ import pytest
 
 from sendpath.cli import main
 from sendpath.config import CacheConfig, EngineConfig
-from sendpath.runner.cpu_step import CpuStepShape
-from sendpath.sim.calibrated import (
-    Calibrated,
-    CostModelFileError,
-    PointKind,
-    ProfilePoint,
-    _unfitted,
-)
+from sendpath.engine.steps import StepShape
+from sendpath.sim.calibrated import Calibrated, CostModelFileError, PointKind, ProfilePoint
 from sendpath.sim.config import SimConfig
 from sendpath.sim.profile import QUICK_GRID, profile
 from sendpath.sim.profile_command import print_fit
 
-# what the CPU runner does: a step with prompt chunks takes their path once, then a little
-# per chunk; a chunk resuming past 0 takes the masked path; decodes beside a prefill ride
-# in its matmuls, after one attention call for all of them; decode-only steps bend by
-# batch size (4 sequences cost nearly what 8 do)
-KNOWN = {"step": 0.045, "prompt": 0.0014, "prefill": 0.005, "prefilling": 0.03,
-         "resume": 0.02, "context": 6e-7, "kv": 9e-6, "ride": 0.004, "riding": 0.025,
-         "seqs@2": 0.022, "seqs@4": 0.06, "seqs@8": 0.068}  # fmt: skip
+# what the CPU runner does: a step, then per prompt token, per chunk, per position
+# attended and per KV position read; decodes beside a prompt chunk ride in its matmuls;
+# decode-only steps bend by batch size (4 sequences cost nearly what 8 do)
+KNOWN = {
+    "step": 0.045,
+    "prompt": 0.0014,
+    "prefill": 0.005,
+    "context": 6e-7,
+    "kv": 9e-6,
+    "ride": 0.004,
+    "seqs@2": 0.022,
+    "seqs@4": 0.06,
+    "seqs@8": 0.068,
+}
 KNOTS = (1, 2, 4, 8)
 META = {
     "model": "Tiny-Test",
@@ -37,37 +38,43 @@ META = {
 }
 
 
-def prefill(n: int, start: int) -> CpuStepShape:
-    return CpuStepShape(n, 1, n * start + n * (n + 1) // 2, start + n, n, 1, int(start > 0),
-                     start + n)  # fmt: skip
+def prefill(n: int, start: int) -> StepShape:
+    return StepShape(n, 1, n * start + n * (n + 1) // 2, start + n, n, 1)
 
 
-def decode(b: int, ctx: int) -> CpuStepShape:
-    return CpuStepShape(b, b, b * ctx, b * ctx, kv_gathered=b * -(-ctx // 16) * 16)
+def decode(b: int, ctx: int) -> StepShape:
+    return StepShape(b, b, b * ctx, b * ctx)
 
 
-def mixed(b: int, ctx: int, n: int, start: int, chunks: int = 1) -> CpuStepShape:
+def mixed(b: int, ctx: int, n: int, start: int, chunks: int = 1) -> StepShape:
     """``b`` decodes at ``ctx`` beside ``chunks`` chunks of ``n`` tokens from ``start``."""
     p, d = prefill(n, start), decode(b, ctx)
-    return CpuStepShape(n * chunks + b, b + chunks, p.context_tokens * chunks + d.context_tokens,
-                     p.kv_tokens * chunks + d.kv_tokens, n * chunks, chunks,
-                     p.resumed * chunks, p.kv_gathered * chunks + d.kv_gathered)  # fmt: skip
+    return StepShape(
+        n * chunks + b,
+        b + chunks,
+        p.context_tokens * chunks + d.context_tokens,
+        p.kv_tokens * chunks + d.kv_tokens,
+        n * chunks,
+        chunks,
+    )
 
 
 def points_of(coefficients: dict[str, float], knots: tuple[int, ...] = KNOTS) -> list[ProfilePoint]:
     """Points of every kind whose times are exactly what ``coefficients`` predict."""
     shapes = [(PointKind.PREFILL, prefill(n, s)) for n in (16, 64, 256, 512) for s in (0, 32, 512)]
     shapes += [(PointKind.DECODE, decode(b, c)) for b in (1, 2, 3, 4, 6, 8) for c in (64, 512)]
-    shapes += [(PointKind.MIXED, mixed(b, 300, n, s)) for b in (2, 8) for n in (64, 256)
-               for s in (0, 32)]  # fmt: skip
+    shapes += [
+        (PointKind.MIXED, mixed(b, 300, n, s)) for b in (2, 8) for n in (64, 256) for s in (0, 32)
+    ]
     # several prompts' chunks in one step, 3 decodes riding (a served profile's steps)
     shapes += [(PointKind.MIXED, mixed(3, 100, 48, 0, chunks)) for chunks in (2, 4)]
     truth = Calibrated(coefficients, seq_knots=knots)
-    return [ProfilePoint(k, f"p{i}", s, truth.step_seconds(s)) for i, (k, s) in
-            enumerate(shapes)]  # fmt: skip
+    return [ProfilePoint(k, f"p{i}", s, truth.step_seconds(s)) for i, (k, s) in enumerate(shapes)]
 
 
-def test_the_fit_prices_prompt_chunks_resumed_chunks_and_riding_decodes_apart() -> None:
+def test_the_fit_prices_prompt_chunks_their_context_and_riding_decodes_apart(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     points = points_of(KNOWN)
     fitted = Calibrated.fit(points, META)
     assert fitted.seq_knots == KNOTS
@@ -77,46 +84,28 @@ def test_the_fit_prices_prompt_chunks_resumed_chunks_and_riding_decodes_apart() 
     fit, held = fitted.error(), fitted.error(held_out=True)
     assert fit is not None and fit.count == len(points) - 5 and fit.max < 1e-9
     assert held is not None and held.count == 5 and held.max < 1e-9
-    # a resumed 100-token chunk costs ``resume`` more than one from position 0
+    # a 100-token chunk resumed at 16 costs its extra context and the KV it reads
     extra = fitted.step_seconds(prefill(100, 16)) - fitted.step_seconds(prefill(100, 0))
-    assert extra == pytest.approx(0.02 + 6e-7 * 100 * 16 + 9e-6 * 16)
+    assert extra == pytest.approx(6e-7 * 100 * 16 + 9e-6 * 16)
+    print_fit(fitted)
+    shown = capsys.readouterr().out
+    assert "fitted, in ms (the terms: sendpath/sim/calibrated.py): step 45, prompt 1.4," in shown
+    assert "seqs@2 22, seqs@4 60, seqs@8 68" in shown
+    assert "p33 (held out)" in shown and "relative error on 5 held-out mixed steps" in shown
 
 
 def test_the_per_sequence_cost_bends_at_each_measured_power_of_two() -> None:
     truth = Calibrated(KNOWN, seq_knots=KNOTS)
-    base = truth.step_seconds(CpuStepShape(0, 0, 0, 0))  # the step alone
+    base = truth.step_seconds(StepShape(0, 0, 0, 0))  # the step alone
     assert base == pytest.approx(0.045)
     # 1 sequence: 0; 3: halfway between the knots at 2 and 4; 12: the last slope carried on
-    seqs = {b: truth.step_seconds(CpuStepShape(b, b, 0, 0)) - base for b in (1, 3, 12)}
+    seqs = {b: truth.step_seconds(StepShape(b, b, 0, 0)) - base for b in (1, 3, 12)}
     assert seqs == pytest.approx({1: 0.0, 3: (0.022 + 0.06) / 2, 12: 0.068 + (0.068 - 0.06)})
     # measured batch sizes 1-6: knots at 1, 2 and 4 (3 and 6 are not powers of two)
-    fitted = Calibrated.fit([p for p in points_of(KNOWN) if p.shape.num_seqs <= 6
-                             or p.shape.prefills])  # fmt: skip
+    fitted = Calibrated.fit(
+        [p for p in points_of(KNOWN) if p.shape.num_seqs <= 6 or p.shape.prefills]
+    )
     assert fitted.seq_knots == (1, 2, 4) and "seqs@8" not in fitted.coefficients
-
-
-def test_terms_the_points_cannot_tell_apart_are_left_at_0_and_said_so(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    points = points_of(KNOWN)
-    # with a single chunk in every step, a step's prefill cost is a chunk's: one term
-    singles = Calibrated.fit([p for p in points if p.shape.prefills < 2])
-    assert singles.coefficients["prefilling"] == 0
-    assert singles.coefficients["prefill"] == pytest.approx(0.035, rel=1e-6)
-    assert singles.unfitted == {"prefilling"}
-    print_fit(singles)  # says so, where it would print "prefilling 0"
-    shown = capsys.readouterr().out
-    assert "not fitted (the grid cannot tell them apart from other terms): prefilling" in shown
-    assert "prefill 35, prefilling n/a, resume 20," in shown
-    assert "seqs@2 22, seqs@4 60, seqs@8 68" in shown
-    # ``riding`` is told apart only by prompt steps with no decodes and with two numbers
-    # of them; else it is ``prefilling``'s column (or ``ride``'s), and left at 0
-    for keep in (lambda d: d > 0, lambda d: d == 0, lambda d: d in (0, 3)):
-        some = [p for p in points if keep(p.shape.num_seqs - p.shape.prefills)
-                or not p.shape.prefills]  # fmt: skip
-        assert "riding" in _unfitted(some)
-        assert Calibrated.fit(some).coefficients["riding"] == 0
-    assert _unfitted(points) == set() and Calibrated.fit(points).unfitted == set()
 
 
 def test_coefficients_are_never_negative() -> None:
@@ -142,7 +131,7 @@ def test_save_and_load_round_trip(tmp_path: Path) -> None:
     config = loaded.sim_config(SimConfig())
     assert (config.num_blocks, config.block_size, config.scheduler.max_num_seqs) == (300, 16, 64)
     data = json.loads(path.read_text())
-    assert data["version"] == 6
+    assert data["version"] == 7
     assert data["fit"]["fit_points"]["count"] == 29 and data["fit"]["held_out"]["count"] == 5
 
 
@@ -153,10 +142,10 @@ def test_save_and_load_round_trip(tmp_path: Path) -> None:
         ("{not json", "not JSON"),
         ('{"coefficients_s": {}}', "not a sendpath-profile file"),
         # an older form of the file: re-profile
-        ('{"format": "sendpath-profile", "version": 5, "split": true}',
-         "version 5, and this sendpath reads only 6"),
-        ('{"format": "sendpath-profile", "version": 6}', "malformed"),
-        ('{"format": "sendpath-profile", "version": 6, "meta": {}, "points": [], '
+        ('{"format": "sendpath-profile", "version": 6, "split": true}',
+         "version 6, and this sendpath reads only 7"),
+        ('{"format": "sendpath-profile", "version": 7}', "malformed"),
+        ('{"format": "sendpath-profile", "version": 7, "meta": {}, "points": [], '
          '"seq_knots": [1], "coefficients_s": {"step": -1}}', "malformed"),
     ],
 )  # fmt: skip
@@ -184,10 +173,7 @@ def test_quick_profile_fits_the_real_engines_step_log(tiny_llama_dir: Path) -> N
     found = {p.label: p.shape for p in cal.points}
     assert set(found) == {
         "prompt 8: prefill 8 tok / 1 seq (1 steps)",
-        # 32 tokens from the cache and one to run: the runner takes it for a decode
-        "prompt 8 after a cached prefix: decode 1 tok / 1 seq (1 steps)",
         "prompt 48: prefill 48 tok / 1 seq (1 steps)",
-        "prompt 48 after a cached prefix: prefill 16 tok / 1 seq (1 steps)",
         "1 x 16: prefill 16 tok / 1 seq (1 steps)",
         "1 x 16: decode 1 tok / 1 seq (31 steps)",
         # the leader's prefill samples its first token; the other 3 prompts run beside
@@ -203,10 +189,11 @@ def test_quick_profile_fits_the_real_engines_step_log(tiny_llama_dir: Path) -> N
         "4 riding: mixed 20 tok / 5 seq (1 steps)",
         "4 riding: decode 5 tok / 5 seq (1 steps)",
     }
-    resumed = found["prompt 48 after a cached prefix: prefill 16 tok / 1 seq (1 steps)"]
-    assert resumed == CpuStepShape(16, 1, 16 * 32 + 136, 48, 16, 1, 1, 48)
+    assert found["prompt 48: prefill 48 tok / 1 seq (1 steps)"] == StepShape(
+        48, 1, 48 * 49 // 2, 48, 48, 1
+    )
     riding = found["4 riding: mixed 20 tok / 5 seq (1 steps)"]
-    assert (riding.prompt_tokens, riding.prefills, riding.resumed) == (16, 1, 0)
+    assert (riding.prompt_tokens, riding.prefills) == (16, 1)
     assert found["4 riding: prefill 64 tok / 4 seq (1 steps)"].prefills == 4
     assert {p.kind for p in cal.points} == set(PointKind)
     assert all(p.seconds > 0 and cal.step_seconds(p.shape) > 0 for p in cal.points)
