@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from sendpath.clock import VirtualClock
-from sendpath.gateway.app import freeze_startup_heap
+from sendpath.gateway.app import YOUNG_THRESHOLD, settle_heap
 from sendpath.gateway.keys import KeyStore
 from sendpath.gateway.ratelimit import MemoryLimiter
 from tests.conftest import wait_for
@@ -162,16 +162,18 @@ class _Node:
         self.me = self  # a cycle: only the collector frees it
 
 
-def test_freeze_startup_heap_collects_then_freezes_what_is_alive() -> None:
+def test_settle_heap_collects_freezes_what_is_alive_and_raises_the_young_threshold() -> None:
     gc.disable()  # no automatic pass in between: only the function's own collection
-    before = gc.get_freeze_count()
+    before, threshold = gc.get_freeze_count(), gc.get_threshold()
     try:
         held = [[i] for i in range(1000)]  # alive: frozen
         garbage = weakref.ref(_Node())  # starting's leftover cycle: collected, not frozen
         assert garbage() is not None
-        freeze_startup_heap()
+        settle_heap()
         assert garbage() is None
         assert gc.get_freeze_count() >= before + len(held)
-    finally:
-        gc.unfreeze()  # the rest of the test session collects as before
+        assert gc.get_threshold() == (YOUNG_THRESHOLD, *threshold[1:])
+    finally:  # the rest of the test session collects as before
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
         gc.enable()
