@@ -4,13 +4,16 @@ batch at a time.
 Every admitted request of a key with a daily quota reserves what it may use
 (``KeyStore.reserve_daily``), and every finished request adds its tokens to its key's
 daily usage and drops its reservation (``KeyStore.record_usage``). One SQLite transaction
-and one worker-thread hop per request for each was a fifth of the gateway's CPU per
-request (settles) and a third of a quota key's (reservations), so:
+and one worker-thread hop per request cost too much: settled so, a fifth of the gateway's
+CPU per request; reserved so (settles batched), the worker threads took a sixth of a quota
+key's CPU at 16 requests in flight (``benchmarks/gateway_overhead.py``). So:
 
 - ``reserve``: a group commit. A request waits for its own answer, but the reservations
   asked while one write is under way go together in the next (one transaction, each
   answered in order as if alone: ``KeyStore.reserve_dailies``), so none waits for a
-  timer and a busy gateway writes once for many;
+  timer and a busy gateway writes once for many. (On the event loop instead, when the
+  file is free, it measured no better: SQLite lets go of the GIL, so a worker thread's
+  write runs beside the loop);
 - ``add``: what finishes within ``every_s`` is written in one transaction. Until then a
   request's reservation still counts against its key's quota (it is at least what the
   request used, so the quota is never overrun meanwhile), and ``flush()`` at shutdown
