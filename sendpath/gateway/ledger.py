@@ -81,9 +81,12 @@ class UsageLedger:
                         future.set_result(answer)
                     elif answer[0] is not None:
                         unwanted.append(answer[0])
-                for reservation in unwanted:
-                    await asyncio.to_thread(self.keys.release, reservation)
                 batch = []
+                for reservation in unwanted:
+                    try:
+                        await asyncio.to_thread(self.keys.release, reservation)
+                    except sqlite3.Error:  # it expires (keys.RESERVATION_TTL_S)
+                        logger.exception("could not release reservation %d", reservation)
         finally:
             self._reserver = None
             for *_, future in batch + self._asks:  # cancelled (shutdown): none waits on

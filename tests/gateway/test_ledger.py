@@ -21,6 +21,7 @@ class CountingStore(KeyStore):
         self.writes: list[int] = []
         self.reserved: list[int] = []  # each reservation write's number of asks
         self.released: list[int] = []
+        self.fail_release = False
         self.fail_next = False
 
     def record_usages(self, entries: Any, day: str | None = None) -> None:
@@ -38,6 +39,9 @@ class CountingStore(KeyStore):
         return super().reserve_dailies(asks)
 
     def release(self, reservation: int) -> None:
+        if self.fail_release:
+            self.fail_release = False
+            raise sqlite3.OperationalError("database or disk is full")
         self.released.append(reservation)
         super().release(reservation)
 
@@ -119,3 +123,23 @@ def test_a_reservation_whose_caller_left_is_released_and_a_failed_write_is_raise
 
     asyncio.run(run())
     assert store.reserved == [1, 1]
+
+
+def test_a_release_that_fails_is_logged_and_the_next_reservation_still_made(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = CountingStore(tmp_path)
+    store.create("a", daily_tokens=100)
+
+    async def run() -> None:
+        ledger = UsageLedger(store)
+        caller = asyncio.create_task(ledger.reserve("a", 60, 100))
+        await asyncio.sleep(0)  # it asked
+        caller.cancel()
+        store.fail_release = True  # when its reservation is given back
+        while not caplog.records:
+            await asyncio.sleep(0.01)
+        assert await ledger.reserve("a", 40, 100) == (2, 0)  # the 60 stay until they expire
+
+    asyncio.run(run())
+    assert "could not release reservation 1" in caplog.text
