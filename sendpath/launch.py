@@ -179,7 +179,12 @@ def run_gateway(args: argparse.Namespace) -> int:
     import uvicorn
 
     from sendpath.api import http_server
-    from sendpath.gateway.app import CONFIG_ENV, config_to_env, create_gateway_app
+    from sendpath.gateway.app import (
+        CONFIG_ENV,
+        config_to_env,
+        create_gateway_app,
+        settle_heap,
+    )
     from sendpath.gateway.safety import SafetyRulesError
 
     if args.redis:
@@ -200,6 +205,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     )
     _log_setup()
     if args.workers == 1:
+        settle_heap()
         http_server.run(app, args.host, args.port, config.connection)
         return 0
     os.environ[CONFIG_ENV] = config_to_env(config)
@@ -226,7 +232,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from sendpath.api import http_server
     from sendpath.fleet import LocalFleet, ReplicaStartError
-    from sendpath.gateway.app import create_gateway_app
+    from sendpath.gateway.app import create_gateway_app, settle_heap
     from sendpath.gateway.safety import SafetyRulesError
 
     if args.replicas < 1 and not args.replica:
@@ -276,6 +282,7 @@ def run_serve(args: argparse.Namespace) -> int:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, _ignore)
             fleet.supervise()  # a replica that exits is started again
+            settle_heap()
             http_server.run(app, args.host, args.port, config.connection, listening)
     except KeyboardInterrupt:
         print("sendpath serve: interrupted while starting; replicas stopped", flush=True)

@@ -7,8 +7,7 @@ and the proxy reports the usage it saw, so the rate limiter can settle with real
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping
-from contextlib import contextmanager
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,13 +74,9 @@ class GatewayContext:
     # (stages, timings) as ``finish`` computed them: the answer's, the trace's, the metrics'
     final: tuple[list[tuple[Stage, float, float]], dict[str, float]] | None = None
 
-    @contextmanager
-    def span(self, stage: Stage) -> Iterator[None]:
+    def span(self, stage: Stage) -> Span:
         """Run a gateway stage; it ends (its mark) when the block does."""
-        try:
-            yield
-        finally:
-            self.marks[stage] = self.clock.now()
+        return Span(self, stage)
 
     def used_tokens(self) -> int:
         """Tokens this request consumed: as reported, else estimated from what was relayed."""
@@ -138,6 +133,23 @@ class GatewayContext:
         end = self.end if self.end is not None else self.clock.now()
         out["total"] = ms(end - self.start)
         return out
+
+
+class Span:
+    """A ``with`` block that is one gateway stage: its end, however the block ends, is
+    the stage's mark (a plain class: a generator-made context manager costs 2.5x as much,
+    four times a request)."""
+
+    __slots__ = ("ctx", "stage")
+
+    def __init__(self, ctx: GatewayContext, stage: Stage) -> None:
+        self.ctx, self.stage = ctx, stage
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.ctx.marks[self.stage] = self.ctx.clock.now()
 
 
 def context(scope: MutableMapping[str, Any]) -> GatewayContext:

@@ -12,7 +12,8 @@ so a commit does not wait for the disk (a power cut can lose the last moments of
 usage ledger, never corrupt it).
 
 The daily quota is reserved and settled like the per-minute token limit, atomically in
-SQLite (one ``BEGIN IMMEDIATE`` transaction each): admission reserves what a request may
+SQLite (``BEGIN IMMEDIATE`` transactions, each for one or several requests, answered in
+order as if alone; ``ledger.py`` batches them): admission reserves what a request may
 use; it is admitted only if the day's usage plus every open reservation plus its own stays
 within the quota; settling replaces the reservation with the tokens really used. So
 concurrent requests, in any number of gateway processes on the store, cannot overrun the
@@ -69,6 +70,11 @@ CREATE TRIGGER IF NOT EXISTS keys_deleted AFTER DELETE ON keys
     BEGIN UPDATE keys_version SET version = version + 1; END;
 """
 _KEY_COLUMNS = "name, hint, rpm, tpm, daily_tokens, created_at, revoked_at, max_tokens"
+# a key's tokens of the day so far: used, and reserved by requests still open
+_TAKEN = (
+    "SELECT COALESCE((SELECT tokens FROM usage WHERE name = ? AND day = ?), 0) + "
+    "COALESCE((SELECT SUM(tokens) FROM reservations WHERE name = ? AND day = ?), 0)"
+)
 MAX_CACHED_KEYS = 4096  # keys kept in the process (all dropped when more are found)
 
 
@@ -252,25 +258,32 @@ class KeyStore:
         """Reserve ``tokens`` of the key's daily ``quota``: (reservation id, tokens left
         after it), or (``None``, tokens left now) when they do not fit. Settle the id with
         ``record_usage`` (or drop it with ``release``)."""
+        return self.reserve_dailies([(name, tokens, quota)])[0]
+
+    def reserve_dailies(
+        self, asks: Sequence[tuple[str, int, int]]
+    ) -> Sequence[tuple[int | None, int]]:
+        """``reserve_daily`` for several requests (key name, tokens, quota), in one
+        transaction: each answered as if alone, in order (a later one sees the earlier
+        ones' reservations)."""
         now, day = time.time(), today()
+        answers: list[tuple[int | None, int]] = []
         with self._connect() as db:
             db.execute("BEGIN IMMEDIATE")
             db.execute("DELETE FROM reservations WHERE expires_at < ?", (now,))
-            (taken,) = db.execute(
-                "SELECT COALESCE((SELECT tokens FROM usage WHERE name = ? AND day = ?), 0) + "
-                "COALESCE((SELECT SUM(tokens) FROM reservations WHERE name = ? AND day = ?), 0)",
-                (name, day, name, day),
-            ).fetchone()
-            left = quota - taken
-            if tokens > left:
-                db.execute("COMMIT")
-                return None, max(0, left)
-            cur = db.execute(
-                "INSERT INTO reservations (name, day, tokens, expires_at) VALUES (?, ?, ?, ?)",
-                (name, day, tokens, now + RESERVATION_TTL_S),
-            )
+            for name, tokens, quota in asks:
+                (taken,) = db.execute(_TAKEN, (name, day, name, day)).fetchone()
+                left = quota - taken
+                if tokens > left:
+                    answers.append((None, max(0, left)))
+                    continue
+                cur = db.execute(
+                    "INSERT INTO reservations (name, day, tokens, expires_at) VALUES (?, ?, ?, ?)",
+                    (name, day, tokens, now + RESERVATION_TTL_S),
+                )
+                answers.append((cur.lastrowid, left - tokens))
             db.execute("COMMIT")
-        return cur.lastrowid, left - tokens
+        return answers
 
     def release(self, reservation: int) -> None:
         """Drop a quota reservation that was never used (the request was refused)."""

@@ -10,7 +10,8 @@ For a generation request, admission reserves ``prompt + n * cap`` tokens:
   the gateway's (``--default-max-tokens``), and that cap is sent upstream with the request,
   so nothing generates more than was reserved; under a TPM limit the default cap shrinks
   to what the limit leaves after the prompt, so such a request can still run;
-- taken from the daily quota (``KeyStore.reserve_daily``, atomic in SQLite), then with 1
+- taken from the daily quota (``KeyStore.reserve_daily``, atomic in SQLite, written with
+  the reservations asked meanwhile: ``ledger.UsageLedger.reserve``), then with 1
   request from the per-minute buckets (``ratelimit.py``, atomic in memory or Redis), both
   or neither.
 
@@ -158,9 +159,7 @@ class RateLimitMiddleware:
             return None, _NO_LIMITS
         daily = None
         if key.daily_tokens is not None:
-            daily, left = await asyncio.to_thread(
-                self.keys.reserve_daily, key.name, want, key.daily_tokens
-            )
+            daily, left = await self.ledger.reserve(key.name, want, key.daily_tokens)
             if daily is None:
                 raise QuotaExceededError(
                     f"The key {key.name!r} has {left} of its daily {key.daily_tokens} tokens "

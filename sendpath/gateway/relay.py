@@ -207,9 +207,8 @@ class StreamRelay:
         if sent is None:  # blocked by the output filter
             out.extend(self._finish())
             return True
-        # a chunk that goes on unchanged goes as it came (not re-encoded)
-        as_came = f"data: {payload}\n\n" if timings is None else None
-        out.extend(as_came if c is chunk and as_came else event(c) for c in sent)
+        for c in sent:  # a chunk that goes on unchanged goes as it came (not re-encoded)
+            out.append(f"data: {payload}\n\n" if c is chunk and timings is None else event(c))
         return False
 
     def _note(self, chunk: dict[str, Any]) -> Any:

@@ -4,13 +4,16 @@ safety filter on input and output, admission, prefix-cache isolation and timings
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import re
+import weakref
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from sendpath.clock import VirtualClock
+from sendpath.gateway.app import YOUNG_THRESHOLD, settle_heap
 from sendpath.gateway.keys import KeyStore
 from sendpath.gateway.ratelimit import MemoryLimiter
 from tests.conftest import wait_for
@@ -152,3 +155,25 @@ def test_short_answers_and_aborts_are_refunded(replica: Server, tmp_path: Path) 
         charged = before - level()
         assert 5 < charged < 100  # prompt estimate + chunks relayed, not 1900
         assert gw.keys.usage("refund")["refund"][0] == tpm - level()  # the ledger agrees
+
+
+class _Node:
+    def __init__(self) -> None:
+        self.me = self  # a cycle: only the collector frees it
+
+
+def test_settle_heap_collects_freezes_what_is_alive_and_raises_the_young_threshold() -> None:
+    gc.disable()  # no automatic pass in between: only the function's own collection
+    before, threshold = gc.get_freeze_count(), gc.get_threshold()
+    try:
+        held = [[i] for i in range(1000)]  # alive: frozen
+        garbage = weakref.ref(_Node())  # starting's leftover cycle: collected, not frozen
+        assert garbage() is not None
+        settle_heap()
+        assert garbage() is None
+        assert gc.get_freeze_count() >= before + len(held)
+        assert gc.get_threshold() == (YOUNG_THRESHOLD, *threshold[1:])
+    finally:  # the rest of the test session collects as before
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
+        gc.enable()
