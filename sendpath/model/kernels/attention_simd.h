@@ -26,10 +26,26 @@ struct Shape {
 };
 
 #ifdef __AVX512F__
-// Where the next block's rows are prefetched to: L2, not L1. A 2 KB block is 32 lines; into
+// Where the blocks ahead are prefetched to: L2, not L1. A 2 KB block is 32 lines; into
 // L1 they wait on its few miss buffers, and a 32-decode step's attention took 1.7x as long
 // when its blocks lay scattered in memory, as a busy server's do (the step about 15% longer).
 constexpr _mm_hint kL2 = _MM_HINT_T1;
+
+// Before the row task scores the block at `start` of its context: the rows of the block two
+// ahead into L2 (and, before the first, of the one after it). One block ahead left a
+// 32-decode step's attention waiting on memory; two ahead made the step 3-5% faster (the
+// blocks of 32 sequences interleaved or scattered in a 1 GB cache). `T`: the cache's type.
+template <typename T>
+inline void prefetch_ahead(const T* k_head, const T* v_head, const int64_t* table, int64_t start,
+                           int64_t length, int64_t bs, int64_t dim) {
+  for (int64_t ahead = start == 0 ? 1 : 2; ahead <= 2 && start + ahead * bs < length; ++ahead) {
+    const int64_t next = table[start / bs + ahead] * bs * dim;
+    for (int64_t i = 0; i < bs * dim; i += 64 / static_cast<int64_t>(sizeof(T))) {
+      _mm_prefetch(reinterpret_cast<const char*>(k_head + next + i), kL2);
+      _mm_prefetch(reinterpret_cast<const char*>(v_head + next + i), kL2);
+    }
+  }
+}
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {  // bf16 is a float32's upper half

@@ -19,9 +19,9 @@
 // bfloat16; arithmetic is float32. With AVX-512 and a head dim of 64 or 128 (and at most 8
 // query heads per kv head) each key and value row is loaded once into registers and used
 // by all G heads: 16 keys' dot products are summed at once (attention_simd.h's sum_each)
-// and the softmax's exponentials are a polynomial over 16 lanes; the next block's rows are
-// prefetched into L2 while one is scored. A bfloat16 cache on a CPU with AVX-512 BF16 takes
-// paged_attention_bf16.cpp's task instead; anything else takes the portable loop.
+// and the softmax's exponentials are a polynomial over 16 lanes; the rows of the block two
+// ahead are prefetched into L2 while one is scored. A bfloat16 cache on a CPU with AVX-512
+// BF16 takes paged_attention_bf16.cpp's task instead; anything else takes the portable loop.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -128,13 +128,7 @@ void task_avx512(const scalar_t* q, const scalar_t* k_head, const scalar_t* v_he
   for (int64_t start = 0; start < length; start += bs) {
     const int64_t block = table[start / bs], n = std::min(bs, length - start);
     const scalar_t* block_keys = k_head + block * bs * kDim;
-    if (start + bs < length) {  // the next block's rows, from memory meanwhile
-      const int64_t next = table[start / bs + 1] * bs * kDim;
-      for (int64_t i = 0; i < bs * kDim; i += 64 / static_cast<int64_t>(sizeof(scalar_t))) {
-        _mm_prefetch(reinterpret_cast<const char*>(k_head + next + i), kL2);
-        _mm_prefetch(reinterpret_cast<const char*>(v_head + next + i), kL2);
-      }
-    }
+    prefetch_ahead(k_head, v_head, table, start, length, bs, kDim);
     for (int64_t i = 0; i < n * kDim; i += 16) _mm512_store_ps(keys + i, load16(block_keys + i));
     for (int64_t g = 0; g < group; ++g) {  // 16 keys' dot products, then their 16 sums at once
       for (int64_t t0 = 0; t0 < n; t0 += 16) {

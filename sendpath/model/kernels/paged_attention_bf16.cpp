@@ -42,13 +42,7 @@ void task_avx512_bf16(const at::BFloat16* q, const at::BFloat16* k_head,
     const int64_t block = table[start / bs], n = std::min(bs, length - start);
     const at::BFloat16* keys = k_head + block * bs * kDim;
     const at::BFloat16* values = v_head + block * bs * kDim;
-    if (start + bs < length) {  // the next block's rows, into L2 meanwhile (see kL2)
-      const int64_t next = table[start / bs + 1] * bs * kDim;
-      for (int64_t i = 0; i < bs * kDim; i += 32) {
-        _mm_prefetch(reinterpret_cast<const char*>(k_head + next + i), kL2);
-        _mm_prefetch(reinterpret_cast<const char*>(v_head + next + i), kL2);
-      }
-    }
+    prefetch_ahead(k_head, v_head, table, start, length, bs, kDim);
     for (int64_t t0 = 0; t0 < n; t0 += 16) {  // 16 keys' dots for every head, then their sums
       __m512 dots[kMaxGroup][16];
       for (int64_t i = 0; i < 16; ++i) {
