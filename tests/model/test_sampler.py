@@ -132,3 +132,21 @@ def test_logprobs_are_the_models_own_and_ranked() -> None:
     values = [v for _, v in got.logprobs.top]
     assert values == sorted(values, reverse=True)
     assert sum(math.exp(v) for v in values) <= 1.0
+
+
+def test_draws_follow_each_rows_distribution_and_never_take_a_masked_token() -> None:
+    # two rows drawn in one batch, each with its own distribution and generator; the
+    # tokens at -inf (a vocabulary's tail, a masked id between others) are never drawn
+    probs = [torch.tensor([0.1, 0.2, 0.0, 0.3, 0.4, 0.0]), torch.tensor([0.0, 0.5, 0.5, 0, 0, 0])]
+    logits = torch.stack([p.log() for p in probs])
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0)]
+    gens = [make_generator(1, CPU), make_generator(2, CPU)]
+    counts = torch.zeros(2, 6)
+    for _ in range(4000):
+        for row, token in enumerate(tokens(logits, params, gens)):
+            assert token is not None
+            counts[row, token] += 1
+    assert counts[0, 2] == counts[0, 5] == 0 and counts[1, [0, 3, 4, 5]].sum() == 0
+    shares = counts / 4000
+    for row, expected in enumerate(probs):
+        assert torch.allclose(shares[row], expected, atol=0.025), (row, shares[row])
