@@ -6,7 +6,9 @@ on the engine `sendpath replica` builds from the same flags, in this process;
 `sendpath profile --url` sends the same loads to a running server (``profile_served.py``).
 The loads, as a server meets them:
 
-- single prompts of N tokens (past the chunk budget, a chunk resumes where one ended);
+- single prompts of N tokens, every second one after a cached prefix (``PREAMBLE``
+  tokens a short request cached first): its chunk resumes there, as a chat request's
+  does after its system prompt;
 - B requests of C tokens: one first, the others once it decodes (their prefill chunks
   beside its decodes), each answer long enough that all B then decode together for
   about ``answer`` steps;
@@ -41,6 +43,7 @@ from sendpath.sim.calibrated import Calibrated, PointKind, ProfilePoint
 
 __all__ = [
     "DEFAULT_GRID",
+    "PREAMBLE",
     "QUICK_GRID",
     "RIDER_PROMPT",
     "WARM_UP",
@@ -54,6 +57,7 @@ __all__ = [
     "step_times",
 ]
 
+PREAMBLE = 32  # tokens (words, over HTTP) of the shared prompt start: two KV blocks
 RIDER_PROMPT = 16  # tokens of a riding request's prompt
 
 
@@ -97,17 +101,22 @@ class Load:
     count: int  # requests
     tokens: int  # prompt tokens each
     answer: int  # answer tokens each
+    cached_prefix: bool = False  # the prompt starts with the cached preamble
     late: tuple[int, ...] = ()  # riders: prompts sent one at a time while they decode
 
 
-# first, in process and over HTTP: the first steps of a process are slow
-WARM_UP = Load("warm-up", 1, 8, 2)
+# first, in process and over HTTP: warms the engine up and caches the preamble's blocks
+WARM_UP = Load("warm-up and cache the preamble", 1, 8, 2, cached_prefix=True)
 
 
 def loads(grid: Grid, engine: dict[str, Any]) -> tuple[list[Load], list[str]]:
     """The grid's loads that fit ``engine`` (its ``GET /v1/steps`` settings), and the
     labels of those that do not."""
-    found = [Load(f"prompt {n}", 1, n, 1) for n in grid.prefill for _ in range(grid.repeats)]
+    found = [
+        Load(f"prompt {n}" + (" after a cached prefix" if r % 2 else ""), 1, n, 1, r % 2 == 1)
+        for n in grid.prefill
+        for r in range(grid.repeats)
+    ]
     budget = engine["max_num_batched_tokens"]  # the other B - 1 prompts' steps, then ``answer``
     found += [
         Load(f"{b} x {c}", b, c, grid.answer + -(-(b - 1) * c // budget))
@@ -170,15 +179,17 @@ class _Engine:
     def __init__(self, core: EngineCore) -> None:
         self.core, self.rng = core, random.Random(0)
         self.vocab = core.loaded.config.vocab_size if core.loaded else 32
+        self.preamble = self.tokens(PREAMBLE)
         self.decoding: set[str] = set()  # requests that have a token out
         self.done: set[str] = set()
 
     def tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(self.vocab) for _ in range(n)]
 
-    def send(self, tokens: int, answer: int) -> str:
+    def send(self, tokens: int, answer: int, cached_prefix: bool = False) -> str:
+        prompt = self.preamble + self.tokens(max(1, tokens - PREAMBLE)) if cached_prefix else []
         params = SamplingParams(max_tokens=answer, ignore_eos=True)
-        return self.core.add_request(self.tokens(tokens), params).request_id
+        return self.core.add_request(prompt or self.tokens(tokens), params).request_id
 
     def until(self, ids: list[str], state: set[str]) -> None:
         """Step until every one of ``ids`` is in ``state`` (``decoding`` or ``done``)."""
@@ -191,7 +202,7 @@ class _Engine:
                     self.done.add(out.request_id)
 
     def run(self, load: Load) -> None:
-        first = [self.send(load.tokens, load.answer)]
+        first = [self.send(load.tokens, load.answer, load.cached_prefix)]
         if load.late:  # riders: all of them first, then each late prompt alone beside them
             first += [self.send(load.tokens, load.answer) for _ in range(load.count - 1)]
             self.until(first, self.decoding)

@@ -29,7 +29,17 @@ import httpx
 from sendpath.bench.client import stream_request
 from sendpath.bench.workload import random_text
 from sendpath.sim.calibrated import Calibrated, ProfilePoint
-from sendpath.sim.profile import DEFAULT_GRID, WARM_UP, Grid, Load, loads, meta, points, step_times
+from sendpath.sim.profile import (
+    DEFAULT_GRID,
+    PREAMBLE,
+    WARM_UP,
+    Grid,
+    Load,
+    loads,
+    meta,
+    points,
+    step_times,
+)
 
 __all__ = ["LoadDriver", "ServedProfileError", "profile_served"]
 
@@ -101,6 +111,7 @@ class LoadDriver:
         self.replica_headers = {"Authorization": f"Bearer {replica_key}"} if replica_key else {}
         self.client = httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=600)
         self.rng = random.Random(0)
+        self.preamble = random_text(random.Random(1), PREAMBLE)
         self.holds: list[int] = []  # per answer: tokens the output filter held its first for
         self.replica = str(self.client.base_url).rstrip("/")  # whose steps to read (``connect``)
 
@@ -149,13 +160,15 @@ class LoadDriver:
         tokens: int,
         answer: int,
         first: asyncio.Event | None = None,
+        cached_prefix: bool = False,
         chat: bool = False,
     ) -> float:
         """One streamed request of about ``tokens`` words (the step log has the exact
-        count); a user message with ``chat``, whose first token's hold by the output
-        filter goes in ``holds``. Sets ``first`` at its first token; returns the seconds
-        to it, as the client saw them."""
-        prompt = random_text(self.rng, max(1, tokens - 1))
+        count), after the cached preamble with ``cached_prefix``; a user message with
+        ``chat``, whose first token's hold by the output filter goes in ``holds``. Sets
+        ``first`` at its first token; returns the seconds to it, as the client saw them."""
+        prompt = random_text(self.rng, max(1, tokens - 1 - PREAMBLE * cached_prefix))
+        prompt = f"{self.preamble} {prompt}" if cached_prefix else prompt
         body: dict[str, Any] = {"model": model, "max_tokens": answer, "ignore_eos": True}
         body["temperature"] = 0
         if chat:
@@ -180,7 +193,7 @@ class LoadDriver:
         decodes, the others at once, or (riders) each late prompt alone beside them."""
         started = [asyncio.Event() for _ in range(load.count if load.late else 1)]
         one = partial(self.one, model, load.tokens, load.answer)
-        first = [asyncio.create_task(one(event)) for event in started]
+        first = [asyncio.create_task(one(event, load.cached_prefix)) for event in started]
         try:
             await asyncio.gather(*(event.wait() for event in started))
             for tokens in load.late:

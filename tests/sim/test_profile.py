@@ -173,7 +173,10 @@ def test_quick_profile_fits_the_real_engines_step_log(tiny_llama_dir: Path) -> N
     found = {p.label: p.shape for p in cal.points}
     assert set(found) == {
         "prompt 8: prefill 8 tok / 1 seq (1 steps)",
+        # 32 tokens from the cache and one to run: the runner takes it for a decode
+        "prompt 8 after a cached prefix: decode 1 tok / 1 seq (1 steps)",
         "prompt 48: prefill 48 tok / 1 seq (1 steps)",
+        "prompt 48 after a cached prefix: prefill 16 tok / 1 seq (1 steps)",
         "1 x 16: prefill 16 tok / 1 seq (1 steps)",
         "1 x 16: decode 1 tok / 1 seq (31 steps)",
         # the leader's prefill samples its first token; the other 3 prompts run beside
@@ -189,9 +192,8 @@ def test_quick_profile_fits_the_real_engines_step_log(tiny_llama_dir: Path) -> N
         "4 riding: mixed 20 tok / 5 seq (1 steps)",
         "4 riding: decode 5 tok / 5 seq (1 steps)",
     }
-    assert found["prompt 48: prefill 48 tok / 1 seq (1 steps)"] == StepShape(
-        48, 1, 48 * 49 // 2, 48, 48, 1
-    )
+    resumed = found["prompt 48 after a cached prefix: prefill 16 tok / 1 seq (1 steps)"]
+    assert resumed == StepShape(16, 1, 16 * 32 + 136, 48, 16, 1)
     riding = found["4 riding: mixed 20 tok / 5 seq (1 steps)"]
     assert (riding.prompt_tokens, riding.prefills) == (16, 1)
     assert found["4 riding: prefill 64 tok / 4 seq (1 steps)"].prefills == 4
