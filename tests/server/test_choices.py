@@ -103,7 +103,8 @@ def test_choices_of_a_tool_call_are_parsed_each_on_its_own(server: Server) -> No
             "name": "pick",
             "parameters": {
                 "type": "object",
-                "properties": {"n": {"type": "integer"}},
+                # a few values: a random model's integer could run past max_tokens
+                "properties": {"n": {"type": "integer", "enum": [1, 2, 3, 10, 20, 30]}},
                 "required": ["n"],
                 "additionalProperties": False,
             },
