@@ -73,7 +73,7 @@ class Grid:
     chats: int = 16  # --url: greedy chat answers for the output filter's hold (not fitted)
 
 
-# about 4 minutes on 2 idle cores with the built-in model over HTTP, less in process
+# about 2 minutes on 2 idle cores with the built-in model, over HTTP or in process
 DEFAULT_GRID = Grid(
     prefill=(16, 64, 128, 256, 512, 1024),
     repeats=3,

@@ -21,7 +21,7 @@ DESCRIPTION = (
     "own step log to the step's shape (the terms: sendpath/sim/calibrated.py), print measured "
     "vs fitted and write the fit as JSON for `sendpath sim --cost-model`. With --url, send the "
     "same loads to a running server and fit the steps it logs (GET /v1/steps), as served. "
-    "About 4 minutes on 2 CPU cores. Profile on an idle machine: nothing checks for other "
+    "About 2 minutes on 2 CPU cores. Profile on an idle machine: nothing checks for other "
     "processes, and one that shares the cores slows every step it overlaps, which the fit "
     "then takes for the engine's own cost."
 )

@@ -103,6 +103,13 @@ def test_reservations_asked_together_are_one_write_each_answered_in_order(tmp_pa
     assert store.reserved == [3, 1]  # the three asked at once, then the one asked after
 
 
+async def asked_then_left(ledger: UsageLedger) -> None:
+    """A caller asks key "a" for 60 tokens and is cancelled before its answer comes."""
+    caller = asyncio.create_task(ledger.reserve("a", 60, 100))
+    await asyncio.sleep(0)  # it asked
+    caller.cancel()
+
+
 def test_a_reservation_whose_caller_left_is_released_and_a_failed_write_is_raised(
     tmp_path: Path,
 ) -> None:
@@ -111,9 +118,7 @@ def test_a_reservation_whose_caller_left_is_released_and_a_failed_write_is_raise
 
     async def run() -> None:
         ledger = UsageLedger(store)
-        caller = asyncio.create_task(ledger.reserve("a", 60, 100))
-        await asyncio.sleep(0)  # it asked
-        caller.cancel()
+        await asked_then_left(ledger)
         while not store.released:  # reserved for no one: given back
             await asyncio.sleep(0.01)
         assert await ledger.reserve("a", 100, 100) == (store.released[0] + 1, 0)
@@ -133,9 +138,7 @@ def test_a_release_that_fails_is_logged_and_the_next_reservation_still_made(
 
     async def run() -> None:
         ledger = UsageLedger(store)
-        caller = asyncio.create_task(ledger.reserve("a", 60, 100))
-        await asyncio.sleep(0)  # it asked
-        caller.cancel()
+        await asked_then_left(ledger)
         store.fail_release = True  # when its reservation is given back
         while not caplog.records:
             await asyncio.sleep(0.01)
