@@ -7,8 +7,10 @@ import math
 from collections.abc import Sequence
 
 import torch
+from pytest import MonkeyPatch
 
-from sendpath.model.sampler import History, make_generator, sample
+from sendpath.model import sampler
+from sendpath.model.sampler import History, filter_logits, make_generator, sample
 from sendpath.request import SamplingParams
 
 CPU = torch.device("cpu")
@@ -150,3 +152,41 @@ def test_draws_follow_each_rows_distribution_and_never_take_a_masked_token() -> 
     shares = counts / 4000
     for row, expected in enumerate(probs):
         assert torch.allclose(shares[row], expected, atol=0.025), (row, shares[row])
+
+
+def full_sort_filter(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """One row filtered as vLLM does it: temperature, top-k, top-p by a sort of the whole
+    row (drop the least likely tokens while they hold at most 1 - top_p), min-p."""
+    row = row / p.temperature
+    if p.top_k is not None:
+        row = row.masked_fill(row < torch.topk(row, p.top_k).values[-1], float("-inf"))
+    if p.top_p < 1.0:
+        ascending, order = torch.sort(row)
+        drop = ascending.softmax(-1).cumsum(-1) <= 1.0 - p.top_p
+        drop[-1] = False
+        row = row.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+    if p.min_p > 0.0:
+        probs = row.softmax(-1)
+        row = row.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return row
+
+
+def test_the_batch_keeps_what_a_full_sort_of_each_row_keeps(monkeypatch: MonkeyPatch) -> None:
+    # top-p looks at a row's 8, then 64 likeliest tokens before it sorts the whole row:
+    # a peaked row settles among 8, a middling one among 64, a flat one needs the sort
+    monkeypatch.setattr(sampler, "NUCLEUS_TRIES", (8, 64))
+    torch.manual_seed(0)
+    logits = torch.randn(6, 2000) * torch.tensor([8.0, 4.0, 0.3, 3.0, 1.0, 2.0])[:, None]
+    nucleus = SamplingParams(top_p=0.9)
+    mass = logits[:3].softmax(-1).sort(descending=True).values.cumsum(-1)
+    assert mass[0, 7] >= 0.9 > mass[1, 7] and mass[1, 63] >= 0.9 > mass[2, 63]
+    params = [nucleus, nucleus, nucleus, SamplingParams(temperature=0.7, top_k=40, top_p=0.8),
+              SamplingParams(min_p=0.3), SamplingParams(temperature=2.0)]  # fmt: skip
+    # and batches where no row, or only some rows, settle at a try
+    for rows in (list(range(6)), [2, 4, 5], [1, 2], [0, 3]):
+        got = filter_logits(logits[rows].clone(), [params[i] for i in rows])
+        for i, filtered in zip(rows, got, strict=True):
+            expected = full_sort_filter(logits[i], params[i])
+            kept = torch.isfinite(expected)
+            assert torch.equal(torch.isfinite(filtered), kept), params[i]
+            assert torch.allclose(filtered[kept], expected[kept])
