@@ -33,7 +33,7 @@ from sendpath.engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerO
 from sendpath.model.kernels import cpu_kernels
 from sendpath.model.llama import LlamaConfig
 from sendpath.model.loader import LoadedModel
-from sendpath.model.sampler import History, make_generator, sample
+from sendpath.model.sampler import History, TokenCounts, make_generator, sample
 from sendpath.model.structured import Matcher, grammar_compiler
 from sendpath.request import Request
 
@@ -260,12 +260,15 @@ class ModelRunner:
         self._requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator | None] = {}
         self._matchers: dict[str, Matcher] = {}  # structured output: each one's grammar
+        self._counts: dict[str, TokenCounts] = {}  # penalties: each one's tokens so far
 
     def add_request(self, request: Request) -> None:
         params = request.sampling_params
         if params.structured is not None:  # the engine checked the schema on arrival
             compiler = grammar_compiler(self.tokenizer)
             self._matchers[request.request_id] = compiler.matcher(params.structured)
+        if params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty:
+            self._counts[request.request_id] = TokenCounts(request.prompt_token_ids)
         self._requests[request.request_id] = request
         self._generators[request.request_id] = (
             None if params.greedy else make_generator(params.seed, self.model.device)
@@ -275,12 +278,16 @@ class ModelRunner:
         self._requests.pop(request_id, None)
         self._generators.pop(request_id, None)
         self._matchers.pop(request_id, None)
+        self._counts.pop(request_id, None)
 
     def _history(self, request: Request) -> History:
         params = request.sampling_params
         ends = [] if params.ignore_eos else self.end_ids
         return History(
-            request.prompt_token_ids, request.output_token_ids, [*ends, *params.stop_token_ids]
+            request.prompt_token_ids,
+            request.output_token_ids,
+            [*ends, *params.stop_token_ids],
+            self._counts.get(request.request_id),
         )
 
     @torch.inference_mode()

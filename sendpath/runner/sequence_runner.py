@@ -16,7 +16,7 @@ from torch.nn import functional as F
 from sendpath.engine.outputs import OutputStream
 from sendpath.model.llama import LlamaConfig
 from sendpath.model.loader import LoadedModel
-from sendpath.model.sampler import History, make_generator, sample
+from sendpath.model.sampler import History, TokenCounts, make_generator, sample
 from sendpath.model.structured import grammar_compiler
 from sendpath.request import SamplingParams
 
@@ -100,7 +100,8 @@ class SequenceRunner:
         cache = self._cache(min(self.max_model_len, len(prompt_ids) + params.max_tokens))
         hidden = self._forward(cache, prompt_ids)[-1:]
         ends = [] if params.ignore_eos else list(self.loaded.tokenizer.eos_token_ids)
-        history = History(prompt_ids, stream.token_ids, [*ends, *params.stop_token_ids])
+        ends += params.stop_token_ids
+        history = History(prompt_ids, stream.token_ids, ends, TokenCounts(prompt_ids))
         matcher = None
         if params.structured is not None:
             matcher = grammar_compiler(self.loaded.tokenizer).matcher(params.structured)

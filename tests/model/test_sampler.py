@@ -10,7 +10,7 @@ import torch
 from pytest import MonkeyPatch
 
 from sendpath.model import sampler
-from sendpath.model.sampler import History, filter_logits, make_generator, sample
+from sendpath.model.sampler import History, TokenCounts, filter_logits, make_generator, sample
 from sendpath.request import SamplingParams
 
 CPU = torch.device("cpu")
@@ -190,3 +190,20 @@ def test_the_batch_keeps_what_a_full_sort_of_each_row_keeps(monkeypatch: MonkeyP
             kept = torch.isfinite(expected)
             assert torch.equal(torch.isfinite(filtered), kept), params[i]
             assert torch.allclose(filtered[kept], expected[kept])
+
+
+def test_token_counts_kept_across_steps_match_counts_made_afresh() -> None:
+    # a request's counts brought up to date a token at a time, and told of an output that
+    # is not the one counted (shorter), hold what counts made from scratch hold; ids out
+    # of the vocabulary are not counted
+    prompt, output = [5, 7, 7, 999_999], [3, 5, 3, -1, 9, 3]
+    kept = TokenCounts(prompt)
+    for n in (0, 1, 2, 6, 3, 5, 6):
+        afresh = TokenCounts(prompt).update(output[:n], 12)
+        assert kept.update(output[:n], 12) is kept and kept.counted == n
+        in_output = [t for t in output[:n] if 0 <= t < 12]
+        for counts in (kept, afresh):
+            assert sorted(counts.seen_ids.tolist()) == sorted({5, 7, *in_output})
+            assert sorted(counts.output_ids.tolist()) == sorted(set(in_output))
+            expected = torch.bincount(torch.tensor(in_output, dtype=torch.long), minlength=12)
+            assert counts.output.tolist() == expected.tolist()
