@@ -316,6 +316,7 @@ class EngineCore:
                     else:
                         result.sampled.update(alone.sampled)
                         result.failed.update(alone.failed)
+                        result.logprobs.update(alone.logprobs)
         if len(errors) == len(plan.requests):
             try:
                 self.runner.probe()

@@ -37,7 +37,15 @@ import torch
 
 from sendpath.request import SamplingParams, TokenLogprobs
 
-__all__ = ["NUCLEUS_TRIES", "History", "Sampled", "filter_logits", "make_generator", "sample"]
+__all__ = [
+    "NUCLEUS_TRIES",
+    "History",
+    "Sampled",
+    "TokenCounts",
+    "filter_logits",
+    "make_generator",
+    "sample",
+]
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
@@ -50,9 +58,10 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
 class TokenCounts:
     """What a request's penalties look at, kept from step to step: the distinct tokens of
     its prompt and output (``seen_ids``, the repetition penalty's), those of its output
-    (``output_ids``) and how often each is there (``output``, [vocab]; the frequency and
-    presence penalties'). Each step adds only its new output tokens: built from the whole
-    context every step, they took about 0.6 ms a row at 2,000 tokens."""
+    (``output_ids``) and how often each is there (``output_counts``, [vocab]; the
+    frequency and presence penalties'), on the CPU whatever the logits' device. Each step
+    adds only its new output tokens: built from the whole context every step, they took
+    about 0.6 ms a row at 2,000 tokens."""
 
     def __init__(self, prompt: Sequence[int]) -> None:
         self.prompt = prompt
@@ -61,23 +70,23 @@ class TokenCounts:
         self._seen: set[int] = set()
         self._in_output: set[int] = set()
         self.seen_ids = self.output_ids = torch.zeros(0, dtype=torch.long)
-        self.output = torch.zeros(0, dtype=torch.int32)
+        self.output_counts = torch.zeros(0, dtype=torch.int32)
 
     def update(self, output: Sequence[int], vocab: int) -> TokenCounts:
-        """Count ``output``'s tokens past those counted (all again if it is not the one
-        counted so far, as far as its length tells)."""
+        """Count ``output``'s tokens past those counted: a request's output only grows
+        (all are counted again when it is shorter than those counted)."""
         if vocab != self.vocab or len(output) < self.counted:
             self.vocab, self.counted = vocab, 0
             self._seen, self._in_output = set(), set()
             self.seen_ids = self.output_ids = torch.zeros(0, dtype=torch.long)
-            self.output = torch.zeros(vocab, dtype=torch.int32)
+            self.output_counts = torch.zeros(vocab, dtype=torch.int32)
             self.seen_ids = self._add(self._seen, self.seen_ids, self.prompt)
         new = [t for t in output[self.counted :] if 0 <= t < vocab]
         if new:
             self.seen_ids = self._add(self._seen, self.seen_ids, new)
             self.output_ids = self._add(self._in_output, self.output_ids, new)
             ids = torch.tensor(new, dtype=torch.long)
-            self.output.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+            self.output_counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
         self.counted = len(output)
         return self
 
@@ -116,8 +125,8 @@ def _adjust(logits: torch.Tensor, params: SamplingParams, history: History) -> N
         if ends:
             logits[ends] = float("-inf")
     if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
-        bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype)
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
+        bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=ids.device)
         logits.index_add_(0, ids, bias)
     frequency, presence, rp = (
         params.frequency_penalty,
@@ -128,11 +137,12 @@ def _adjust(logits: torch.Tensor, params: SamplingParams, history: History) -> N
         return
     counted = (history.counts or TokenCounts(history.prompt)).update(history.output, vocab)
     if rp != 1.0:
-        picked = logits[counted.seen_ids]
-        logits[counted.seen_ids] = torch.where(picked > 0, picked / rp, picked * rp)
+        seen = counted.seen_ids.to(logits.device)
+        picked = logits[seen]
+        logits[seen] = torch.where(picked > 0, picked / rp, picked * rp)
     if (frequency or presence) and history.output:
-        ids = counted.output_ids
-        logits[ids] -= frequency * counted.output[ids].to(logits.dtype) + presence
+        counts = counted.output_counts[counted.output_ids].to(logits.device, logits.dtype)
+        logits[counted.output_ids.to(logits.device)] -= frequency * counts + presence
 
 
 # How many of a row's likeliest tokens top-p looks at first: a chat model's nucleus almost
@@ -143,15 +153,19 @@ NUCLEUS_TRIES = (256, 4096)
 
 
 def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """Those rows of ``logits``: the tensor itself when they are all of them (no copy)."""
-    return logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, dtype=torch.long)]
+    """Those rows of ``logits`` (distinct, in order): the tensor itself when they are as
+    many as its rows (no copy), else a copy of them."""
+    return (
+        logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=logits.device)]
+    )
 
 
 def _drop(logits: torch.Tensor, rows: list[int], sub: torch.Tensor, drop: torch.Tensor) -> None:
-    """``sub`` (those rows of ``logits``) to -inf where ``drop``, written back to them."""
+    """``sub`` (those rows of ``logits``, from ``_rows``) to -inf where ``drop``, in
+    place, and written back to ``logits`` when it is a copy."""
     sub.masked_fill_(drop, float("-inf"))
     if sub is not logits:
-        logits[torch.tensor(rows, dtype=torch.long)] = sub
+        logits[torch.tensor(rows, device=logits.device)] = sub
 
 
 def _top_k(logits: torch.Tensor, ks: Sequence[int | None]) -> None:
@@ -159,7 +173,7 @@ def _top_k(logits: torch.Tensor, ks: Sequence[int | None]) -> None:
     vocab = logits.shape[-1]
     rows = [i for i, k in enumerate(ks) if k is not None and 0 < k < vocab]
     if rows:
-        k, sub = torch.tensor([ks[i] for i in rows]), _rows(logits, rows)
+        k, sub = torch.tensor([ks[i] for i in rows], device=logits.device), _rows(logits, rows)
         kth = sub.topk(int(k.max())).values.gather(1, k[:, None] - 1)
         _drop(logits, rows, sub, sub < kth)
 
@@ -173,7 +187,8 @@ def _top_p(logits: torch.Tensor, ps: Sequence[float]) -> None:
     for tries in (*NUCLEUS_TRIES, vocab):
         if not pending:
             return
-        p, sub = torch.tensor([ps[i] for i in pending])[:, None], _rows(logits, pending)
+        p = torch.tensor([ps[i] for i in pending], device=logits.device)[:, None]
+        sub = _rows(logits, pending)
         top = sub.softmax(-1).topk(min(tries, vocab))  # sorted, likeliest first
         mass = top.values.cumsum(-1)
         keep = mass - top.values < p
@@ -192,10 +207,11 @@ def _top_p(logits: torch.Tensor, ps: Sequence[float]) -> None:
 def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Adjusted logits [R, V] -> each row's temperature-scaled logits with the tokens its
     top-k, top-p and min-p filter out at -inf; all rows at once, in place."""
-    logits.div_(torch.tensor([p.temperature for p in params], dtype=logits.dtype)[:, None])
+    dtype, device = logits.dtype, logits.device
+    logits.div_(torch.tensor([p.temperature for p in params], dtype=dtype, device=device)[:, None])
     _top_k(logits, [p.top_k for p in params])
     _top_p(logits, [p.top_p for p in params])
-    min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype)[:, None]
+    min_p = torch.tensor([p.min_p for p in params], dtype=dtype, device=device)[:, None]
     if bool((min_p > 0).any()):  # below min_p times the likeliest token's probability
         peak = logits.max(-1, keepdim=True).values
         logits.masked_fill_(logits < peak + min_p.log(), float("-inf"))
@@ -211,7 +227,7 @@ def _draw(logits: torch.Tensor, generators: Sequence[torch.Generator | None]) ->
     # torch's softmax: its own exp of -inf and of underflows is fast (exp_ takes 3-40x longer)
     cdf = logits.softmax(-1).cumsum_(-1)
     total = cdf[:, -1]
-    draws = torch.cat([torch.rand(1, generator=g) for g in generators])
+    draws = torch.cat([torch.rand(1, generator=g, device=logits.device) for g in generators])
     picks = torch.searchsorted(cdf, (draws * total).unsqueeze(1), right=True)[:, 0]
     picks.clamp_(max=cdf.shape[-1] - 1)
     ok = torch.isfinite(total) & (total > 0)
@@ -224,7 +240,7 @@ def _logprobs(
     """For each of ``rows`` of the raw logits: the log-probability of its token and its
     ``k`` likeliest tokens', all rows at once."""
     logp = raw[rows].float().log_softmax(-1)
-    chosen = logp.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
     top = logp.topk(max(ks)) if max(ks) else None
     ids = top.indices.tolist() if top is not None else [[]] * len(rows)
     values = top.values.tolist() if top is not None else [[]] * len(rows)
@@ -271,18 +287,13 @@ def sample(
         Sampled(None if nan_rows[i] or (p.greedy and dead[i]) else token)
         for i, (p, token) in enumerate(zip(params, tokens, strict=True))
     ]  # None: a NaN, or every token masked out (a bias of -inf cannot be asked for)
-    asked = [
-        i
+    asked = {
+        i: (s.token, p.logprobs)
         for i, (p, s) in enumerate(zip(params, out, strict=True))
         if s.token is not None and p.logprobs is not None
-    ]
+    }
     if asked:
-        found = _logprobs(
-            logits,
-            asked,
-            [out[i].token or 0 for i in asked],
-            [params[i].logprobs or 0 for i in asked],
-        )
-        for i, logprobs in zip(asked, found, strict=True):
+        chosen, ks = [t for t, _ in asked.values()], [k for _, k in asked.values()]
+        for i, logprobs in zip(asked, _logprobs(logits, list(asked), chosen, ks), strict=True):
             out[i].logprobs = logprobs
     return out

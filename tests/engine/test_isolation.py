@@ -58,6 +58,20 @@ def test_a_failing_request_fails_alone_and_the_others_get_their_tokens(
     assert after.output_token_ids == expected[0].output_token_ids
 
 
+def test_the_others_keep_their_logprobs_when_a_step_is_run_again_one_by_one(
+    tiny: LoadedModel,
+) -> None:
+    core = make_core(tiny)
+    faulty(core)
+    asked = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2)
+    good = core.add_request([5, 6, 7], asked)
+    core.add_request([9, POISON, 9], GREEDY)  # its prefill fails the shared step
+    logprobs = []
+    while core.has_unfinished_requests():
+        logprobs += [out.logprobs for out in core.step() if out.request_id == good.request_id]
+    assert len(logprobs) == 3 and all(lp is not None and len(lp[0].top) == 2 for lp in logprobs)
+
+
 def test_unsampleable_logits_fail_only_their_row(
     tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:

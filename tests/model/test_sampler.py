@@ -206,4 +206,4 @@ def test_token_counts_kept_across_steps_match_counts_made_afresh() -> None:
             assert sorted(counts.seen_ids.tolist()) == sorted({5, 7, *in_output})
             assert sorted(counts.output_ids.tolist()) == sorted(set(in_output))
             expected = torch.bincount(torch.tensor(in_output, dtype=torch.long), minlength=12)
-            assert counts.output.tolist() == expected.tolist()
+            assert counts.output_counts.tolist() == expected.tolist()
