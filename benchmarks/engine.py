@@ -1,7 +1,8 @@
 """The engine under load, in-process, beside transformers' generate on the same weights.
 
 Workloads (random prompt tokens, ignore_eos, greedy): 128 in / 128 out at concurrency 1, 8
-and 32, and 1024 in / 32 out at concurrency 4. The engine runs what `sendpath serve` runs
+and 32, and 1024 in / 32 out at concurrency 4; and 128 / 128 at 32 sampled as chat clients
+often ask (temperature 0.8, top_p 0.9; sendpath only). The engine runs what `sendpath serve` runs
 (``--dtype auto --quantization auto``) unless told otherwise. sendpath runs its async engine with C
 concurrent clients (a new request starts when one finishes); transformers runs one request
 at a time (batch 1) and static batches of C. Reported: output tokens/s, requests/s, TTFT and
@@ -41,10 +42,17 @@ class Workload:
     output_len: int
     concurrency: int
     num_requests: int
+    sampled: bool = False  # temperature 0.8 and top_p 0.9, else greedy
 
     @property
     def name(self) -> str:
-        return f"{self.input_len}x{self.output_len}@{self.concurrency}"
+        return f"{self.input_len}x{self.output_len}@{self.concurrency}" + " top-p" * self.sampled
+
+    def params(self) -> SamplingParams:
+        temperature, top_p = (0.8, 0.9) if self.sampled else (0.0, 1.0)
+        return SamplingParams(
+            max_tokens=self.output_len, temperature=temperature, top_p=top_p, ignore_eos=True
+        )
 
 
 DEFAULT = [
@@ -52,6 +60,7 @@ DEFAULT = [
     Workload(128, 128, 8, 16),
     Workload(128, 128, 32, 64),
     Workload(1024, 32, 4, 8),
+    Workload(128, 128, 32, 64, sampled=True),
 ]
 
 
@@ -89,7 +98,7 @@ def summarize(
 
 
 async def run_sendpath(engine: AsyncEngine, w: Workload) -> dict[str, Any]:
-    params = SamplingParams(temperature=0.0, max_tokens=w.output_len, ignore_eos=True)
+    params = w.params()
     work = prompts(w)
     ttfts: list[float] = []
     e2es: list[float] = []
@@ -212,7 +221,7 @@ def main() -> None:
         with torch.inference_mode():
             run_transformers(hf, Workload(16, 4, 1, 1), 1)  # warm-up
             shapes_done: set[tuple[int, int]] = set()
-            for w in workloads:
+            for w in (w for w in workloads if not w.sampled):
                 shape = (w.input_len, w.output_len)
                 if shape not in shapes_done:  # batch 1 does not depend on the concurrency
                     shapes_done.add(shape)

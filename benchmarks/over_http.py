@@ -1,10 +1,10 @@
 """The engine benchmark's workloads over HTTP against `sendpath replica`, beside in-process.
 
 Starts `sendpath replica` (the settings of benchmarks/engine.py's `bench_config`), drives it
-with streaming `/v1/completions` requests (prompt token ids, ignore_eos, greedy) from C
-concurrent httpx clients, as the peers' figures in the engine issue were measured, and runs
-the in-process engine on the same workloads in the same run: the ratio is the cost of the
-HTTP layer (uvicorn, JSON, SSE, the client).
+with streaming `/v1/completions` requests (prompt token ids, ignore_eos, greedy or sampled
+as the workload says) from C concurrent httpx clients, as the peers' figures in the engine
+issue were measured, and runs the in-process engine on the same workloads in the same run:
+the ratio is the cost of the HTTP layer (uvicorn, JSON, SSE, the client on the same cores).
 
     .venv/bin/python -m benchmarks.over_http [--workloads 128x128@32 ...]
 """
@@ -45,7 +45,8 @@ async def run_http(url: str, w: Workload) -> dict[str, Any]:
                 "model": "SmolLM2-135M-Instruct",
                 "prompt": prompt,
                 "max_tokens": w.output_len,
-                "temperature": 0,
+                "temperature": w.params().temperature,
+                "top_p": w.params().top_p,
                 "ignore_eos": True,
                 "stream": True,
                 "stream_options": {"include_usage": True},
@@ -109,7 +110,7 @@ def main() -> None:
     try:
         for _ in range(600):
             try:
-                if httpx.get(f"{url}/health").status_code == 200:
+                if httpx.get(f"{url}/ready").status_code == 200:  # the model loaded
                     break
             except httpx.TransportError:
                 pass
