@@ -326,7 +326,9 @@ class ModelRunner:
         out = RunnerOutput()
         for item, result, matcher in zip(sampled, results, matchers, strict=True):
             if result.token is None:
-                out.failed[item.request_id] = "its logits could not be sampled (NaN)"
+                out.failed[item.request_id] = (
+                    "its logits could not be sampled (NaN, or every token masked out)"
+                )
                 continue
             if matcher is not None:
                 matcher.consume(result.token)
