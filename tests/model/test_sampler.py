@@ -86,6 +86,20 @@ def test_seed_reproduces_and_rows_are_independent() -> None:
     assert batch[0] == batch[2] == first[0]
 
 
+def test_a_seeded_top_p_row_draws_the_same_beside_rows_that_sort_further() -> None:
+    logits = logits_rows()
+    nucleus = SamplingParams(temperature=0.8, top_p=0.9)
+    flat = SamplingParams(temperature=5.0, top_p=0.99)  # its 256 likeliest hold too little
+    for seed in range(20):
+        alone = tokens(logits[:1], [nucleus], [make_generator(seed, CPU)])[0]
+        beside = tokens(
+            logits[[1, 0, 2]],
+            [flat, nucleus, SamplingParams(temperature=1.0)],
+            [make_generator(99, CPU), make_generator(seed, CPU), None],
+        )
+        assert beside[1] == alone
+
+
 def test_logit_bias_moves_greedy_choices_both_ways() -> None:
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
     empty = History([], [])
