@@ -39,14 +39,15 @@ async def run_http(url: str, w: Workload) -> dict[str, Any]:
     sem = asyncio.Semaphore(w.concurrency)
     limits = httpx.Limits(max_connections=w.concurrency + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        params = w.params()
 
         async def one(prompt: list[int]) -> None:
             body = {
                 "model": "SmolLM2-135M-Instruct",
                 "prompt": prompt,
                 "max_tokens": w.output_len,
-                "temperature": w.params().temperature,
-                "top_p": w.params().top_p,
+                "temperature": params.temperature,
+                "top_p": params.top_p,
                 "ignore_eos": True,
                 "stream": True,
                 "stream_options": {"include_usage": True},

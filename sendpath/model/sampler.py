@@ -66,22 +66,21 @@ class TokenCounts:
 
     def __init__(self, prompt: Sequence[int]) -> None:
         self.prompt = prompt
-        self.vocab = 0  # none counted yet
-        self.counted = 0  # output tokens counted
+        self._start(0)  # none counted yet: the first update counts the prompt
+
+    def _start(self, vocab: int) -> None:
+        self.vocab, self.counted = vocab, 0  # output tokens counted
         self._seen: set[int] = set()
         self._in_output: set[int] = set()
         self.seen_ids = self.output_ids = torch.zeros(0, dtype=torch.long)
-        self.output_counts = torch.zeros(0, dtype=torch.int32)
+        self.output_counts = torch.zeros(vocab, dtype=torch.int32)
+        self.seen_ids = self._add(self._seen, self.seen_ids, self.prompt)
 
     def update(self, output: Sequence[int], vocab: int) -> TokenCounts:
         """Count ``output``'s tokens past those counted: a request's output only grows
         (all are counted again when it is shorter than those counted)."""
         if vocab != self.vocab or len(output) < self.counted:
-            self.vocab, self.counted = vocab, 0
-            self._seen, self._in_output = set(), set()
-            self.seen_ids = self.output_ids = torch.zeros(0, dtype=torch.long)
-            self.output_counts = torch.zeros(vocab, dtype=torch.int32)
-            self.seen_ids = self._add(self._seen, self.seen_ids, self.prompt)
+            self._start(vocab)
         new = [t for t in output[self.counted :] if 0 <= t < vocab]
         if new:
             self.seen_ids = self._add(self._seen, self.seen_ids, new)
@@ -221,14 +220,22 @@ def _draw(
         peak = rows.max(-1, keepdim=True).values
         rows.masked_fill_(rows < peak + min_p[:, None].log(), float("-inf"))
     # torch's softmax: its own exp of -inf and of underflows is fast (exp_ takes 3-40x longer)
-    cdf = rows.softmax(-1).cumsum_(-1)
-    total = cdf[:, -1]
-    draws = _uniforms([generators[i] for i in whole], rows.device) * total
-    picks = torch.searchsorted(cdf, draws[:, None], right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)
-    ok = (torch.isfinite(total) & (total > 0)).tolist()
-    for i, token, good in zip(whole, picks.tolist(), ok, strict=True):
-        tokens[i] = token if good else None
+    found = _pick(rows.softmax(-1), [generators[i] for i in whole])
+    for i, at in zip(whole, found, strict=True):
+        tokens[i] = None if at is None else int(at)
     return tokens
+
+
+def _pick(weights: torch.Tensor, generators: Sequence[torch.Generator | None]) -> list[int | None]:
+    """Per row of weights [R, N] (probabilities, or any share of them; their running sums
+    overwrite them): the position where its running sum passes its own uniform draw times
+    its total; ``None`` where there is nothing to draw (a total of 0, or NaN)."""
+    cdf = weights.cumsum_(-1)
+    total = cdf[:, -1]
+    draws = _uniforms(generators, weights.device) * total
+    at = torch.searchsorted(cdf, draws[:, None], right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)
+    ok = (torch.isfinite(total) & (total > 0)).tolist()
+    return [int(a) if good else None for a, good in zip(at.tolist(), ok, strict=True)]
 
 
 def _nucleus_draws(
@@ -259,14 +266,9 @@ def _nucleus_draws(
         settled = ((mass[:, -1] >= p[:, 0]) | (tries >= vocab)).tolist()
         done = [row for row, s in enumerate(settled) if s]
         if done:
-            cdf = (top.values[done] * keep[done]).cumsum_(-1)
-            total = cdf[:, -1]
-            draws = _uniforms([generators[pending[row]] for row in done], device) * total
-            at = torch.searchsorted(cdf, draws[:, None], right=True).clamp_(max=cdf.shape[-1] - 1)
-            picks = top.indices[done].gather(1, at)[:, 0].tolist()
-            ok = (torch.isfinite(total) & (total > 0)).tolist()
-            for row, token, good in zip(done, picks, ok, strict=True):
-                tokens[pending[row]] = token if good else None
+            found = _pick(top.values[done] * keep[done], [generators[pending[r]] for r in done])
+            for row, at in zip(done, found, strict=True):
+                tokens[pending[row]] = None if at is None else int(top.indices[row, at])
         pending = [i for i, s in zip(pending, settled, strict=True) if not s]
     return tokens
 
