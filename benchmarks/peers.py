@@ -13,10 +13,11 @@ four workloads, and stopped before the next starts:
 The peers come from ``../shared/peers/setup.sh`` (about 20 minutes, once; not in CI) under
 ``$PEERS_DIR`` (default ``~/.cache/sendpath-peers``); a peer that is not installed is
 listed as such and left out of the ratios. The machine's roofs are measured in the same
-run: memory bandwidth (copying a 1 GiB tensor) and matmul FLOP/s (float32 and bfloat16,
-2048 x 2048). Each engine's share of them: batch-1 decode's bytes per token over the
-bandwidth (weights only: a lower bound on what it reads), and under load its matmul
-FLOP/s (2 x parameters per output token) over the bfloat16 roof.
+run: memory bandwidth (copying a 1 GiB tensor) and matmul FLOP/s (2048 x 2048, float32,
+and bfloat16 where the CPU computes it natively). Each engine's share of them: batch-1
+decode's bytes per token over the bandwidth (weights only: a lower bound on what it
+reads), and under load its matmul FLOP/s (2 x parameters per output token) over the
+faster matmul roof. vLLM runs bfloat16 where the CPU computes it, else float32.
 
     .venv/bin/python benchmarks/peers.py                 # about 3 minutes per server
     .venv/bin/python benchmarks/peers.py --only sendpath
@@ -85,6 +86,8 @@ def builtin_gguf() -> Path:
 
 
 def servers() -> list[Server]:
+    from sendpath.model.quant import native_bf16
+
     gguf = builtin_gguf()
     cores = os.cpu_count() or 1
     sendpath = Server(
@@ -128,6 +131,9 @@ def servers() -> list[Server]:
         missing=None if llama_bin.exists() else f"not installed ({llama_bin})",
     )
     vllm_python = PEERS / "venv-vllm" / "bin" / "python"
+    # vLLM's bfloat16 where the CPU computes it; where torch emulates it (AVX2 without
+    # AVX-512 BF16) vLLM runs float32, as sendpath's --dtype auto does there
+    vllm_dtype = "bfloat16" if native_bf16() else "float32"
     vllm = Server(
         "vLLM-CPU",
         [
@@ -139,14 +145,14 @@ def servers() -> list[Server]:
             "--served-model-name",
             MODEL_NAME,
             "--dtype",
-            "bfloat16",
+            vllm_dtype,
             "--host",
             "127.0.0.1",
             "--port",
             "8201",
         ],
         8201,
-        PARAMETERS * 2,  # bfloat16
+        PARAMETERS * (2 if vllm_dtype == "bfloat16" else 4),
         env={
             "VLLM_HOST_IP": "127.0.0.1",
             "VLLM_CPU_KVCACHE_SPACE": "4",
@@ -178,9 +184,12 @@ def roofs() -> dict[str, float]:
         target = torch.empty_like(source)
         return 2 * source.numel() * 4 / best(lambda: target.copy_(source)) / 1e9
 
+    from sendpath.model.quant import native_bf16
+
     out = {"memory_gb_per_s": round(copy_gb_per_s(), 1)}
     n = 2048
-    for dtype in (torch.float32, torch.bfloat16):
+    # bfloat16 only where the CPU computes it (elsewhere torch emulates it, for minutes)
+    for dtype in (torch.float32, torch.bfloat16) if native_bf16() else (torch.float32,):
         a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
         seconds = best(lambda a=a, b=b: torch.mm(a, b))
         out[f"matmul_{str(dtype).removeprefix('torch.')}_gflop_per_s"] = round(
@@ -263,11 +272,12 @@ def run_server(server: Server, work: Path) -> dict[str, Any]:
 def shares(server: Server, rows: dict[str, Any], roof: dict[str, float]) -> dict[str, float]:
     tpot_s = rows["a"]["median_tpot_ms"] / 1e3
     flops = 2 * PARAMETERS * rows["c"]["output_tok_per_s"]
+    fastest = max(v for k, v in roof.items() if "matmul" in k)  # bfloat16 where native
     return {
         "decode_bandwidth_share_at_1": round(
             server.weight_bytes / tpot_s / 1e9 / roof["memory_gb_per_s"], 3
         ),
-        "matmul_share_at_32": round(flops / 1e9 / roof["matmul_bfloat16_gflop_per_s"], 3),
+        "matmul_share_at_32": round(flops / 1e9 / fastest, 3),
     }
 
 
@@ -297,6 +307,7 @@ def table(results: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", default=None, help="server names to run")
+    parser.add_argument("--output", type=Path, default=RESULTS, help="where the JSON goes")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     roof = roofs()
@@ -326,7 +337,7 @@ def main() -> None:
                 "shares": shares(server, rows, roof),
             }
     results["table"] = table(results)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    args.output.write_text(json.dumps(results, indent=2) + "\n")
     print(results["table"])
 
 

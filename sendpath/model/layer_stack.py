@@ -4,7 +4,7 @@
 ``LlamaModel.forward``'s modules call them (the same results to the bit), without the
 Python between them: about 70 microseconds a layer, a third of a one-request step of
 the built-in model. It takes layers whose every product uses block-quantized weights
-(``BlockWeights``: the file's Q4_1 / Q8_0 codes on AVX-512 VNNI) and no per-head norms
+(``BlockWeights``: the file's Q4_1 / Q8_0 codes, on AVX-512 VNNI or AVX2) and no per-head norms
 (Qwen3's); any other model keeps the modules' path.
 """
 

@@ -7,8 +7,9 @@ interleaved RoPE, so they are permuted back to the Hugging Face (rotate-half) la
 
 ``dtype="auto"`` is bfloat16 on CUDA and on a CPU that computes it natively (AVX-512 BF16
 or AMX), float32 elsewhere; ``quantization`` and the weights' layouts are chosen in
-``precision.py``, and what was chosen, and why, is on ``LoadedModel.precision``. A GGUF
-file's Q4_0 / Q4_1 codes are kept as they ship for that.
+``precision.py`` (float32 asked for keeps float32 weights; float32 from auto takes the
+file's four-bit ones where sendpath's kernels run), and what was chosen, and why, is on
+``LoadedModel.precision``. A GGUF file's Q4_0 / Q4_1 codes are kept as they ship for that.
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ def load_model(
     """Load weights and tokenizer; ``path=None`` is the built-in SmolLM2-135M-Instruct."""
     model_path = builtin_model_path() if path is None else Path(path).expanduser()
     dev = resolve_device(device)
+    dtype_asked = dtype != "auto"
     if dtype == "auto":
         dtype = "bfloat16" if dev.type == "cuda" or native_bf16() else "float32"
     if dtype not in DTYPES:
@@ -134,7 +136,7 @@ def load_model(
     with torch.device("meta"):
         model = LlamaModel(config)
     model = _materialize(model, weights, DTYPES[dtype], dev)
-    precision = choose_precision(quantization, dtype, dev, bool(codes))
+    precision = choose_precision(quantization, dtype, dev, bool(codes), dtype_asked)
     apply_precision(model, precision, codes, dev)
     return LoadedModel(model, tokenizer, config, name, model_path, precision)
 

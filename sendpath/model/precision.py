@@ -2,11 +2,11 @@
 
 ``quantization`` (vLLM's name) adds low-precision weights for small steps (``quant.py``):
 ``int4`` (the file's own four-bit codes where it ships Q4_0 / Q4_1, else codes made here),
-``int8`` (one scale a row), ``none``; ``auto`` takes int4 with bfloat16 activations when
-the file ships four-bit weights (multiplied llama.cpp's way, ``BlockWeights``, on a CPU
-with AVX-512 VNNI, else by torch's int4 kernel), else none. ``int4`` asked for also runs
-with float32 activations where VNNI is there. The output head
-gets eight bits with either (per block of 32 on VNNI, else per row). ``BlockWeights``
+``int8`` (one scale a row), ``none``; ``auto`` takes int4 when the file ships four-bit
+weights: multiplied llama.cpp's way (``BlockWeights``) on a CPU with AVX-512 VNNI or AVX2,
+with bfloat16 or float32 activations (whichever ``--dtype`` gave), else by torch's int4
+kernel with bfloat16 activations only; otherwise none. The output head gets eight bits
+with either (per block of 32 with ``BlockWeights``, else per row). ``BlockWeights``
 serve every step, prompt chunks too, and the layers' dense weights are freed; torch's int4
 and int8 kernels serve small steps only, and on a CPU that computes bfloat16 natively the
 dense bfloat16 weights (used by larger steps) go to oneDNN's blocked layout
@@ -16,6 +16,7 @@ dense bfloat16 weights (used by larger steps) go to oneDNN's blocked layout
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,6 +28,7 @@ from sendpath.model.quant import (
     Int4Weights,
     Int8Weights,
     block_kernels,
+    block_loop,
     int4_supported,
     native_bf16,
     quantize_q4,
@@ -59,33 +61,39 @@ class Precision:
 FLOAT32 = Precision("float32", "none", "")  # a model made in tests without a reason
 
 
-def choose_precision(asked: str, dtype: str, dev: torch.device, ships_q4: bool) -> Precision:
-    """The quantization to use and why (``asked``: the flag)."""
+def choose_precision(
+    asked: str, dtype: str, dev: torch.device, ships_q4: bool, dtype_asked: bool = True
+) -> Precision:
+    """The quantization to use and why (``asked``: the flag; ``dtype_asked``: ``dtype`` was
+    asked for, not what ``--dtype auto`` chose: float32 asked for keeps float32 weights)."""
     if asked == "none":
         return Precision(dtype, "none", "asked for")
     if asked in ("int4", "int8"):
-        blocks = asked == "int4" and dev.type == "cpu" and block_kernels() is not None
-        if dev.type != "cpu" or (dtype != "bfloat16" and not blocks):
+        kernels = block_kernels() if asked == "int4" and dev.type == "cpu" else None
+        if dev.type != "cpu" or (dtype != "bfloat16" and kernels is None):
             raise ModelLoadError(
                 f"quantization={asked!r} runs on the CPU with bfloat16 activations "
                 f"(here: {dev.type}, {dtype}); use --dtype bfloat16 or auto, or leave it out."
             )
-        if asked == "int4" and not blocks and not int4_supported():
+        if asked == "int4" and kernels is None and not int4_supported():
             raise ModelLoadError("this torch has no CPU int4 kernel; use --quantization int8")
-        return Precision(dtype, asked, "asked for" + (_BLOCKS if blocks else ""))
+        return Precision(dtype, asked, "asked for" + (_blocks(kernels) if kernels else ""))
     if dev.type != "cpu":
         return Precision(dtype, "none", f"auto: {dev.type} runs {dtype} weights")
     if not ships_q4:
         return Precision(dtype, "none", "auto: the model ships no four-bit weights")
-    if dtype != "bfloat16":  # float32 asked for, or no native bfloat16: full precision
-        return Precision(dtype, "none", f"auto: {dtype} activations keep {dtype} weights")
-    if block_kernels() is not None:
+    if dtype == "float32" and dtype_asked:
+        return Precision(dtype, "none", "auto: float32 asked for keeps float32 weights")
+    found = block_kernels()
+    if found is not None and dtype in ("bfloat16", "float32"):
         return Precision(
             dtype,
             "int4",
-            f"auto: the model's own four-bit weights and eight-bit head{_BLOCKS}, for every "
-            f"step ({dtype} activations)",
+            f"auto: the model's own four-bit weights and eight-bit head{_blocks(found)}, "
+            f"for every step ({dtype} activations)",
         )
+    if dtype != "bfloat16":  # no integer dot products here either: full precision
+        return Precision(dtype, "none", f"auto: {dtype} activations keep {dtype} weights")
     if not int4_supported():
         return Precision(dtype, "none", "auto: this torch has no CPU int4 kernel")
     return Precision(
@@ -96,7 +104,10 @@ def choose_precision(asked: str, dtype: str, dev: torch.device, ships_q4: bool) 
     )
 
 
-_BLOCKS = " (times int8 activations per block of 32 on AVX-512 VNNI, as llama.cpp)"
+def _blocks(kernels: Any) -> str:
+    """How the block-quantized weights multiply here, for a precision's reason."""
+    loop = {"avx512-vnni": "AVX-512 VNNI", "avx2": "AVX2"}[block_loop(kernels)]
+    return f" (times int8 activations per block of 32 on {loop}, as llama.cpp)"
 
 
 def apply_precision(

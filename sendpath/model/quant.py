@@ -15,14 +15,16 @@ faster). ``Linear`` therefore uses it for at most ``INT4_MAX_ROWS`` rows and its
 weight beyond (measured on a 2-core AVX-512 BF16 host: 2.5-3.5x faster than bfloat16 at
 one row, even at about 8, 1.5-2.5x slower at 32 and more).
 
-Where the CPU has AVX-512 VNNI, ``BlockWeights`` multiplies the same codes as llama.cpp
-does (``kernels/block_matmul.cpp``): the activations are quantized to int8 per block of 32
-as well and each block is an integer dot product, 16 output rows at a time. Measured on
-SmolLM2's layers (2-core Zen 4): 3-4x faster than torch's int4 kernel at every row count,
-4x faster than dense bfloat16 (oneDNN, blocked layout) at one row, 1.4-1.6x at 8, 1.3-1.5x
-from 32 to 512 rows (eight activation rows a pass over the weights, the activations
-quantized in AVX-512); the output head's Q8_0 codes 3x faster than torch's int8 kernel at
-one row. So they serve every step, a prompt's chunks too, and no dense copy is kept.
+Where the CPU has AVX-512 VNNI or AVX2, ``BlockWeights`` multiplies the same codes as
+llama.cpp does (``kernels/block_matmul.cpp``): the activations are quantized to int8 per
+block of 32 as well and each block is an integer dot product, 16 output rows at a time.
+Measured on SmolLM2's layers (2-core Zen 4, VNNI): 3-4x faster than torch's int4 kernel at
+every row count, 4x faster than dense bfloat16 (oneDNN, blocked layout) at one row,
+1.4-1.6x at 8, 1.3-1.5x from 32 to 512 rows (eight activation rows a pass over the weights,
+the activations quantized in AVX-512); the output head's Q8_0 codes 3x faster than torch's
+int8 kernel at one row. On a 2-core Zen 3 (AVX2, no bfloat16): 5-7x faster than dense
+float32 at one row, 2-3.5x at 32, 1.5-1.9x at 256. So they serve every step, a prompt's
+chunks too, and no dense copy is kept.
 
 ``cpu_features()`` says what this CPU computes natively, for ``--dtype auto`` and
 ``--quantization auto``.
@@ -45,6 +47,7 @@ __all__ = [
     "Int4Weights",
     "Int8Weights",
     "block_kernels",
+    "block_loop",
     "cpu_features",
     "int4_supported",
     "native_bf16",
@@ -73,10 +76,16 @@ def native_bf16() -> bool:
 
 
 def block_kernels() -> Any | None:
-    """The CPU kernels where ``BlockWeights`` can use them (built, and AVX-512 VNNI), else
-    None."""
+    """The CPU kernels where ``BlockWeights`` can use them (built, with AVX-512 VNNI's or
+    AVX2's loop), else None."""
     kernels = cpu_kernels()
-    return kernels if kernels is not None and kernels.has_vnni() else None
+    return kernels if kernels is not None and block_loop(kernels) != "portable" else None
+
+
+def block_loop(kernels: Any) -> str:
+    """The loop ``BlockWeights`` multiply with here: avx512-vnni, avx2 or portable."""
+    loops: list[str] = kernels.block_loops()
+    return loops[0]
 
 
 def int4_supported() -> bool:

@@ -26,7 +26,7 @@ from tests.engine.test_core import make_core
 def quantized(tiny_llama_dir: Path, request: pytest.FixtureRequest) -> Iterator[LoadedModel]:
     """The tiny model on four-bit block weights, with bfloat16 or float32 activations."""
     if block_kernels() is None:
-        pytest.skip("the layer stack runs block-quantized weights: AVX-512 VNNI only")
+        pytest.skip("the layer stack runs block-quantized weights: AVX-512 VNNI or AVX2 only")
     yield load_model(tiny_llama_dir, dtype=request.param, quantization="int4")
 
 

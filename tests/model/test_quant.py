@@ -19,6 +19,7 @@ from sendpath.model.quant import (
     Int8Weights,
     block_kernels,
     int4_supported,
+    native_bf16,
     q4_0_codes,
     q4_1_codes,
     quantize_q4,
@@ -108,6 +109,8 @@ def test_a_weight_quantized_for_every_product_can_drop_its_dense_copy() -> None:
 def test_packed_weights_give_the_dense_products_and_replace_the_dense_copy() -> None:
     if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         pytest.skip("this torch has no oneDNN")
+    if not native_bf16():  # oneDNN's bfloat16 layout needs AVX-512 (the loader asks the same)
+        pytest.skip("no native bfloat16 here: the packed bfloat16 layout is not used")
     linear = Linear(128, 96)
     with torch.no_grad():
         linear.weight.copy_(torch.from_numpy(_weights()))
@@ -123,18 +126,19 @@ def test_packed_weights_give_the_dense_products_and_replace_the_dense_copy() -> 
 
 
 def test_auto_precision_on_the_built_in_model_is_the_files_four_bits() -> None:
-    if not (
-        torch.cpu.get_capabilities().get("avx512_bf16")
-        or torch.cpu.get_capabilities().get("amx_bf16")
-    ):
-        pytest.skip("auto picks bfloat16 and int4 only on a CPU with native bfloat16")
+    native = native_bf16()
+    blocks = block_kernels()
+    if blocks is None and not native:
+        pytest.skip("auto keeps float32 weights here: no AVX2 or VNNI kernels, no native bfloat16")
     loaded = load_model(None, dtype="auto", quantization="auto")
-    assert loaded.precision.dtype == "bfloat16" and loaded.precision.quantization == "int4"
+    want_dtype = "bfloat16" if native else "float32"
+    assert loaded.precision.dtype == want_dtype and loaded.precision.quantization == "int4"
     assert "four-bit" in loaded.precision.reason
     qkv = next(m for n, m in loaded.model.named_modules() if n.endswith("0.self_attn.qkv_proj"))
     assert isinstance(qkv, Linear)
-    if block_kernels() is not None:  # AVX-512 VNNI: llama.cpp's way, the head's Q8_0 too
-        assert "VNNI" in loaded.precision.reason
+    if blocks is not None:  # AVX-512 VNNI or AVX2: llama.cpp's way, the head's Q8_0 too
+        loop = {"avx512-vnni": "AVX-512 VNNI", "avx2": "AVX2"}[blocks.block_loops()[0]]
+        assert f"on {loop}" in loaded.precision.reason
         assert isinstance(qkv.quantized, BlockWeights)
         assert isinstance(loaded.model.lm_head.quantized, BlockWeights)
         # they serve every product, a prompt chunk's too, and the dense copy is gone
@@ -148,9 +152,20 @@ def test_auto_precision_on_the_built_in_model_is_the_files_four_bits() -> None:
         assert isinstance(loaded.model.lm_head.quantized, Int8Weights)
 
 
+def test_float32_asked_for_keeps_float32_weights_and_from_auto_takes_the_files() -> None:
+    cpu = torch.device("cpu")
+    asked = choose_precision("auto", "float32", cpu, ships_q4=True, dtype_asked=True)
+    assert asked.quantization == "none" and "float32 asked for" in asked.reason
+    chosen = choose_precision("auto", "float32", cpu, ships_q4=True, dtype_asked=False)
+    if block_kernels() is None:
+        assert chosen.quantization == "none"
+    else:  # AVX2 without native bfloat16: the four-bit kernels with float32 activations
+        assert chosen.quantization == "int4" and "float32 activations" in chosen.reason
+
+
 def test_block_weights_free_every_dense_copy_but_a_tied_heads() -> None:
     if block_kernels() is None:
-        pytest.skip("no AVX-512 VNNI here (or no compiler): torch's int4 kernel runs instead")
+        pytest.skip("no AVX-512 VNNI or AVX2 here (or no compiler): torch's int4 kernel runs")
     for tied in (True, False):
         config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
                              num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -175,7 +190,7 @@ def test_block_weights_free_every_dense_copy_but_a_tied_heads() -> None:
 def test_block_weights_are_the_files_own_codes() -> None:
     kernels = block_kernels()
     if kernels is None:
-        pytest.skip("no AVX-512 VNNI here (or no compiler): torch's int4 kernel runs instead")
+        pytest.skip("no AVX-512 VNNI or AVX2 here (or no compiler): torch's int4 kernel runs")
     raw = quantize(_weights(), GGMLQuantizationType.Q4_1)
     exact = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_1))
     weights = BlockWeights.from_q4_1(kernels, *q4_1_codes(raw))

@@ -4,13 +4,14 @@
   and prompt chunks alike (the torch path copies every decoding sequence's whole context
   into a padded batch in every layer); ``paged_attention_bf16.cpp`` its bfloat16 task on
   AVX-512 BF16 dot products, ``paged_prefill_bf16.cpp`` a prompt chunk's rows a tile at a
-  time on them, and ``attention_simd.h`` what they share.
+  time on them, ``paged_attention_avx2.cpp`` its task on AVX2 (no AVX-512), and
+  ``attention_simd.h`` what they share.
 - ``fused_ops.cpp``: the small operations around a layer's matmuls (residual add + RMSNorm,
   RoPE, the cache write, SiLU and its product), one call each instead of about six torch
-  ops each.
+  ops each, over ``vec.h``'s registers (AVX-512 or AVX2).
 - ``block_matmul.cpp``: products with block-quantized weights (the file's Q4_1 and Q8_0
   codes) as llama.cpp computes them, int8 activations and AVX-512 VNNI dot products
-  (``model/quant.py``'s ``BlockWeights``).
+  (``model/quant.py``'s ``BlockWeights``); ``block_matmul_avx2.cpp`` the same on AVX2.
 - ``layer_stack.cpp``: every decoder layer of a step in one call, with those kernels, for a
   model whose layers all have block-quantized weights (``LlamaModel.use_kernels``): the
   Python between a layer's nine kernel calls cost about a third of a one-request step.
@@ -46,14 +47,19 @@ _SOURCES = [
         "bindings.cpp",
         "paged_attention.cpp",
         "paged_attention_bf16.cpp",
+        "paged_attention_avx2.cpp",
         "paged_prefill_bf16.cpp",
         "fused_ops.cpp",
         "block_matmul.cpp",
+        "block_matmul_avx2.cpp",
         "layer_stack.cpp",
     )
 ]
 # in the build's key, not compiled
-_HEADERS = [Path(__file__).with_name(name) for name in ("attention_simd.h", "kernels.h")]
+_HEADERS = [
+    Path(__file__).with_name(name)
+    for name in ("attention_simd.h", "block_matmul.h", "kernels.h", "vec.h")
+]
 _lock = threading.Lock()
 _built: dict[str, Any] = {}
 

@@ -1,7 +1,8 @@
 // What the paged-attention kernels share: the task's shape and the AVX-512 pieces of an
 // online softmax (paged_attention.cpp: float32 and the portable loop;
 // paged_attention_bf16.cpp: AVX-512 BF16 on a bfloat16 cache; paged_prefill_bf16.cpp: a
-// prompt chunk's rows a tile at a time on it).
+// prompt chunk's rows a tile at a time on it; paged_attention_avx2.cpp: AVX2 without
+// AVX-512).
 
 #pragma once
 
@@ -12,7 +13,7 @@
 #include <cstdint>
 #include <limits>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -25,7 +26,7 @@ struct Shape {
   float scale;
 };
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 // Where the blocks ahead are prefetched to: L2, not L1. A 2 KB block is 32 lines; into
 // L1 they wait on its few miss buffers, and a 32-decode step's attention took 1.7x as long
 // when its blocks lay scattered in memory, as a busy server's do (the step about 15% longer).
@@ -35,10 +36,11 @@ constexpr _mm_hint kL2 = _MM_HINT_T1;
 // ahead into L2 (and, before the first, of the one after it). One block ahead left a
 // 32-decode step's attention waiting on memory; two ahead made the step 3-5% faster (the
 // blocks of 32 sequences interleaved or scattered in a 1 GB cache). `T`: the cache's type.
-template <typename T>
+template <typename T, int kAhead = 2>
 inline void prefetch_ahead(const T* k_head, const T* v_head, const int64_t* table, int64_t start,
                            int64_t length, int64_t bs, int64_t dim) {
-  for (int64_t ahead = start == 0 ? 1 : 2; ahead <= 2 && start + ahead * bs < length; ++ahead) {
+  for (int64_t ahead = start == 0 ? 1 : kAhead; ahead <= kAhead && start + ahead * bs < length;
+       ++ahead) {
     const int64_t next = table[start / bs + ahead] * bs * dim;
     for (int64_t i = 0; i < bs * dim; i += 64 / static_cast<int64_t>(sizeof(T))) {
       _mm_prefetch(reinterpret_cast<const char*>(k_head + next + i), kL2);
@@ -47,6 +49,9 @@ inline void prefetch_ahead(const T* k_head, const T* v_head, const int64_t* tabl
   }
 }
 
+#endif
+
+#ifdef __AVX512F__
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {  // bf16 is a float32's upper half
   __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -124,6 +129,15 @@ inline void fold_block_avx512(float* scores, int64_t n, int64_t block_size, int6
 bool decode_task_bf16(const at::BFloat16* q, const at::BFloat16* k_head, const at::BFloat16* v_head,
                       const int64_t* table, int64_t length, at::BFloat16* out, const Shape& s,
                       int64_t group);
+
+// One (sequence, kv head) task with AVX2 and FMA, where there is no AVX-512; false where it
+// does not run (no AVX2, a head dim other than 64 and 128, a block size not a multiple of 8).
+bool decode_task_avx2(const float* q, const float* k_head, const float* v_head,
+                      const int64_t* table, int64_t length, float* out, const Shape& s,
+                      int64_t group);
+bool decode_task_avx2(const at::BFloat16* q, const at::BFloat16* k_head,
+                      const at::BFloat16* v_head, const int64_t* table, int64_t length,
+                      at::BFloat16* out, const Shape& s, int64_t group);
 
 // How many tokens of a prompt chunk `prefill_tile_bf16` takes at once: 1 where it cannot
 // run (no AVX-512 BF16, another head dim, a block size not a multiple of 16).

@@ -12,11 +12,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "RoPE in place on the first `heads` heads of each row");
   m.def("write_kv", &write_kv, "each token's k and v into its cache slot");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
-  m.def("has_vnni", &has_vnni, "whether block_matmul runs on AVX-512 VNNI (else a portable loop)");
+  m.def("block_loops", &block_loops,
+        "the loops block_matmul runs on this CPU, the fastest first (avx512-vnni, avx2, portable)");
   m.def("pack_q4", &pack_q4, "Q4_1 codes, d and m in block_matmul's layout");
   m.def("pack_q8", &pack_q8, "Q8_0 codes and d in block_matmul's layout");
   m.def("block_matmul", &block_matmul, "x W^T for block-quantized weights, int8 activations",
         py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("m"), py::arg("n_out"),
-        py::arg("portable") = false);
+        py::arg("loop") = "");
   bind_layer_stack(m);
 }

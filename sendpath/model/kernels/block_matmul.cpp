@@ -19,28 +19,34 @@
 // float32, which a one-row product spends most of its time reading). Rows past N (to a multiple of 16) and inputs past K (to a multiple of 32) are
 // zero.
 //
-// Without AVX-512 VNNI a portable loop computes the same sums over the same layout;
-// `has_vnni()` says which one runs (the loader only picks these weights where it is VNNI).
+// With AVX-512 VNNI the loop below runs; with AVX2 only, block_matmul_avx2.cpp's; else a
+// portable loop computes the same sums over the same layout. `block_loops()` says which
+// run here, the fastest first (the loader picks these weights where one of the first two
+// does).
 
-#include <torch/extension.h>
+#include "block_matmul.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define SENDPATH_VNNI 1
+#endif
+#if defined(SENDPATH_VNNI) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-constexpr int64_t kBlock = 32;  // inputs per block (Q4_1's and Q8_0's)
-constexpr int64_t kLanes = 16;  // output rows per group
-constexpr int kRowTile = 8;     // activation rows multiplied per pass over the weights
+using namespace sendpath_blocks;
+
+constexpr int kRowTile = 8;     // activation rows multiplied per pass over the weights (VNNI)
 
 inline float widen(float x) { return x; }
 inline float widen(at::BFloat16 x) { return static_cast<float>(x); }
@@ -52,6 +58,42 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {  // bfloat16 is a float32's upper half
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+#elif defined(__AVX2__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// A full block of 32 on AVX2: the codes (as the portable loop rounds them) and their sum.
+template <typename T>
+float quantize_block_avx2(const T* xb, int8_t* qb, float* amax_out) {
+  __m256 v[4];
+  __m256 top = _mm256_setzero_ps();
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int i = 0; i < 4; ++i) {
+    v[i] = load8(xb + 8 * i);
+    top = _mm256_max_ps(top, _mm256_and_ps(v[i], magnitude));
+  }
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  half = _mm_max_ss(half, _mm_movehdup_ps(half));
+  const float amax = _mm_cvtss_f32(half);
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+  const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  // packs interleave the 128-bit lanes: 4-byte groups come out as q0 q1 q2 q3 (low halves),
+  // then the high halves; the permutation puts them back in order
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  *amax_out = amax;
+  return static_cast<float>(_mm_cvtsi128_si32(s));
 }
 #endif
 
@@ -77,6 +119,14 @@ void quantize_row(const T* x, int64_t k, int64_t blocks, int8_t* q, float* scale
       scaled_sum[b] = amax / 127.f * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
       continue;
     }
+#elif defined(__AVX2__)
+    if (n == kBlock) {
+      float amax;
+      const float sum = quantize_block_avx2(xb, qb, &amax);
+      scale[b] = amax / 127.f;
+      scaled_sum[b] = amax / 127.f * sum;
+      continue;
+    }
 #endif
     float amax = 0.f;
     for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(widen(xb[i])));
@@ -91,13 +141,6 @@ void quantize_row(const T* x, int64_t k, int64_t blocks, int8_t* q, float* scale
   }
 }
 
-// The activations quantized per block: q [M, blocks * 32], e and e * sum(q) [M, blocks].
-struct Quantized {
-  int64_t rows, blocks;
-  std::vector<int8_t> q;
-  std::vector<float> scale, scaled_sum;
-};
-
 template <typename T>
 Quantized quantize(const T* x, int64_t rows, int64_t k) {
   const int64_t blocks = blocks_for(k);
@@ -110,14 +153,6 @@ Quantized quantize(const T* x, int64_t rows, int64_t k) {
   });
   return out;
 }
-
-struct Packed {  // pointers into the packed tensors, and their shape
-  const uint8_t* codes;
-  const at::Half* d;
-  const at::Half* m;
-  int64_t blocks, block_bytes;  // 256 (four-bit) or 512
-  bool four_bit;
-};
 
 // The code of row `lane` of a group, input i of block b (the packed layout read back).
 inline int code_at(const Packed& w, int64_t g, int64_t b, int64_t lane, int64_t i) {
@@ -221,14 +256,20 @@ void groups_vnni(const Packed& w, const Quantized& x, T* out, int64_t n_out, int
 }
 #endif
 
+enum class Loop { kVnni, kAvx2, kPortable };
+
 template <typename T>
 void run(const Packed& w, const T* x, int64_t rows, int64_t k, T* out, int64_t n_out,
-         bool portable) {
+         Loop loop) {
   const Quantized q = quantize(x, rows, k);
   const int64_t groups = (n_out + kLanes - 1) / kLanes;
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+    if (loop == Loop::kPortable) return groups_portable(w, q, out, n_out, begin, end);
+    if (loop == Loop::kAvx2) {
+      for (int64_t g = begin; g < end; ++g) group_avx2(w, q, out, n_out, g);
+      return;
+    }
 #ifdef SENDPATH_VNNI
-    if (portable) return groups_portable(w, q, out, n_out, begin, end);
     for (int64_t g = begin; g < end; ++g) {  // a group's weights stay in cache for all rows
       for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
         switch (std::min<int64_t>(kRowTile, rows - r0)) {
@@ -243,9 +284,6 @@ void run(const Packed& w, const T* x, int64_t rows, int64_t k, T* out, int64_t n
         }
       }
     }
-#else
-    (void)portable;
-    groups_portable(w, q, out, n_out, begin, end);
 #endif
   });
 }
@@ -286,12 +324,15 @@ std::vector<torch::Tensor> pack(const torch::Tensor& codes, const torch::Tensor&
 
 }  // namespace
 
-bool has_vnni() {
+// The loops block_matmul runs on this CPU, the fastest first (the last is "portable").
+std::vector<std::string> block_loops() {
+  std::vector<std::string> loops;
 #ifdef SENDPATH_VNNI
-  return true;
-#else
-  return false;
+  loops.push_back("avx512-vnni");
 #endif
+  if (has_avx2_loop()) loops.push_back("avx2");
+  loops.push_back("portable");
+  return loops;
 }
 
 // Q4_1's codes [N, K] (0..15), d and m [N, K/32] -> (codes, d, m) packed for block_matmul.
@@ -308,9 +349,9 @@ std::vector<torch::Tensor> pack_q8(torch::Tensor codes, torch::Tensor d) {
 }
 
 // x [M, K] float32 or bfloat16 and weights from pack_q4 / pack_q8 for N outputs -> [M, N].
-// `portable` takes the portable loop where VNNI is there too (for tests).
+// `loop`: one of block_loops(), or "" for the fastest (tests run each).
 torch::Tensor block_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m,
-                           int64_t n_out, bool portable) {
+                           int64_t n_out, const std::string& loop) {
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && d.dim() == 3 && m.sizes() == d.sizes());
   TORCH_CHECK(codes.scalar_type() == at::kByte && d.scalar_type() == at::kHalf &&
               m.scalar_type() == at::kHalf, "codes uint8, d and m float16 (pack_q4 / pack_q8)");
@@ -322,14 +363,19 @@ torch::Tensor block_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d
   TORCH_CHECK(codes.size(0) == d.size(0) && (n_out + kLanes - 1) / kLanes == codes.size(0));
   const Packed w{codes.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), m.data_ptr<at::Half>(),
                  codes.size(1), codes.size(2), codes.size(2) == 256};
+  static const std::vector<std::string> loops = block_loops();
+  const std::string& name = loop.empty() ? loops.front() : loop;
+  TORCH_CHECK(std::find(loops.begin(), loops.end(), name) != loops.end(), "the ", name,
+              " loop does not run on this CPU");
+  const Loop which = name == "avx512-vnni" ? Loop::kVnni : name == "avx2" ? Loop::kAvx2 : Loop::kPortable;
   auto input = x.contiguous();
   auto out = torch::empty({x.size(0), n_out}, x.options());
   if (input.scalar_type() == at::kBFloat16) {
     run(w, input.data_ptr<at::BFloat16>(), input.size(0), k, out.data_ptr<at::BFloat16>(), n_out,
-        portable);
+        which);
   } else {
     TORCH_CHECK(input.scalar_type() == at::kFloat, "float32 or bfloat16 only");
-    run(w, input.data_ptr<float>(), input.size(0), k, out.data_ptr<float>(), n_out, portable);
+    run(w, input.data_ptr<float>(), input.size(0), k, out.data_ptr<float>(), n_out, which);
   }
   return out;
 }

@@ -24,9 +24,7 @@
 #include <cstring>
 #include <vector>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "vec.h"
 
 namespace {
 
@@ -80,40 +78,6 @@ void rotary_rows(T* qkv, int64_t row_stride, const T* cos, const T* sin, int64_t
   });
 }
 
-#ifdef __AVX512F__
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
-inline void store16(at::BFloat16* p, __m512 x) {  // narrow() for 16 at once
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i top = _mm512_srli_epi32(
-      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  top = _mm512_mask_mov_epi32(top, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(top));
-}
-
-// e^x for 16 floats: x = n ln2 + r with |r| <= ln2/2, e^r by its Taylor series to r^6
-// (relative error ~2e-7, float32's own), times 2^n by scalef (which saturates to 0 and inf).
-inline __m512 exp16(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln2 in two parts
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-#endif
-
 template <typename T>
 void add_rms_norm_rows(T* x, T* residual, const T* weight, int64_t rows, int64_t dim, float eps) {
   for_rows(rows, dim, [&](int64_t r) {
@@ -121,14 +85,15 @@ void add_rms_norm_rows(T* x, T* residual, const T* weight, int64_t rows, int64_t
     T* rr = residual + r * dim;
     float squares = 0.f;
     int64_t d = 0;
-#ifdef __AVX512F__
-    __m512 acc = _mm512_setzero_ps();
-    for (; d + 16 <= dim; d += 16) {  // the stream as stored (rounded), then its squares
-      store16(rr + d, _mm512_add_ps(load16(rr + d), load16(xr + d)));
-      const __m512 s = load16(rr + d);
-      acc = _mm512_fmadd_ps(s, s, acc);
+#ifdef SENDPATH_VEC
+    using namespace sendpath_vec;
+    Vec acc = zero();
+    for (; d + kWidth <= dim; d += kWidth) {  // the stream as stored (rounded), then its squares
+      store(rr + d, add(load(rr + d), load(xr + d)));
+      const Vec s = load(rr + d);
+      acc = fma(s, s, acc);
     }
-    squares = _mm512_reduce_add_ps(acc);
+    squares = sum(acc);
 #endif
     for (; d < dim; ++d) {
       rr[d] = narrow<T>(widen(rr[d]) + widen(xr[d]));
@@ -136,10 +101,10 @@ void add_rms_norm_rows(T* x, T* residual, const T* weight, int64_t rows, int64_t
     }
     const float inv = 1.f / std::sqrt(squares / static_cast<float>(dim) + eps);
     d = 0;
-#ifdef __AVX512F__
-    const __m512 scale = _mm512_set1_ps(inv);
-    for (; d + 16 <= dim; d += 16)
-      store16(xr + d, _mm512_mul_ps(_mm512_mul_ps(load16(rr + d), scale), load16(weight + d)));
+#ifdef SENDPATH_VEC
+    const Vec scale = set1(inv);
+    for (; d + kWidth <= dim; d += kWidth)
+      store(xr + d, mul(mul(load(rr + d), scale), load(weight + d)));
 #endif
     for (; d < dim; ++d) xr[d] = narrow<T>(widen(rr[d]) * inv * widen(weight[d]));
   });
@@ -152,12 +117,13 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t width) {
     const T* u = g + width;
     T* o = out + r * width;
     int64_t d = 0;
-#ifdef __AVX512F__
-    const __m512 one = _mm512_set1_ps(1.f);
-    for (; d + 16 <= width; d += 16) {
-      const __m512 a = load16(g + d);
-      const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), a))));
-      store16(o + d, _mm512_mul_ps(_mm512_mul_ps(a, sig), load16(u + d)));
+#ifdef SENDPATH_VEC
+    using namespace sendpath_vec;
+    const Vec one = set1(1.f);
+    for (; d + kWidth <= width; d += kWidth) {
+      const Vec a = load(g + d);
+      const Vec sig = div(one, add(one, exp(sub(zero(), a))));
+      store(o + d, mul(mul(a, sig), load(u + d)));
     }
 #endif
     for (; d < width; ++d) {

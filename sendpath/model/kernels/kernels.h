@@ -5,6 +5,7 @@
 
 #include <torch/extension.h>
 
+#include <string>
 #include <vector>
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -15,8 +16,8 @@ void rotary_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t he
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slots);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
-bool has_vnni();
+std::vector<std::string> block_loops();
 std::vector<torch::Tensor> pack_q4(torch::Tensor codes, torch::Tensor d, torch::Tensor m);
 std::vector<torch::Tensor> pack_q8(torch::Tensor codes, torch::Tensor d);
 torch::Tensor block_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m,
-                           int64_t n_out, bool portable);
+                           int64_t n_out, const std::string& loop);

@@ -32,7 +32,7 @@ struct BlockLinear {  // BlockWeights' packed codes, d, m and its output width
   torch::Tensor codes, d, m;
   int64_t n_out;
   torch::Tensor operator()(const torch::Tensor& x) const {
-    return block_matmul(x, codes, d, m, n_out, false);
+    return block_matmul(x, codes, d, m, n_out, "");
   }
 };
 

@@ -21,7 +21,8 @@
 // by all G heads: 16 keys' dot products are summed at once (attention_simd.h's sum_each)
 // and the softmax's exponentials are a polynomial over 16 lanes; the rows of the block two
 // ahead are prefetched into L2 while one is scored. A bfloat16 cache on a CPU with AVX-512
-// BF16 takes paged_attention_bf16.cpp's task instead; anything else takes the portable loop.
+// BF16 takes paged_attention_bf16.cpp's task instead; a CPU with AVX2 but no AVX-512
+// paged_attention_avx2.cpp's; anything else takes the portable loop.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -204,6 +205,8 @@ void attend_row(const scalar_t* q, const scalar_t* k_head, const scalar_t* v_hea
     return task_avx512<64>(q, k_head, v_head, table, length, out, s, group);
   if (fast && s.head_dim == 128)
     return task_avx512<128>(q, k_head, v_head, table, length, out, s, group);
+#else
+  if (fast && decode_task_avx2(q, k_head, v_head, table, length, out, s, group)) return;
 #endif
   (void)fast;
   task_portable(q, k_head, v_head, table, length, out, s, group);

@@ -1,5 +1,6 @@
-"""The paged attention kernel against plain softmax attention, on both of its paths
-(AVX-512 for head dims 64 and 128, the portable loop otherwise), and on prompt chunks' rows
+"""The paged attention kernel against plain softmax attention, on both of the paths this CPU
+has (AVX-512, or AVX2 without it, for head dims 64 and 128; the portable loop otherwise,
+and on AVX2 for a block size not a multiple of 8), and on prompt chunks' rows
 (a bfloat16 cache takes them a tile at a time); the runner's attention
 backend with it against torch's attention, on prompt chunks and decodes; and the CPU kernels
 in the engine, where they must give the tokens torch's ops give."""
@@ -58,7 +59,7 @@ def rows_of(layout: str, blocks: int, bs: int) -> tuple[torch.Tensor, torch.Tens
 @pytest.mark.parametrize(
     ("head_dim", "heads", "kv_heads"), [(64, 9, 3), (128, 8, 2), (16, 4, 2), (64, 4, 4)]
 )
-@pytest.mark.parametrize("bs", [16, 8, 32])
+@pytest.mark.parametrize("bs", [16, 8, 32, 12])
 @pytest.mark.parametrize("layout", ["sequences", "chunks"])
 def test_the_kernel_is_softmax_attention_over_each_rows_blocks(
     kernel: Any, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int, bs: int, layout: str
