@@ -4,19 +4,24 @@
 
 void bind_layer_stack(pybind11::module_& m);
 
+// Tensor work only: the GIL is let go for the call, so the server's event loop (streaming
+// the last step's tokens) runs beside a step's kernels called from Python (the LM head's
+// product is about a tenth of a 32-decode step).
+const auto kUnlocked = py::call_guard<py::gil_scoped_release>();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention,
+  m.def("paged_attention", &paged_attention, kUnlocked,
         "each query row's attention over its own context in the paged KV cache, read in place");
-  m.def("fused_add_rms_norm", &fused_add_rms_norm,
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, kUnlocked,
         "residual += x; x = rms_norm(residual) * weight, in place");
-  m.def("rotary_", &rotary_, "RoPE in place on the first `heads` heads of each row");
-  m.def("write_kv", &write_kv, "each token's k and v into its cache slot");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("rotary_", &rotary_, kUnlocked, "RoPE in place on the first `heads` heads of each row");
+  m.def("write_kv", &write_kv, kUnlocked, "each token's k and v into its cache slot");
+  m.def("silu_and_mul", &silu_and_mul, kUnlocked, "silu(gate) * up");
   m.def("block_loops", &block_loops,
         "the loops block_matmul runs on this CPU, the fastest first (avx512-vnni, avx2, portable)");
   m.def("pack_q4", &pack_q4, "Q4_1 codes, d and m in block_matmul's layout");
   m.def("pack_q8", &pack_q8, "Q8_0 codes and d in block_matmul's layout");
-  m.def("block_matmul", &block_matmul, "x W^T for block-quantized weights, int8 activations",
+  m.def("block_matmul", &block_matmul, kUnlocked, "x W^T for block-quantized weights, int8 activations",
         py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("m"), py::arg("n_out"),
         py::arg("loop") = "");
   bind_layer_stack(m);
