@@ -16,12 +16,14 @@
   model whose layers all have block-quantized weights (``LlamaModel.use_kernels``): the
   Python between a layer's nine kernel calls cost about a third of a one-request step.
 
-They are one module (``bindings.cpp``; ``kernels.h`` declares what each source defines),
-built by ``torch.utils.cpp_extension`` (ninja and gcc, ``-O3 -march=native``) into
-``$SENDPATH_CACHE_DIR/kernels`` (default ``~/.cache/sendpath/kernels``), once per torch
-version, environment and source: about a minute the first time, a second after. Where it
-cannot be built (no compiler, no headers), ``cpu_kernels()`` is ``None``, the model and
-the runner keep their torch paths, and the reason is logged once.
+The kernels release the GIL while they compute, so a server's event loop streams tokens
+beside a step. They are one module (``bindings.cpp``; ``kernels.h`` declares what each
+source defines), built by ``torch.utils.cpp_extension`` (ninja and gcc, ``-O3
+-march=native``) into ``$SENDPATH_CACHE_DIR/kernels`` (default
+``~/.cache/sendpath/kernels``), once per torch version, environment and source: about a
+minute the first time, a second after. Where it cannot be built (no compiler, no
+headers), ``cpu_kernels()`` is ``None``, the model and the runner keep their torch
+paths, and the reason is logged once.
 """
 
 from __future__ import annotations
