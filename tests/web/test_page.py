@@ -60,8 +60,14 @@ def real_gw(builtin_llm: LLM, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 def open_page(browser: Any, gw: Gateway, size: str = "desktop") -> Any:
+    """The page, once the what-if it runs on load has answered: it runs with the key in the
+    field when its timer fires, so a key typed before then would pay it a request."""
     page = browser.new_page(viewport=SIZES[size])
     page.goto(gw.url + "/")
+    page.wait_for_function(
+        "() => { const t = document.querySelector('#whatif-line').textContent;"
+        " return t !== '' && t !== 'simulating...'; }"
+    )
     return page
 
 
