@@ -21,8 +21,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the loops block_matmul runs on this CPU, the fastest first (avx512-vnni, avx2, portable)");
   m.def("pack_q4", &pack_q4, "Q4_1 codes, d and m in block_matmul's layout");
   m.def("pack_q8", &pack_q8, "Q8_0 codes and d in block_matmul's layout");
-  m.def("block_matmul", &block_matmul, kUnlocked, "x W^T for block-quantized weights, int8 activations",
-        py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("m"), py::arg("n_out"),
-        py::arg("loop") = "");
+  m.def("block_matmul", &block_matmul, kUnlocked,
+        "x W^T for block-quantized weights, int8 activations", py::arg("x"), py::arg("codes"),
+        py::arg("d"), py::arg("m"), py::arg("n_out"), py::arg("loop") = "");
   bind_layer_stack(m);
 }
