@@ -50,8 +50,7 @@ from sendpath.bench.workload import LengthSpec, build
 from sendpath.engine.steps import StepShape
 from sendpath.fleet import free_port
 from sendpath.sim.calibrated import Calibrated
-from sendpath.sim.profile import step_kind, step_times
-from sendpath.sim.profile_served import profile_served
+from sendpath.sim.profile import profile_served, step_kind, step_times
 from sendpath.sim.simulator import SimConfig, Simulator
 from sendpath.sim.traffic import SimRequest
 
@@ -133,7 +132,7 @@ def at_speed(cost: Calibrated, speed: float) -> Calibrated:
     """The profile on a machine running at ``speed`` of its profiled speed: every step
     price over ``speed``, which for a fit linear in its coefficients is each over it."""
     scaled = {term: c / speed for term, c in cost.coefficients.items()}
-    return Calibrated(scaled, meta=cost.meta, seq_knots=cost.seq_knots)
+    return Calibrated(scaled, meta=cost.meta)
 
 
 def within_target(runs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
@@ -243,8 +242,8 @@ def main() -> None:
         cost = profile_served(url, replica_key=REPLICA_KEY)
         PROFILE.parent.mkdir(exist_ok=True)
         cost.save(PROFILE)
-        print(f"served profile: {time.perf_counter() - started:.0f} s; fit {cost.error()}; "
-              f"held out {cost.error(True)}", flush=True)  # fmt: skip
+        print(f"served profile: {time.perf_counter() - started:.0f} s; fit {cost.error()}",
+              flush=True)  # fmt: skip
         loads = [float(x) for x in args.loads.split(",")]
         runs, step_log = measure(url, cost, args.workloads.split(","), loads, args.requests)
     finally:

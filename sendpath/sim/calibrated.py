@@ -4,28 +4,25 @@ One coefficient per cost a step pays, fitted to the steps the engine logged
 (`sendpath profile`). The runner computes every row of a step (a decode, a prompt
 chunk's token) in the same matmuls and one paged attention call a layer, so:
 
-    step = c_step + c_prompt * prompt_tokens + c_prefill * prefills
-           + c_context * context_tokens + c_kv * kv_tokens
-           + (c_ride * decodes   if the step has a prompt chunk   else seqs(decodes))
+    step = c_step + c_prompt * prompt_tokens + c_context * context_tokens
+           + c_kv * kv_tokens + c_decode * decodes
 
 ``step``: once a step (weights streamed, every layer's kernels dispatched); ``prompt``:
-the matmuls' work per prompt token; ``prefill``: per chunk (its sequence's tables, its
-sampled token); ``context``: the positions each token attends to, summed (the attention
-kernel's work); ``kv``: the KV each sequence reads (a decode reads its whole context for
-one token, where a chunk reads each key once for many); ``ride``: a decode beside a chunk,
-its row one more in the chunk's matmuls; ``seqs``: a decode-only step's sequences, a line
-through a value fitted at each measured power-of-two batch size (``seqs@k``, 0 at one),
-its last slope carried on (few rows leave the matmuls waiting on the weights' bytes: on
-2 CPU cores 4 decodes cost nearly what 8 do).
+the matmuls' work per prompt token; ``context``: the positions each token attends to,
+summed (the attention kernel's work); ``kv``: the KV each sequence reads (a decode reads
+its whole context for one token, where a chunk reads each key once for many);
+``decode``: a decode's row, in a decode-only step or beside a prompt chunk.
 
 Fitted by non-negative least squares (``scipy.optimize.nnls``: a negative cost would make
-some shapes free) on relative error, so a 40 ms decode counts as much as a 2 s prefill,
-each point weighted by the steps it stands for; every second mixed step is held out.
+some shapes free) on relative error, so a 10 ms decode counts as much as a 2 s prefill,
+each point weighted by the steps it stands for. Richer forms were tried on the profile
+and the replayed runs in ``benchmarks/results/`` (a per-chunk cost, a riding decode
+priced apart from a decode-only one, a per-batch-size curve): each fit the steps within
+a point of this one's mean error and moved the fidelity results by a ratio or two of 36.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 from collections.abc import Sequence
@@ -42,49 +39,21 @@ from sendpath.sim.config import SimConfig
 
 __all__ = ["TERMS", "Calibrated", "CostModelFileError", "FitError", "PointKind", "ProfilePoint"]
 
-TERMS = ("step", "prompt", "prefill", "context", "kv", "ride")  # then ``seqs@k`` per knot k > 1
+TERMS = ("step", "prompt", "context", "kv", "decode")
 FORMAT = "sendpath-profile"
-VERSION = 7  # the only one read: earlier files had other forms
+VERSION = 8  # the only one read: earlier files had other forms
 
 
-def _bends(s: int, knots: tuple[int, ...]) -> list[float]:
-    """Weights of the values at ``knots[1:]`` for ``s`` sequences (0 at one sequence)."""
-    weights = [0.0] * (len(knots) - 1)
-    if s <= 1 or not weights:
-        return weights
-    i = next((j for j, k in enumerate(knots) if k >= s), len(knots) - 1)
-    lo, hi = knots[i - 1], knots[i]
-    w = (s - lo) / (hi - lo)  # > 1 past the last knot: extrapolation
-    weights[i - 1] += w
-    if i >= 2:
-        weights[i - 2] += 1 - w
-    return weights
-
-
-def _features(shape: StepShape, knots: tuple[int, ...]) -> list[float]:
-    """The step's amount of each term (``TERMS``, then the knots'), in order."""
+def _features(shape: StepShape) -> tuple[float, ...]:
+    """The step's amount of each term (``TERMS``), in order."""
     decodes = shape.num_seqs - shape.prefills
-    return [
-        1.0,
-        float(shape.prompt_tokens),
-        float(shape.prefills),
-        float(shape.context_tokens),
-        float(shape.kv_tokens),
-        float(decodes) if shape.prefills else 0.0,
-        *_bends(0 if shape.prefills else decodes, knots),
-    ]
-
-
-def _held_out(points: Sequence[ProfilePoint]) -> list[bool]:
-    """Every second mixed step checks the fit (the others price the riding decodes)."""
-    mixed = itertools.count()
-    return [p.kind is PointKind.MIXED and next(mixed) % 2 == 1 for p in points]
+    return (1.0, shape.prompt_tokens, shape.context_tokens, shape.kv_tokens, decodes)
 
 
 class PointKind(StrEnum):
     PREFILL = "prefill"  # prompt chunks only
     DECODE = "decode"  # one-token steps only
-    MIXED = "mixed"  # decodes + prefill chunks: every second one held out
+    MIXED = "mixed"  # decodes + prefill chunks
 
 
 @dataclass(frozen=True)
@@ -129,52 +98,39 @@ class Calibrated:
         coefficients: dict[str, float],
         points: Sequence[ProfilePoint] = (),
         meta: dict[str, Any] | None = None,
-        seq_knots: Sequence[int] = (1,),
     ) -> None:
-        knots = tuple(int(k) for k in seq_knots)
-        if knots[:1] != (1,) or any(b <= a for a, b in itertools.pairwise(knots)):
-            raise ValueError(f"seq_knots must rise from 1, got {list(knots)}")
-        self.seq_knots = knots
-        self.terms = (*TERMS, *(f"seqs@{k}" for k in knots[1:]))
-        for term in self.terms:
+        for term in TERMS:
             value = coefficients.get(term)
             if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"coefficient {term!r} must be a number >= 0, got {value!r}")
-        self.coefficients = {term: float(coefficients[term]) for term in self.terms}
-        self._c = [self.coefficients[t] for t in self.terms]
+        self.coefficients = {term: float(coefficients[term]) for term in TERMS}
+        self._c = [self.coefficients[t] for t in TERMS]
         self.points = list(points)
-        self.held_out = _held_out(self.points)
         self.meta = dict(meta or {})
 
     @classmethod
     def fit(cls, points: Sequence[ProfilePoint], meta: dict[str, Any] | None = None) -> Calibrated:
-        """Fit on every point but the held-out ones; keep them all."""
-        used = [p for p, out in zip(points, _held_out(points), strict=True) if not out]
-        # the per-sequence cost may bend at 1 and at each measured power-of-two batch size
-        batches = sorted({p.shape.num_seqs for p in used if not p.shape.prefills})
-        knots = (1, *(k for k in batches if k > 1 and k & (k - 1) == 0))
-        terms = (*TERMS, *(f"seqs@{k}" for k in knots[1:]))
-        if len(used) < len(terms):
-            raise ValueError(f"fitting {len(terms)} terms needs as many points, got {len(used)}")
-        if any(p.seconds <= 0 for p in used):
+        if len(points) < len(TERMS):
+            raise ValueError(f"fitting {len(TERMS)} terms needs as many points, got {len(points)}")
+        if any(p.seconds <= 0 for p in points):
             raise ValueError("every measured step time must be > 0")
-        weight = np.sqrt([[max(1, p.steps)] for p in used])
-        features = np.array([_features(p.shape, knots) for p in used])
-        rows = features / np.array([[p.seconds] for p in used]) * weight
+        weight = np.sqrt([[max(1, p.steps)] for p in points])
+        features = np.array([_features(p.shape) for p in points])
+        rows = features / np.array([[p.seconds] for p in points]) * weight
         scale = np.abs(rows).max(axis=0)
         scale[scale == 0] = 1.0  # a term no point exercises stays 0
         x = nnls(rows / scale, weight[:, 0])[0] / scale
-        return cls(dict(zip(terms, map(float, x), strict=True)), points, meta, knots)
+        return cls(dict(zip(TERMS, map(float, x), strict=True)), points, meta)
 
     def step_seconds(self, shape: StepShape) -> float:
-        return sum(c * f for c, f in zip(self._c, _features(shape, self.seq_knots), strict=True))
+        return sum(c * f for c, f in zip(self._c, _features(shape), strict=True))
 
-    def error(self, held_out: bool = False) -> FitError | None:
-        """Relative error on the fit points, or on the held-out ones; None without any."""
+    def error(self, kind: PointKind | None = None) -> FitError | None:
+        """Relative error on the points (of ``kind``); None without any."""
         errors = [
             abs(self.step_seconds(p.shape) - p.seconds) / p.seconds
-            for p, out in zip(self.points, self.held_out, strict=True)
-            if out == held_out
+            for p in self.points
+            if kind in (None, p.kind)
         ]
         return FitError(max(errors), sum(errors) / len(errors), len(errors)) if errors else None
 
@@ -209,7 +165,7 @@ class Calibrated:
         return replace(c, scheduler=replace(c.scheduler, **limits), **out)
 
     def save(self, path: str | Path) -> None:
-        fit, held = self.error(), self.error(held_out=True)
+        fit = self.error()
         points = [
             {
                 "kind": p.kind.value,
@@ -226,11 +182,7 @@ class Calibrated:
             "version": VERSION,
             "meta": self.meta,
             "coefficients_s": self.coefficients,
-            "seq_knots": list(self.seq_knots),
-            "fit": {
-                "fit_points": asdict(fit) if fit else None,
-                "held_out": asdict(held) if held else None,
-            },
+            "fit": asdict(fit) if fit else None,
             "points": points,
         }
         Path(path).write_text(json.dumps(data, indent=2) + "\n")
@@ -264,6 +216,6 @@ class Calibrated:
             ]
             if not isinstance(data["meta"], dict):
                 raise TypeError("meta is not an object")
-            return cls(data["coefficients_s"], points, data["meta"], data["seq_knots"])
+            return cls(data["coefficients_s"], points, data["meta"])
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CostModelFileError(path, f"malformed ({type(exc).__name__}: {exc})") from None

@@ -1,15 +1,18 @@
-"""Calibrate from the engine's own step log: run a grid of loads, fit the steps it logged.
+"""Calibrate from the engine's own step log: send a grid of loads, fit the steps it logged.
 
 The engine logs every step it runs (``EngineCore.steps``: the step's shape and wall time;
-a replica serves the log as ``GET /v1/steps``). `sendpath profile` runs the grid's loads
-on the engine `sendpath replica` builds from the same flags, in this process;
-`sendpath profile --url` sends the same loads to a running server (``profile_served.py``).
-The loads, as a server meets them:
+a replica serves the log as ``GET /v1/steps``). `sendpath profile --url` sends the grid's
+loads to a running server (`sendpath serve --replicas 1`, or one `sendpath replica`) as
+its clients send them: streamed text prompts of common words, about a token each, so that
+the gateway's filters and the replica's tokenizer do their work (the step log has the
+exact counts). `sendpath profile` alone loads the engine `sendpath replica` builds from
+the same flags and serves it in this process, on a loopback port, for the same loads
+(``profile_driver.py`` sends them). The loads:
 
 - single prompts of N tokens, every second one after a cached prefix (``PREAMBLE``
   tokens a short request cached first): its chunk resumes there, as a chat request's
   does after its system prompt;
-- B requests of C tokens: one first, the others once it decodes (their prefill chunks
+- B requests of C tokens: one first, the others once it streams (their prefill chunks
   beside its decodes), each answer long enough that all B then decode together for
   about ``answer`` steps;
 - B short requests decoding while prompts of each ``late`` size come one at a time (a
@@ -20,6 +23,13 @@ on (what the simulator's back-to-back steps stand for). Each load's steps are gr
 kind and size; a group's median step is a point standing for its steps in the fit. Loads
 that do not fit the engine are skipped and listed in ``meta``.
 
+Outside the steps, for the simulator: a lone request's time to first token past its
+steps (``request_overhead_s``, the median: HTTP, gateway, tokenizer, stream), and how
+often a gateway's output filter held a chat answer's first token back until the next
+ones showed it could not start a blocked phrase (``first_token_hold``: the share of
+answers held h tokens, from ``chats`` greedy answers after the grid, not fitted; a
+replica alone has no filter, and the file says ``None``).
+
 Nothing here checks what else the machine runs: profile on an idle machine. A process
 that shares the cores slows every step it overlaps (on a shared host the same steps took
 up to 45% longer some minutes than others), and the fit takes that for the engine's cost.
@@ -27,37 +37,38 @@ up to 45% longer some minutes than others), and the fit takes that for the engin
 
 from __future__ import annotations
 
+import asyncio
 import os
-import random
+import socket
+import statistics
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
 
-from sendpath.config import EngineConfig
+import uvicorn
+
+from sendpath.config import EngineConfig, ReplicaConfig
+from sendpath.engine.async_engine import AsyncEngine
 from sendpath.engine.core import EngineCore
 from sendpath.engine.steps import StepShape
-from sendpath.request import SamplingParams
+from sendpath.server.app import create_app
 from sendpath.sim.calibrated import Calibrated, PointKind, ProfilePoint
+from sendpath.sim.profile_driver import WARM_UP, Load, LoadDriver
 
 __all__ = [
     "DEFAULT_GRID",
-    "PREAMBLE",
     "QUICK_GRID",
-    "RIDER_PROMPT",
-    "WARM_UP",
     "Grid",
-    "Load",
     "loads",
-    "meta",
     "points",
     "profile",
+    "profile_served",
     "step_kind",
     "step_times",
 ]
 
-PREAMBLE = 32  # tokens (words, over HTTP) of the shared prompt start: two KV blocks
 RIDER_PROMPT = 16  # tokens of a riding request's prompt
 
 
@@ -70,10 +81,10 @@ class Grid:
     answer: int  # tokens of answer (B x C: plus the steps the other prompts take)
     riders: tuple[int, ...] = ()  # B short requests decoding while ``late`` prompts come
     late: tuple[int, ...] = ()
-    chats: int = 16  # --url: greedy chat answers for the output filter's hold (not fitted)
+    chats: int = 16  # greedy chat answers for a gateway's output filter's hold (not fitted)
 
 
-# about 2 minutes on 2 idle cores with the built-in model, over HTTP or in process
+# about 2 minutes on 2 idle cores with the built-in model
 DEFAULT_GRID = Grid(
     prefill=(16, 64, 128, 256, 512, 1024),
     repeats=3,
@@ -93,20 +104,6 @@ QUICK_GRID = Grid(
     late=(16,),
     chats=4,
 )
-
-
-@dataclass(frozen=True)
-class Load:
-    label: str
-    count: int  # requests
-    tokens: int  # prompt tokens each
-    answer: int  # answer tokens each
-    cached_prefix: bool = False  # the prompt starts with the cached preamble
-    late: tuple[int, ...] = ()  # riders: prompts sent one at a time while they decode
-
-
-# first, in process and over HTTP: warms the engine up and caches the preamble's blocks
-WARM_UP = Load("warm-up and cache the preamble", 1, 8, 2, cached_prefix=True)
 
 
 def loads(grid: Grid, engine: dict[str, Any]) -> tuple[list[Load], list[str]]:
@@ -173,84 +170,87 @@ def points(label: str, timed: list[tuple[StepShape, float]]) -> list[ProfilePoin
     return found
 
 
-class _Engine:
-    """Runs loads on an engine in this process, as a server's loop would step it."""
-
-    def __init__(self, core: EngineCore) -> None:
-        self.core, self.rng = core, random.Random(0)
-        self.vocab = core.loaded.config.vocab_size if core.loaded else 32
-        self.preamble = self.tokens(PREAMBLE)
-        self.decoding: set[str] = set()  # requests that have a token out
-        self.done: set[str] = set()
-
-    def tokens(self, n: int) -> list[int]:
-        return [self.rng.randrange(self.vocab) for _ in range(n)]
-
-    def send(self, tokens: int, answer: int, cached_prefix: bool = False) -> str:
-        prompt = self.preamble + self.tokens(max(1, tokens - PREAMBLE)) if cached_prefix else []
-        params = SamplingParams(max_tokens=answer, ignore_eos=True)
-        return self.core.add_request(prompt or self.tokens(tokens), params).request_id
-
-    def until(self, ids: list[str], state: set[str]) -> None:
-        """Step until every one of ``ids`` is in ``state`` (``decoding`` or ``done``)."""
-        while not state.issuperset(ids):
-            if not self.core.has_unfinished_requests():
-                raise RuntimeError(f"the engine dropped some of {ids}")
-            for out in self.core.step():
-                self.decoding.add(out.request_id)
-                if out.finished:
-                    self.done.add(out.request_id)
-
-    def run(self, load: Load) -> None:
-        first = [self.send(load.tokens, load.answer, load.cached_prefix)]
-        if load.late:  # riders: all of them first, then each late prompt alone beside them
-            first += [self.send(load.tokens, load.answer) for _ in range(load.count - 1)]
-            self.until(first, self.decoding)
-            for tokens in load.late:
-                self.until([self.send(tokens, 2)], self.done)
-        elif load.count > 1:
-            self.until(first, self.decoding)
-            first += [self.send(load.tokens, load.answer) for _ in range(load.count - 1)]
-        self.until(first, self.done)
-
-
 def profile(
     config: EngineConfig,
     grid: Grid = DEFAULT_GRID,
     progress: Callable[[ProfilePoint], None] = lambda p: None,
 ) -> Calibrated:
-    """Load the engine ``config`` describes, run ``grid``'s loads on it, fit its steps."""
-    core = EngineCore.from_config(config)
-    driver = _Engine(core)
-    driver.run(WARM_UP)
-    last = core.steps.last.seq if core.steps.last else 0
-    engine: dict[str, Any] = core.step_log(last)["engine"]
-    runnable, skipped = loads(grid, engine)
-    found = []
-    for load in runnable:
-        driver.run(load)
-        steps: list[dict[str, Any]] = core.step_log(last)["steps"]
-        last = steps[-1]["seq"] if steps else last
-        for point in points(load.label, step_times(steps)):
-            progress(point)
-            found.append(point)
-    return Calibrated.fit(found, meta(core.model_name, engine, skipped=skipped))
+    """Load the engine ``config`` describes, serve it in this process on a loopback port
+    (the replica `sendpath replica` runs), send it ``grid``'s loads, fit its steps."""
+    engine = AsyncEngine.build(lambda: EngineCore.from_config(config))
+    app = create_app(ReplicaConfig(engine=config), engine)
+    return asyncio.run(_serve_and_profile(app, grid, progress))
 
 
-def meta(
-    model: str, engine: dict[str, Any], served_at: str | None = None, **more: Any
-) -> dict[str, Any]:
-    """What a profile measured: ``model`` on the engine ``GET /v1/steps`` describes (its
-    device and dtype lifted out; ``served_at``: a server's URL), on this many cores, when."""
-    settings = dict(engine)
-    device = str(settings.pop("device", "unknown device"))
-    return {
-        "model": model,
-        "device": f"served: {device}" if served_at else device,
-        "dtype": settings.pop("dtype", None),
-        "cpu_count": os.cpu_count(),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "engine": settings,
-        **({"served_at": served_at} if served_at else {}),
-        **more,
-    }
+async def _serve_and_profile(
+    app: Any, grid: Grid, progress: Callable[[ProfilePoint], None]
+) -> Calibrated:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.01)
+        url = "http://{}:{}".format(*sock.getsockname())
+        try:
+            return await _profile(LoadDriver(url, None), None, grid, progress)
+        finally:
+            server.should_exit = True
+            await serving
+
+
+def profile_served(
+    url: str,
+    api_key: str | None = None,
+    grid: Grid = DEFAULT_GRID,
+    progress: Callable[[ProfilePoint], None] = lambda p: None,
+    replica_key: str | None = None,
+) -> Calibrated:
+    """Send ``grid``'s loads to the server at ``url`` and fit the steps it logged;
+    ``replica_key``: the key the replica wants for them (`sendpath serve`'s replicas')."""
+    return asyncio.run(_profile(LoadDriver(url, api_key, replica_key), url, grid, progress))
+
+
+async def _profile(
+    driver: LoadDriver, url: str | None, grid: Grid, progress: Callable[[ProfilePoint], None]
+) -> Calibrated:
+    async with driver.client:
+        model = await driver.connect()
+        await driver.run(model, WARM_UP)
+        seen = await driver.steps(0)
+        engine: dict[str, Any] = seen["engine"]
+        last = seen["steps"][-1]["seq"] if seen["steps"] else 0
+        runnable, skipped = loads(grid, engine)
+        found: list[ProfilePoint] = []
+        overheads = []
+        for load in runnable:
+            ttft = await driver.run(model, load)
+            steps = (await driver.steps(last))["steps"]
+            last = steps[-1]["seq"] if steps else last
+            timed = step_times(steps)
+            if load.count == 1 and load.answer == 1:  # a lone prompt: its steps, its prefill
+                overheads.append(ttft - sum(seconds for _, seconds in timed))
+            for point in points(load.label, timed):
+                progress(point)
+                found.append(point)
+        for _ in range(grid.chats):  # one at a time, steady: how often the filter holds
+            await driver.one(model, driver.rng.randint(40, 120), max(2, grid.answer), chat=True)
+    holds, settings = driver.holds, dict(engine)
+    return Calibrated.fit(
+        found,
+        {  # what it measured: the model, on the engine GET /v1/steps described, when
+            "model": model,
+            "device": str(settings.pop("device", "unknown device")),
+            "dtype": settings.pop("dtype", None),
+            "cpu_count": os.cpu_count(),
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "engine": settings,
+            **({"served_at": url} if url else {}),  # a running server's
+            "skipped": skipped,
+            "request_overhead_s": statistics.median(overheads) if overheads else None,
+            "first_token_hold": (
+                [holds.count(h) / len(holds) for h in range(max(holds) + 1)] if holds else None
+            ),
+            "first_token_hold_answers": len(holds),
+        },
+    )

@@ -8,19 +8,18 @@ import sys
 from pathlib import Path
 
 from sendpath.engine.args import add_engine_args, engine_config
-from sendpath.sim.calibrated import Calibrated, ProfilePoint
-from sendpath.sim.profile import DEFAULT_GRID, QUICK_GRID, profile
-from sendpath.sim.profile_served import profile_served
+from sendpath.sim.calibrated import Calibrated, PointKind, ProfilePoint
+from sendpath.sim.profile import DEFAULT_GRID, QUICK_GRID, profile, profile_served
 
 __all__ = ["DEFAULT_OUT", "DESCRIPTION", "add_profile_args", "print_fit", "run_profile"]
 
 DEFAULT_OUT = Path("sendpath-profile.json")
 DESCRIPTION = (
-    "Run the engine `sendpath replica` would run with the same flags (the built-in "
-    "SmolLM2-135M by default) through a grid of loads, fit each step's time in the engine's "
-    "own step log to the step's shape (the terms: sendpath/sim/calibrated.py), print measured "
-    "vs fitted and write the fit as JSON for `sendpath sim --cost-model`. With --url, send the "
-    "same loads to a running server and fit the steps it logs (GET /v1/steps), as served. "
+    "Serve the engine `sendpath replica` would run with the same flags (the built-in "
+    "SmolLM2-135M by default) in this process, send it a grid of loads, fit each step's time "
+    "in the engine's own step log to the step's shape (the terms: sendpath/sim/calibrated.py), "
+    "print measured vs fitted and write the fit as JSON for `sendpath sim --cost-model`. With "
+    "--url, send the same loads to a running server and fit the steps it logs (GET /v1/steps). "
     "About 2 minutes on 2 CPU cores. Profile on an idle machine: nothing checks for other "
     "processes, and one that shares the cores slows every step it overlaps, which the fit "
     "then takes for the engine's own cost."
@@ -87,30 +86,17 @@ def print_fit(cal: Calibrated) -> None:
     print(
         f"\nstep time, measured vs fitted: {cal.model_name} ({cal.meta.get('dtype')}, {cal.device})"
     )
-    columns = "{:<34}{:>7}{:>6}{:>9}{:>7}{:>13}{:>11}{:>8}"
-    print(
-        columns.format(
-            "point", "tokens", "seqs", "context", "kv", "measured ms", "fitted ms", "error"
-        )
-    )
-    for p, held_out in zip(cal.points, cal.held_out, strict=True):
-        fitted, s = cal.step_seconds(p.shape), p.shape
-        print(
-            columns.format(
-                p.label + (" (held out)" if held_out else ""),
-                s.num_tokens,
-                s.num_seqs,
-                s.context_tokens,
-                s.kv_tokens,
-                f"{p.seconds * 1e3:.1f}",
-                f"{fitted * 1e3:.1f}",
-                f"{(fitted - p.seconds) / p.seconds:+.1%}",
-            )
-        )
-    terms = ", ".join(f"{t} {cal.coefficients[t] * 1e3:.3g}" for t in cal.terms)
+    row = "{:>7}{:>6}{:>9}{:>7}{:>13}{:>11}{:>8}  {}".format  # the label last: any length
+    print(row("tokens", "seqs", "context", "kv", "measured ms", "fitted ms", "error", "point"))
+    for p in cal.points:
+        s, fitted, ms = p.shape, cal.step_seconds(p.shape), p.seconds * 1e3
+        error = f"{(fitted - p.seconds) / p.seconds:+.1%}"
+        sizes = (s.num_tokens, s.num_seqs, s.context_tokens, s.kv_tokens)
+        print(row(*sizes, f"{ms:.1f}", f"{fitted * 1e3:.1f}", error, p.label))
+    terms = ", ".join(f"{t} {c * 1e3:.3g}" for t, c in cal.coefficients.items())
     print(f"fitted, in ms (the terms: sendpath/sim/calibrated.py): {terms}")
-    for name, err in (("fit points", cal.error()), ("held-out mixed steps", cal.error(True))):
-        if err is not None:
-            print(f"relative error on {err.count} {name}: max {err.max:.1%}, mean {err.mean:.1%}")
+    for kind in PointKind:
+        if (e := cal.error(kind)) is not None:
+            print(f"relative error on {e.count} {kind} points: max {e.max:.1%}, mean {e.mean:.1%}")
     if cal.meta.get("skipped"):
         print(f"skipped (do not fit this engine): {', '.join(cal.meta['skipped'])}")

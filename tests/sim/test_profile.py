@@ -16,21 +16,9 @@ from sendpath.sim.config import SimConfig
 from sendpath.sim.profile import QUICK_GRID, profile
 from sendpath.sim.profile_command import print_fit
 
-# what the CPU runner does: a step, then per prompt token, per chunk, per position
-# attended and per KV position read; decodes beside a prompt chunk ride in its matmuls;
-# decode-only steps bend by batch size (4 sequences cost nearly what 8 do)
-KNOWN = {
-    "step": 0.045,
-    "prompt": 0.0014,
-    "prefill": 0.005,
-    "context": 6e-7,
-    "kv": 9e-6,
-    "ride": 0.004,
-    "seqs@2": 0.022,
-    "seqs@4": 0.06,
-    "seqs@8": 0.068,
-}
-KNOTS = (1, 2, 4, 8)
+# what the CPU runner does: a step, then per prompt token, per position attended, per KV
+# position read and per decode row
+KNOWN = {"step": 0.045, "prompt": 0.0014, "context": 6e-7, "kv": 9e-6, "decode": 0.004}
 META = {
     "model": "Tiny-Test",
     "device": "cpu (x86_64, 2 cores)",
@@ -59,7 +47,7 @@ def mixed(b: int, ctx: int, n: int, start: int, chunks: int = 1) -> StepShape:
     )
 
 
-def points_of(coefficients: dict[str, float], knots: tuple[int, ...] = KNOTS) -> list[ProfilePoint]:
+def points_of(coefficients: dict[str, float]) -> list[ProfilePoint]:
     """Points of every kind whose times are exactly what ``coefficients`` predict."""
     shapes = [(PointKind.PREFILL, prefill(n, s)) for n in (16, 64, 256, 512) for s in (0, 32, 512)]
     shapes += [(PointKind.DECODE, decode(b, c)) for b in (1, 2, 3, 4, 6, 8) for c in (64, 512)]
@@ -68,55 +56,43 @@ def points_of(coefficients: dict[str, float], knots: tuple[int, ...] = KNOTS) ->
     ]
     # several prompts' chunks in one step, 3 decodes riding (a served profile's steps)
     shapes += [(PointKind.MIXED, mixed(3, 100, 48, 0, chunks)) for chunks in (2, 4)]
-    truth = Calibrated(coefficients, seq_knots=knots)
+    truth = Calibrated(coefficients)
     return [ProfilePoint(k, f"p{i}", s, truth.step_seconds(s)) for i, (k, s) in enumerate(shapes)]
 
 
-def test_the_fit_prices_prompt_chunks_their_context_and_riding_decodes_apart(
+def test_the_fit_prices_prompt_chunks_their_context_and_decodes_apart(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     points = points_of(KNOWN)
     fitted = Calibrated.fit(points, META)
-    assert fitted.seq_knots == KNOTS
     for term, value in KNOWN.items():
         assert fitted.coefficients[term] == pytest.approx(value, rel=1e-6, abs=1e-12)
-    assert fitted.held_out.count(True) == 5  # every second mixed step checks the fit
-    fit, held = fitted.error(), fitted.error(held_out=True)
-    assert fit is not None and fit.count == len(points) - 5 and fit.max < 1e-9
-    assert held is not None and held.count == 5 and held.max < 1e-9
+    fit = fitted.error()
+    assert fit is not None and fit.count == len(points) and fit.max < 1e-9
+    mixed = fitted.error(PointKind.MIXED)
+    assert mixed is not None and mixed.count == 10
     # a 100-token chunk resumed at 16 costs its extra context and the KV it reads
     extra = fitted.step_seconds(prefill(100, 16)) - fitted.step_seconds(prefill(100, 0))
     assert extra == pytest.approx(6e-7 * 100 * 16 + 9e-6 * 16)
+    # 8 decodes cost 7 more decodes' rows than 1 (and the KV they read)
+    more = fitted.step_seconds(decode(8, 64)) - fitted.step_seconds(decode(1, 64))
+    assert more == pytest.approx(7 * (0.004 + 6e-7 * 64 + 9e-6 * 64))
     print_fit(fitted)
     shown = capsys.readouterr().out
     assert "fitted, in ms (the terms: sendpath/sim/calibrated.py): step 45, prompt 1.4," in shown
-    assert "seqs@2 22, seqs@4 60, seqs@8 68" in shown
-    assert "p33 (held out)" in shown and "relative error on 5 held-out mixed steps" in shown
-
-
-def test_the_per_sequence_cost_bends_at_each_measured_power_of_two() -> None:
-    truth = Calibrated(KNOWN, seq_knots=KNOTS)
-    base = truth.step_seconds(StepShape(0, 0, 0, 0))  # the step alone
-    assert base == pytest.approx(0.045)
-    # 1 sequence: 0; 3: halfway between the knots at 2 and 4; 12: the last slope carried on
-    seqs = {b: truth.step_seconds(StepShape(b, b, 0, 0)) - base for b in (1, 3, 12)}
-    assert seqs == pytest.approx({1: 0.0, 3: (0.022 + 0.06) / 2, 12: 0.068 + (0.068 - 0.06)})
-    # measured batch sizes 1-6: knots at 1, 2 and 4 (3 and 6 are not powers of two)
-    fitted = Calibrated.fit(
-        [p for p in points_of(KNOWN) if p.shape.num_seqs <= 6 or p.shape.prefills]
-    )
-    assert fitted.seq_knots == (1, 2, 4) and "seqs@8" not in fitted.coefficients
+    assert "decode 4" in shown and "relative error on 10 mixed points: max 0.0%" in shown
 
 
 def test_coefficients_are_never_negative() -> None:
-    # times that a negative per-chunk cost would explain best: the fit pins it at 0
-    points = [ProfilePoint(p.kind, p.label, p.shape, p.seconds - 0.02 * p.shape.prefills)
-              for p in points_of({**KNOWN, "prefill": 0.0})]  # fmt: skip
+    # times that a negative per-decode cost would explain best: the fit pins it at 0
+    points = [ProfilePoint(p.kind, p.label, p.shape,
+                           p.seconds - 0.002 * (p.shape.num_seqs - p.shape.prefills))
+              for p in points_of({**KNOWN, "decode": 0.0})]  # fmt: skip
     fitted = Calibrated.fit(points)
-    assert fitted.coefficients["prefill"] == 0.0
+    assert fitted.coefficients["decode"] == 0.0
     assert all(v >= 0 for v in fitted.coefficients.values())
     with pytest.raises(ValueError, match="'kv' must be a number >= 0"):
-        Calibrated({**KNOWN, "kv": -1.0}, seq_knots=KNOTS)
+        Calibrated({**KNOWN, "kv": -1.0})
 
 
 def test_save_and_load_round_trip(tmp_path: Path) -> None:
@@ -124,15 +100,14 @@ def test_save_and_load_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "profile.json"
     fitted.save(path)
     loaded = Calibrated.load(path)
-    assert loaded.coefficients == fitted.coefficients and loaded.seq_knots == KNOTS
+    assert loaded.coefficients == fitted.coefficients
     assert loaded.points == fitted.points
     assert loaded.meta == META and loaded.model_name == "Tiny-Test"
     # the simulator takes the profiled engine's KV cache and batch limits
     config = loaded.sim_config(SimConfig())
     assert (config.num_blocks, config.block_size, config.scheduler.max_num_seqs) == (300, 16, 64)
     data = json.loads(path.read_text())
-    assert data["version"] == 7
-    assert data["fit"]["fit_points"]["count"] == 29 and data["fit"]["held_out"]["count"] == 5
+    assert data["version"] == 8 and data["fit"]["count"] == 34
 
 
 @pytest.mark.parametrize(
@@ -142,11 +117,11 @@ def test_save_and_load_round_trip(tmp_path: Path) -> None:
         ("{not json", "not JSON"),
         ('{"coefficients_s": {}}', "not a sendpath-profile file"),
         # an older form of the file: re-profile
-        ('{"format": "sendpath-profile", "version": 6, "split": true}',
-         "version 6, and this sendpath reads only 7"),
-        ('{"format": "sendpath-profile", "version": 7}', "malformed"),
-        ('{"format": "sendpath-profile", "version": 7, "meta": {}, "points": [], '
-         '"seq_knots": [1], "coefficients_s": {"step": -1}}', "malformed"),
+        ('{"format": "sendpath-profile", "version": 7, "seq_knots": [1]}',
+         "version 7, and this sendpath reads only 8"),
+        ('{"format": "sendpath-profile", "version": 8}', "malformed"),
+        ('{"format": "sendpath-profile", "version": 8, "meta": {}, "points": [], '
+         '"coefficients_s": {"step": -1}}', "malformed"),
     ],
 )  # fmt: skip
 def test_a_bad_or_old_file_says_which_and_what_to_do(
@@ -163,45 +138,32 @@ def test_a_bad_or_old_file_says_which_and_what_to_do(
     assert f"run `sendpath profile --out {path}`" in message
 
 
-def test_quick_profile_fits_the_real_engines_step_log(tiny_llama_dir: Path) -> None:
+def test_quick_profile_serves_the_engine_in_process_and_fits_its_step_log(
+    tiny_llama_dir: Path,
+) -> None:
     config = EngineConfig(
         model=str(tiny_llama_dir), dtype="float32", device="cpu", cache=CacheConfig(num_blocks=128)
     )
     cal = profile(config, QUICK_GRID)
     # one point per load, kind and step size, each the median of the steps the engine
     # logged for it; the sizes are the engine's own scheduling of each load
-    found = {p.label: p.shape for p in cal.points}
-    assert set(found) == {
-        "prompt 8: prefill 8 tok / 1 seq (1 steps)",
-        # 32 tokens from the cache and one to run: the runner takes it for a decode
-        "prompt 8 after a cached prefix: decode 1 tok / 1 seq (1 steps)",
-        "prompt 48: prefill 48 tok / 1 seq (1 steps)",
-        "prompt 48 after a cached prefix: prefill 16 tok / 1 seq (1 steps)",
-        "1 x 16: prefill 16 tok / 1 seq (1 steps)",
-        "1 x 16: decode 1 tok / 1 seq (31 steps)",
-        # the leader's prefill samples its first token; the other 3 prompts run beside
-        # its decode; all 4 decode together; the leader, one token ahead, ends first
-        "4 x 16: prefill 16 tok / 1 seq (1 steps)",
-        "4 x 16: mixed 49 tok / 4 seq (1 steps)",
-        "4 x 16: decode 4 tok / 4 seq (31 steps)",
-        "4 x 16: decode 3 tok / 3 seq (1 steps)",
-        # 4 riders' prompts in one step, then their decodes, with the late prompt's chunk
-        # beside them once, and its one decode beside them after
-        "4 riding: prefill 64 tok / 4 seq (1 steps)",
-        "4 riding: decode 4 tok / 4 seq (37 steps)",
-        "4 riding: mixed 20 tok / 5 seq (1 steps)",
-        "4 riding: decode 5 tok / 5 seq (1 steps)",
-    }
-    resumed = found["prompt 48 after a cached prefix: prefill 16 tok / 1 seq (1 steps)"]
-    assert resumed == StepShape(16, 1, 16 * 32 + 136, 48, 16, 1)
-    riding = found["4 riding: mixed 20 tok / 5 seq (1 steps)"]
-    assert (riding.prompt_tokens, riding.prefills) == (16, 1)
-    assert found["4 riding: prefill 64 tok / 4 seq (1 steps)"].prefills == 4
+    loads = {p.label.split(":")[0] for p in cal.points}
+    assert loads == {"prompt 8", "prompt 8 after a cached prefix", "prompt 48",
+                     "prompt 48 after a cached prefix", "1 x 16", "4 x 16", "4 riding"}  # fmt: skip
     assert {p.kind for p in cal.points} == set(PointKind)
+    # a prompt after the cached preamble resumes past it: its chunk reads the cached KV
+    resumed = [p.shape for p in cal.points if p.label.startswith("prompt 48 after")]
+    assert resumed and all(s.kv_tokens >= s.prompt_tokens + 32 for s in resumed), resumed
+    # the late prompt's chunk shared a step with the 4 riders' decodes
+    riding = [p.shape for p in cal.points if p.label.startswith("4 riding: mixed")]
+    assert any(s.prefills == 1 and s.num_seqs == 5 for s in riding), riding
     assert all(p.seconds > 0 and cal.step_seconds(p.shape) > 0 for p in cal.points)
     assert all(v >= 0 for v in cal.coefficients.values())
     assert cal.meta["engine"]["num_blocks"] == 128 and cal.meta["dtype"] == "float32"
     assert cal.meta["device"].startswith("cpu") and cal.meta["skipped"] == []
+    # the replica served in process: its HTTP time, no gateway (no output filter), no URL
+    assert 0 < cal.meta["request_overhead_s"] < 1 and cal.meta["first_token_hold"] is None
+    assert "served_at" not in cal.meta
 
 
 def test_profile_command_writes_a_file_sim_can_load(

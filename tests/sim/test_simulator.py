@@ -102,11 +102,8 @@ def test_runs_repeat_and_the_cli_reports_benchs_keys(tmp_path: Path) -> None:
 
 # a CPU-like calibrated model: no bulk pricing of its own, decodes padded to the longest
 CALIBRATED = Calibrated(
-    {"step": 0.04, "prompt": 0.0015, "prefill": 0.03, "resume": 0.04, "context": 1e-9, "kv": 1e-5,
-     "ride": 0.002, "prefilling": 0.0, "riding": 0.0, "seqs@2": 0.02, "seqs@4": 0.05,
-     "seqs@8": 0.06},
-    seq_knots=(1, 2, 4, 8),
-)  # fmt: skip
+    {"step": 0.04, "prompt": 0.0015, "context": 1e-9, "kv": 1e-5, "decode": 0.002}
+)
 
 
 @pytest.mark.parametrize("cost", [COST, CALIBRATED], ids=["roofline", "calibrated"])

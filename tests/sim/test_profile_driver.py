@@ -13,8 +13,8 @@ from sendpath.cli import main
 from sendpath.gateway.safety import RulesFilter
 from sendpath.model.loader import LoadedModel
 from sendpath.sim.calibrated import Calibrated, PointKind
-from sendpath.sim.profile import QUICK_GRID, Load
-from sendpath.sim.profile_served import LoadDriver, ServedProfileError, profile_served
+from sendpath.sim.profile import QUICK_GRID, profile_served
+from sendpath.sim.profile_driver import Load, LoadDriver, ServedProfileError
 from tests.gateway.conftest import gateway
 from tests.server.conftest import BLOCKS, serve
 
@@ -34,14 +34,14 @@ def test_the_replica_logs_each_step_with_its_shape(tiny: LoadedModel) -> None:
         assert [s["seq"] for s in later["steps"]] == [s["seq"] for s in steps[3:]]
 
 
-def test_a_served_profile_fits_prefill_decode_and_holds_out_mixed_steps(
+def test_a_served_profile_fits_prefill_decode_and_mixed_steps(
     tiny: LoadedModel, tmp_path: Path
 ) -> None:
     with serve(tiny) as server:
         cal = profile_served(server.url, grid=QUICK_GRID)
         assert {p.kind for p in cal.points} == set(PointKind)
         assert all(p.seconds > 0 for p in cal.points)
-        assert cal.meta["engine"]["num_blocks"] == BLOCKS and cal.device.startswith("served: cpu")
+        assert cal.meta["engine"]["num_blocks"] == BLOCKS and cal.device.startswith("cpu")
         assert all(cal.step_seconds(p.shape) > 0 for p in cal.points)
         # the late prompt's chunk shared a step with the 4 short requests' decodes
         riding = [p for p in cal.points if p.label.startswith("4 riding: mixed")]

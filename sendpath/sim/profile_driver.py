@@ -1,26 +1,16 @@
-"""`sendpath profile --url`: calibrate from a live server's own step log, as it serves.
+"""What `sendpath profile` sends: a grid's loads, to a replica as its clients send them.
 
-A served engine shares the machine with its HTTP server, the gateway and the clients,
-whose per-request and per-token work can slow its steps on a small machine. So this sends
-the grid's loads (``profile.py``) to a running `sendpath serve --replicas 1` (or one
-`sendpath replica`) as clients send them, as streamed text prompts (common words, about a
-token each, so that the gateway's filters and the replica's tokenizer do their work), and
-fits the steps the replica itself logged (``GET /v1/steps``).
-
-Outside the steps, for the simulator: a lone request's time to first token past its
-steps (``request_overhead_s``, the median: HTTP, gateway, tokenizer, stream), and how
-often the gateway's output filter held a chat answer's first token back until the next
-ones showed it could not start a blocked phrase (``first_token_hold``: the share of
-answers held h tokens, from ``chats`` greedy answers after the grid, not fitted; a
-replica alone has no filter, and the file says ``None``).
+``LoadDriver`` sends each load (``profile.py`` makes them from the grid) as streamed text
+prompts to a server (a gateway with one replica, or a replica), reads what a client
+sees (time to first token, the output filter's hold on it) and the replica's own step
+log (``GET /v1/steps``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-import statistics
-from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -28,76 +18,28 @@ import httpx
 
 from sendpath.bench.client import stream_request
 from sendpath.bench.workload import random_text
-from sendpath.sim.calibrated import Calibrated, ProfilePoint
-from sendpath.sim.profile import (
-    DEFAULT_GRID,
-    PREAMBLE,
-    WARM_UP,
-    Grid,
-    Load,
-    loads,
-    meta,
-    points,
-    step_times,
-)
 
-__all__ = ["LoadDriver", "ServedProfileError", "profile_served"]
+__all__ = ["PREAMBLE", "WARM_UP", "Load", "LoadDriver", "ServedProfileError"]
+
+PREAMBLE = 32  # words (about a token each) of the shared prompt start: two KV blocks
+
+
+@dataclass(frozen=True)
+class Load:
+    label: str
+    count: int  # requests
+    tokens: int  # prompt tokens each
+    answer: int  # answer tokens each
+    cached_prefix: bool = False  # the prompt starts with the cached preamble
+    late: tuple[int, ...] = ()  # riders: prompts sent one at a time while they decode
+
+
+# first: warms the engine up and caches the preamble's blocks
+WARM_UP = Load("warm-up and cache the preamble", 1, 8, 2, cached_prefix=True)
 
 
 class ServedProfileError(ValueError):
     """The server cannot be profiled (unreachable, several replicas, refuses requests)."""
-
-
-def profile_served(
-    url: str,
-    api_key: str | None = None,
-    grid: Grid = DEFAULT_GRID,
-    progress: Callable[[ProfilePoint], None] = lambda p: None,
-    replica_key: str | None = None,
-) -> Calibrated:
-    """Send ``grid``'s loads to the server at ``url`` and fit the steps it logged;
-    ``replica_key``: the key the replica wants for them (`sendpath serve`'s replicas')."""
-    return asyncio.run(_profile(LoadDriver(url, api_key, replica_key), url, grid, progress))
-
-
-async def _profile(
-    driver: LoadDriver, url: str, grid: Grid, progress: Callable[[ProfilePoint], None]
-) -> Calibrated:
-    async with driver.client:
-        model = await driver.connect()
-        await driver.run(model, WARM_UP)
-        seen = await driver.steps(0)
-        engine: dict[str, Any] = seen["engine"]
-        last = seen["steps"][-1]["seq"] if seen["steps"] else 0
-        runnable, skipped = loads(grid, engine)
-        found: list[ProfilePoint] = []
-        overheads = []
-        for load in runnable:
-            ttft = await driver.run(model, load)
-            steps = (await driver.steps(last))["steps"]
-            last = steps[-1]["seq"] if steps else last
-            timed = step_times(steps)
-            if load.count == 1 and load.answer == 1:  # a lone prompt: its steps, its prefill
-                overheads.append(ttft - sum(seconds for _, seconds in timed))
-            for point in points(load.label, timed):
-                progress(point)
-                found.append(point)
-        for _ in range(grid.chats):  # one at a time, steady: how often the filter holds
-            await driver.one(model, driver.rng.randint(40, 120), max(2, grid.answer), chat=True)
-    holds = driver.holds
-    hold = [holds.count(h) / len(holds) for h in range(max(holds) + 1)] if holds else None
-    return Calibrated.fit(
-        found,
-        meta(
-            model,
-            engine,
-            url,
-            skipped=skipped,
-            request_overhead_s=statistics.median(overheads) if overheads else None,
-            first_token_hold=hold,
-            first_token_hold_answers=len(holds),
-        ),
-    )
 
 
 class LoadDriver:
@@ -170,11 +112,9 @@ class LoadDriver:
         prompt = random_text(self.rng, max(1, tokens - 1 - PREAMBLE * cached_prefix))
         prompt = f"{self.preamble} {prompt}" if cached_prefix else prompt
         body: dict[str, Any] = {"model": model, "max_tokens": answer, "ignore_eos": True}
-        body["temperature"] = 0
+        body |= {"temperature": 0, "prompt": prompt}
         if chat:
-            body["messages"] = [{"role": "user", "content": prompt}]
-        else:
-            body["prompt"] = prompt
+            body["messages"] = [{"role": "user", "content": body.pop("prompt")}]
         path = "/v1/chat/completions" if chat else "/v1/completions"
         first = first or asyncio.Event()
         try:
@@ -188,9 +128,9 @@ class LoadDriver:
         return found.ttft or 0.0
 
     async def run(self, model: str, load: Load) -> float:
-        """Send ``load`` as the in-process profiler runs it; the first request's seconds to
-        its first token. Its first request (riders: all of them) goes first; once it
-        decodes, the others at once, or (riders) each late prompt alone beside them."""
+        """Send ``load``; the first request's seconds to its first token. Its first request
+        (riders: all of them) goes first; once it streams, the others at once, or (riders)
+        each late prompt alone beside them."""
         started = [asyncio.Event() for _ in range(load.count if load.late else 1)]
         one = partial(self.one, model, load.tokens, load.answer)
         first = [asyncio.create_task(one(event, load.cached_prefix)) for event in started]
