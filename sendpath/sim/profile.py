@@ -38,11 +38,12 @@ up to 45% longer some minutes than others), and the fit takes that for the engin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import statistics
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
@@ -182,12 +183,20 @@ def profile(
     return asyncio.run(_serve_and_profile(app, grid, progress))
 
 
+class _InProcess(uvicorn.Server):
+    """Leaves Ctrl-C to the profile, which stops the server as it stops itself."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
 async def _serve_and_profile(
     app: Any, grid: Grid, progress: Callable[[ProfilePoint], None]
 ) -> Calibrated:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        server = _InProcess(uvicorn.Config(app, log_level="warning", lifespan="on"))
         serving = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not serving.done():
             await asyncio.sleep(0.01)

@@ -64,11 +64,16 @@ def run_profile(args: argparse.Namespace) -> int:
             cal = profile_served(args.url, args.api_key, grid, _progress, args.replica_api_key)
         else:
             config = engine_config(args)
-            print("sendpath profile: running loads on the engine", flush=True)
+            print(
+                "sendpath profile: serving the engine in this process, sending it loads", flush=True
+            )
             cal = profile(config, grid, _progress)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("sendpath profile: interrupted; nothing written", file=sys.stderr)
+        return 130
     print_fit(cal)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     cal.save(args.out)

@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -176,6 +179,26 @@ def test_profile_command_writes_a_file_sim_can_load(
     printed = capsys.readouterr().out
     assert "measured vs fitted" in printed and f"wrote {out}" in printed
     assert Calibrated.load(out).meta["engine"]["num_blocks"] == 131  # 1.07 MB / (512 B x 16 tokens)
+
+
+def test_ctrl_c_stops_the_profile_and_its_server_and_writes_nothing(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "p.json"
+    argv = [sys.executable, "-m", "sendpath.cli", "profile", "--model", str(tiny_llama_dir),
+            "--dtype", "float32", "--kv-cache-memory-gib", "0.01", "--out", str(out)]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # the first point: the loads run (the full grid: minutes)
+            if line.startswith("  prompt 16"):
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "interrupted; nothing written" in err
+    assert "Traceback" not in err and not out.exists()
 
 
 def test_sim_with_a_cost_model(tmp_path: Path) -> None:
