@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
@@ -90,10 +91,13 @@ def serve_app(app: ASGIApp, limits: ConnectionLimits | None = None) -> Iterator[
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
+    # a request still in flight at the end (a replica that hangs on purpose) is cut after
+    # a second, as a real server's would be by its supervisor, instead of holding the join
+    options: dict[str, Any] = {"lifespan": "on", "timeout_graceful_shutdown": 1}
     if limits is not None:
-        config = uvicorn_config(app, "127.0.0.1", port, limits, lifespan="on")
+        config = uvicorn_config(app, "127.0.0.1", port, limits, **options)
     else:
-        config = uvicorn.Config(app, log_level="warning", lifespan="on")
+        config = uvicorn.Config(app, log_level="warning", **options)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
     thread.start()
