@@ -10,8 +10,8 @@ the same flags and serves it in this process, on a loopback port, for the same l
 (``profile_driver.py`` sends them). The loads:
 
 - single prompts of N tokens, every second one after a cached prefix (``PREAMBLE``
-  tokens a short request cached first): its chunk resumes there, as a chat request's
-  does after its system prompt;
+  tokens a short request cached first): its N tokens resume there, as a chat request's
+  new tokens do after its system prompt;
 - B requests of C tokens: one first, the others once it streams (their prefill chunks
   beside its decodes), each answer long enough that all B then decode together for
   about ``answer`` steps;
@@ -56,7 +56,7 @@ from sendpath.engine.core import EngineCore
 from sendpath.engine.steps import StepShape
 from sendpath.server.app import create_app
 from sendpath.sim.calibrated import Calibrated, PointKind, ProfilePoint
-from sendpath.sim.profile_driver import WARM_UP, Load, LoadDriver
+from sendpath.sim.profile_driver import PREAMBLE, WARM_UP, Load, LoadDriver
 
 __all__ = [
     "DEFAULT_GRID",
@@ -126,12 +126,13 @@ def loads(grid: Grid, engine: dict[str, Any]) -> tuple[list[Load], list[str]]:
 
     def fits(x: Load) -> bool:
         late = max(x.late, default=0) + 2
-        size = x.count * (x.tokens + x.answer + 16) + (late + 16 if x.late else 0)
+        tokens = x.tokens + PREAMBLE * x.cached_prefix
+        size = x.count * (tokens + x.answer + 16) + (late + 16 if x.late else 0)
         seqs, blocks = int(engine["max_num_seqs"]), int(engine["num_blocks"])
         return (
             x.count + bool(x.late) <= seqs
             and size <= blocks * int(engine["block_size"])
-            and max(x.tokens + x.answer, late) <= int(engine["max_model_len"])
+            and max(tokens + x.answer, late) <= int(engine["max_model_len"])
         )
 
     return [x for x in found if fits(x)], [x.label for x in found if not fits(x)]

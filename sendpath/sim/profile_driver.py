@@ -28,9 +28,9 @@ PREAMBLE = 32  # words (about a token each) of the shared prompt start: two KV b
 class Load:
     label: str
     count: int  # requests
-    tokens: int  # prompt tokens each
+    tokens: int  # prompt tokens each (after the cached preamble's, with cached_prefix)
     answer: int  # answer tokens each
-    cached_prefix: bool = False  # the prompt starts with the cached preamble
+    cached_prefix: bool = False  # the prompt resumes after the cached preamble
     late: tuple[int, ...] = ()  # riders: prompts sent one at a time while they decode
 
 
@@ -106,10 +106,10 @@ class LoadDriver:
         chat: bool = False,
     ) -> float:
         """One streamed request of about ``tokens`` words (the step log has the exact
-        count), after the cached preamble with ``cached_prefix``; a user message with
+        count), resuming after the cached preamble with ``cached_prefix``; a user message with
         ``chat``, whose first token's hold by the output filter goes in ``holds``. Sets
         ``first`` at its first token; returns the seconds to it, as the client saw them."""
-        prompt = random_text(self.rng, max(1, tokens - 1 - PREAMBLE * cached_prefix))
+        prompt = random_text(self.rng, max(1, tokens - 1))
         prompt = f"{self.preamble} {prompt}" if cached_prefix else prompt
         body: dict[str, Any] = {"model": model, "max_tokens": answer, "ignore_eos": True}
         body |= {"temperature": 0, "prompt": prompt}
