@@ -107,7 +107,9 @@ def choose_precision(
 def _blocks(kernels: Any) -> str:
     """How the block-quantized weights multiply here, for a precision's reason."""
     loop = {"avx512-vnni": "AVX-512 VNNI", "avx2": "AVX2"}[block_loop(kernels)]
-    return f" (times int8 activations per block of 32 on {loop}, as llama.cpp)"
+    tiles = kernels.matrix_loops()
+    amx = f"; AMX {tiles[0]} tiles from {kernels.matrix_min_rows()} rows a step" if tiles else ""
+    return f" (times int8 activations per block of 32 on {loop}{amx}, as llama.cpp)"
 
 
 def apply_precision(

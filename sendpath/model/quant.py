@@ -50,6 +50,7 @@ __all__ = [
     "block_loop",
     "cpu_features",
     "int4_supported",
+    "matrix_engine",
     "native_bf16",
     "q4_0_codes",
     "q4_1_codes",
@@ -86,6 +87,17 @@ def block_loop(kernels: Any) -> str:
     """The loop ``BlockWeights`` multiply with here: avx512-vnni, avx2 or portable."""
     loops: list[str] = kernels.block_loops()
     return loops[0]
+
+
+def matrix_engine(kernels: Any | None) -> str:
+    """What multiplies ``BlockWeights``' larger steps here: the AMX loop and the rows from
+    which it takes a product (``kernels/block_matmul_amx.h``), or ``none`` and why."""
+    if kernels is None:
+        return "none: the CPU kernels are not built"
+    loops: list[str] = kernels.matrix_loops()
+    if not loops:
+        return f"none: {kernels.matrix_unavailable()}"
+    return f"{loops[0]} tiles from {kernels.matrix_min_rows()} rows a step"
 
 
 def int4_supported() -> bool:

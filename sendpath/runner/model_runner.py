@@ -33,6 +33,7 @@ from sendpath.engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerO
 from sendpath.model.kernels import cpu_kernels
 from sendpath.model.llama import LlamaConfig
 from sendpath.model.loader import LoadedModel
+from sendpath.model.quant import BlockWeights, matrix_engine
 from sendpath.model.sampler import History, TokenCounts, make_generator, sample
 from sendpath.model.structured import Matcher, grammar_compiler
 from sendpath.request import Request
@@ -232,9 +233,22 @@ class ModelRunner:
             "attention": "paged kernel" if self.attention.kernel else "torch SDPA",
             "layer_ops": self._layer_ops(),
             "precision_reason": self.precision.reason,
+            "matrix_engine": self._matrix_engine(),
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
         }
+
+    def _matrix_engine(self) -> str:
+        """The CPU's matrix engine as the block-quantized weights use it (``none`` on a GPU,
+        or where the weights are not block-quantized)."""
+        if self.model.device.type != "cpu":
+            return f"none: {self.model.device.type}"
+        blocks = any(
+            isinstance(getattr(m, "quantized", None), BlockWeights) for m in self.model.modules()
+        )
+        if not blocks:
+            return "none: no block-quantized weights"
+        return matrix_engine(cpu_kernels())
 
     def _layer_ops(self) -> str:
         if self.model.stack is not None:

@@ -8,8 +8,9 @@ an engine statistics snapshot taken when ``/metrics`` is scraped.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -87,6 +88,16 @@ class ReplicaMetrics:
         )
         self._engine = _EngineCollector()
         r.register(self._engine)
+        self.engine_info = Info(
+            "sendpath:engine",
+            "What the engine runs on: device, weights, and the matrix engine its products use.",
+            registry=r,
+        )
+
+    def describe_engine(self, runs: dict[str, Any]) -> None:
+        """Set ``sendpath:engine_info`` from the runner's ``describe()`` (once loaded)."""
+        keys = ("device", "dtype", "quantization", "matrix_engine", "attention")
+        self.engine_info.info({k: str(runs[k]) for k in keys if k in runs})
 
     def observe(self, request: Request) -> None:
         """Record a finished (or aborted) request."""

@@ -46,6 +46,8 @@ class Replica:
         self.draining = False
         self.load_error: BaseException | None = None
         self.metrics = ReplicaMetrics()
+        if engine is not None:  # handed in loaded (tests, the simulator's profile)
+            self.metrics.describe_engine(self.runs_on())
         self.traces: TraceStore[dict[str, Any]] = TraceStore()
         self.active: TraceStore[EngineRequest] = TraceStore()  # in flight, by response id
 
@@ -89,13 +91,16 @@ class Replica:
             return
         self.engine = engine
         runs = self.runs_on()
+        self.metrics.describe_engine(runs)
         logger.info(
-            "%s loaded: %s, %s weights, quantization %s (%s); attention: %s; layer ops: %s",
+            "%s loaded: %s, %s weights, quantization %s (%s); matrix engine: %s; attention: %s; "
+            "layer ops: %s",
             self.model_name,
             runs.get("device"),
             runs.get("dtype"),
             runs.get("quantization"),
             runs.get("precision_reason"),
+            runs.get("matrix_engine"),
             runs.get("attention"),
             runs.get("layer_ops"),
         )

@@ -23,7 +23,7 @@ from sendpath.server.replica import Replica
 __all__ = ["replica_of", "router"]
 
 router = APIRouter()
-_PRECISION = ("dtype", "quantization", "precision_reason", "attention")  # of /load
+_PRECISION = ("dtype", "quantization", "precision_reason", "matrix_engine", "attention")  # /load
 
 
 def replica_of(request: Request) -> Replica:

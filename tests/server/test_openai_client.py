@@ -164,3 +164,8 @@ def test_models_health_load(server: Server) -> None:
         "precision",
     }
     assert load["precision"]["dtype"] == "float32"  # the tiny test model's, as asked
+    # its float32 weights are not block-quantized, so no matrix engine multiplies them
+    assert load["precision"]["matrix_engine"] == "none: no block-quantized weights"
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert 'matrix_engine="none: no block-quantized weights"' in metrics
+    assert "sendpath:engine_info{" in metrics

@@ -12,6 +12,13 @@
 - ``block_matmul.cpp``: products with block-quantized weights (the file's Q4_1 and Q8_0
   codes) as llama.cpp computes them, int8 activations and AVX-512 VNNI dot products
   (``model/quant.py``'s ``BlockWeights``); ``block_matmul_avx2.cpp`` the same on AVX2.
+- ``matrix_engine.cpp``: where AMX's tiles run (the CPU has them and Linux grants the
+  process their state, asked for once), block_matmul's products of 16 rows or more go to
+  ``block_matmul_amx.h``'s designs: int8 tiles, to the VNNI loop's bits, or bfloat16 tiles
+  over a dequantized panel. ``block_matmul_amx_impl.h`` writes them once over
+  ``amx_tiles.h``'s operations, built twice: on the tiles (``block_matmul_amx.cpp``) and
+  on a software model of them (``block_matmul_amx_emulated.cpp``, loops ``amx-int8-emulated``
+  and ``amx-bf16-emulated``), which the tests check wherever AVX-512 BF16 runs.
 - ``layer_stack.cpp``: every decoder layer of a step in one call, with those kernels, for a
   model whose layers all have block-quantized weights (``LlamaModel.use_kernels``): the
   Python between a layer's nine kernel calls cost about a third of a one-request step.
@@ -54,13 +61,24 @@ _SOURCES = [
         "fused_ops.cpp",
         "block_matmul.cpp",
         "block_matmul_avx2.cpp",
+        "matrix_engine.cpp",
+        "block_matmul_amx.cpp",
+        "block_matmul_amx_emulated.cpp",
         "layer_stack.cpp",
     )
 ]
 # in the build's key, not compiled
 _HEADERS = [
     Path(__file__).with_name(name)
-    for name in ("attention_simd.h", "block_matmul.h", "kernels.h", "vec.h")
+    for name in (
+        "amx_tiles.h",
+        "attention_simd.h",
+        "block_matmul.h",
+        "block_matmul_amx.h",
+        "block_matmul_amx_impl.h",
+        "kernels.h",
+        "vec.h",
+    )
 ]
 _lock = threading.Lock()
 _built: dict[str, Any] = {}

@@ -19,6 +19,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, kUnlocked, "silu(gate) * up");
   m.def("block_loops", &block_loops,
         "the loops block_matmul runs on this CPU, the fastest first (avx512-vnni, avx2, portable)");
+  m.def("matrix_loops", &matrix_loops,
+        "the matrix-engine loops block_matmul runs on this CPU (amx-int8, amx-bf16), or none");
+  m.def("matrix_unavailable", &matrix_unavailable, "why matrix_loops() is empty here, or ''");
+  m.def("matrix_min_rows", &matrix_min_rows,
+        "the rows from which block_matmul's default takes matrix_loops()'s first loop");
   m.def("pack_q4", &pack_q4, "Q4_1 codes, d and m in block_matmul's layout");
   m.def("pack_q8", &pack_q8, "Q8_0 codes and d in block_matmul's layout");
   m.def("block_matmul", &block_matmul, kUnlocked,

@@ -20,11 +20,14 @@
 // zero.
 //
 // With AVX-512 VNNI the loop below runs; with AVX2 only, block_matmul_avx2.cpp's; else a
-// portable loop computes the same sums over the same layout. `block_loops()` says which
+// portable loop computes the same sums over the same layout. Where AMX's tiles run,
+// products of kAmxMinRows rows or more go to them (matrix_engine.cpp,
+// block_matmul_amx.h), to the same bits as the VNNI loop. `block_loops()` says which
 // run here, the fastest first (the loader picks these weights where one of the first two
 // does).
 
 #include "block_matmul.h"
+#include "kernels.h"
 
 #include <ATen/Parallel.h>
 
@@ -141,11 +144,14 @@ void quantize_row(const T* x, int64_t k, int64_t blocks, int8_t* q, float* scale
   }
 }
 
+// `padded_rows` (at least `rows`): the rows kept, those past `rows` all zero (AMX tiles
+// take 16 at a time).
 template <typename T>
-Quantized quantize(const T* x, int64_t rows, int64_t k) {
+Quantized quantize_all(const T* x, int64_t rows, int64_t k, int64_t padded_rows) {
   const int64_t blocks = blocks_for(k);
-  Quantized out{rows, blocks, std::vector<int8_t>(rows * blocks * kBlock, 0),
-                std::vector<float>(rows * blocks, 0.f), std::vector<float>(rows * blocks, 0.f)};
+  Quantized out{rows, blocks, std::vector<int8_t>(padded_rows * blocks * kBlock, 0),
+                std::vector<float>(padded_rows * blocks, 0.f),
+                std::vector<float>(padded_rows * blocks, 0.f)};
   at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / k), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       quantize_row(x + r * k, k, blocks, out.q.data() + r * blocks * kBlock,
@@ -256,12 +262,14 @@ void groups_vnni(const Packed& w, const Quantized& x, T* out, int64_t n_out, int
 }
 #endif
 
-enum class Loop { kVnni, kAvx2, kPortable };
+enum class Loop { kVnni, kAvx2, kPortable, kAmxInt8, kAmxBf16 };
+
+// ----------------------------------------------------------------- the vector loops
 
 template <typename T>
 void run(const Packed& w, const T* x, int64_t rows, int64_t k, T* out, int64_t n_out,
          Loop loop) {
-  const Quantized q = quantize(x, rows, k);
+  const Quantized q = quantize_all(x, rows, k, rows);
   const int64_t groups = (n_out + kLanes - 1) / kLanes;
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
     if (loop == Loop::kPortable) return groups_portable(w, q, out, n_out, begin, end);
@@ -324,6 +332,15 @@ std::vector<torch::Tensor> pack(const torch::Tensor& codes, const torch::Tensor&
 
 }  // namespace
 
+namespace sendpath_blocks {
+Quantized quantize(const float* x, int64_t rows, int64_t k, int64_t padded_rows) {
+  return quantize_all(x, rows, k, padded_rows);
+}
+Quantized quantize(const at::BFloat16* x, int64_t rows, int64_t k, int64_t padded_rows) {
+  return quantize_all(x, rows, k, padded_rows);
+}
+}  // namespace sendpath_blocks
+
 // The loops block_matmul runs on this CPU, the fastest first (the last is "portable").
 std::vector<std::string> block_loops() {
   std::vector<std::string> loops;
@@ -364,17 +381,45 @@ torch::Tensor block_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d
   const Packed w{codes.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), m.data_ptr<at::Half>(),
                  codes.size(1), codes.size(2), codes.size(2) == 256};
   static const std::vector<std::string> loops = block_loops();
-  const std::string& name = loop.empty() ? loops.front() : loop;
-  TORCH_CHECK(std::find(loops.begin(), loops.end(), name) != loops.end(), "the ", name,
-              " loop does not run on this CPU");
-  const Loop which = name == "avx512-vnni" ? Loop::kVnni : name == "avx2" ? Loop::kAvx2 : Loop::kPortable;
+  static const std::vector<std::string> matrix = matrix_loops();
+  const auto listed = [](const std::vector<std::string>& names, const std::string& name) {
+    return std::find(names.begin(), names.end(), name) != names.end();
+  };
+  std::string name = loop;
+  if (name.empty()) name = !matrix.empty() && x.size(0) >= kAmxMinRows ? matrix.front() : loops.front();
+  const bool emulated = name == "amx-int8-emulated" || name == "amx-bf16-emulated";
+  if (emulated) {
+    TORCH_CHECK(amx_emulation_runs(), "the ", name, " loop needs AVX-512 BF16, which this CPU lacks");
+  } else if (!listed(loops, name) && !listed(matrix, name)) {
+    const bool amx = name.rfind("amx", 0) == 0;
+    TORCH_CHECK(false, "the ", name, " loop does not run on this CPU",
+                amx ? " (" + amx_unavailable() + ")" : std::string());
+  }
+  const Loop which = name == "avx512-vnni"            ? Loop::kVnni
+                     : name == "avx2"                 ? Loop::kAvx2
+                     : name == "portable"             ? Loop::kPortable
+                     : name.rfind("amx-int8", 0) == 0 ? Loop::kAmxInt8
+                                                      : Loop::kAmxBf16;
   auto input = x.contiguous();
+  TORCH_CHECK(input.scalar_type() == at::kBFloat16 || input.scalar_type() == at::kFloat,
+              "float32 or bfloat16 only");
   auto out = torch::empty({x.size(0), n_out}, x.options());
-  if (input.scalar_type() == at::kBFloat16) {
+  const bool bf16 = input.scalar_type() == at::kBFloat16;
+  if (which == Loop::kAmxInt8 || which == Loop::kAmxBf16) {
+    // float32 sums, rounded to bfloat16 (where asked) as the vector loops round theirs
+    auto sums = bf16 ? torch::empty({x.size(0), n_out}, torch::kFloat) : out;
+    const Amx design = which == Loop::kAmxInt8 ? Amx::kInt8 : Amx::kBf16;
+    if (bf16)
+      run_amx(w, input.data_ptr<at::BFloat16>(), input.size(0), k, sums.data_ptr<float>(), n_out,
+              design, emulated);
+    else
+      run_amx(w, input.data_ptr<float>(), input.size(0), k, sums.data_ptr<float>(), n_out, design,
+              emulated);
+    if (bf16) out.copy_(sums);
+  } else if (bf16) {
     run(w, input.data_ptr<at::BFloat16>(), input.size(0), k, out.data_ptr<at::BFloat16>(), n_out,
         which);
   } else {
-    TORCH_CHECK(input.scalar_type() == at::kFloat, "float32 or bfloat16 only");
     run(w, input.data_ptr<float>(), input.size(0), k, out.data_ptr<float>(), n_out, which);
   }
   return out;

@@ -1,12 +1,13 @@
-// What block_matmul.cpp (the layout, the AVX-512 VNNI loop, the portable loop) and
-// block_matmul_avx2.cpp (the AVX2 loop) share: the packed weights and the quantized
-// activations (block_matmul.cpp's comment describes both).
+// What block_matmul.cpp (the layout, the AVX-512 VNNI loop, the portable loop),
+// block_matmul_avx2.cpp (the AVX2 loop) and matrix_engine.cpp (AMX) share: the packed
+// weights and the quantized activations (block_matmul.cpp's comment describes both).
 
 #pragma once
 
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace sendpath_blocks {
@@ -28,6 +29,30 @@ struct Packed {  // pointers into the packed tensors, and their shape
   int64_t blocks, block_bytes;  // 256 (four-bit) or 512
   bool four_bit;
 };
+
+// x's rows quantized per block of 32 (block_matmul.cpp): `padded_rows` (at least `rows`)
+// kept, those past `rows` all zero (AMX tiles take 16 at a time).
+Quantized quantize(const float* x, int64_t rows, int64_t k, int64_t padded_rows);
+Quantized quantize(const at::BFloat16* x, int64_t rows, int64_t k, int64_t padded_rows);
+
+// From this many rows a product goes to the tiles where they are usable; fewer take the
+// VNNI loop, which the weights' bytes bound there. A tile takes 16 rows (fewer are padded
+// with zeros), so 16 is where the tiles stop wasting work; where past it they start to pay
+// is for `benchmarks/amx_matmul.py` to measure on an AMX machine.
+constexpr int64_t kAmxMinRows = 16;
+
+enum class Amx { kInt8, kBf16 };  // block_matmul_amx.h's two designs
+
+// matrix_engine.cpp: why AMX's tiles cannot be used in this process ("" where they can);
+// whether the AMX sources' other code (AVX-512 BF16), and so the tiles' model, runs here;
+// and x [rows, k] times the weights on the tiles (or their model: `emulated`) -> out
+// [rows, n_out] float32.
+const std::string& amx_unavailable();
+bool amx_emulation_runs();
+void run_amx(const Packed& w, const float* x, int64_t rows, int64_t k, float* out, int64_t n_out,
+             Amx design, bool emulated);
+void run_amx(const Packed& w, const at::BFloat16* x, int64_t rows, int64_t k, float* out,
+             int64_t n_out, Amx design, bool emulated);
 
 // Whether this build has the AVX2 loop (compiled for a CPU with AVX2, FMA and F16C).
 bool has_avx2_loop();

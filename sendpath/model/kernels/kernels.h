@@ -17,6 +17,9 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
               torch::Tensor slots);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 std::vector<std::string> block_loops();
+std::vector<std::string> matrix_loops();
+std::string matrix_unavailable();
+int64_t matrix_min_rows();
 std::vector<torch::Tensor> pack_q4(torch::Tensor codes, torch::Tensor d, torch::Tensor m);
 std::vector<torch::Tensor> pack_q8(torch::Tensor codes, torch::Tensor d);
 torch::Tensor block_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m,
