@@ -198,6 +198,14 @@ def roofs() -> dict[str, float]:
     return out
 
 
+def cpu_model() -> str:
+    """The CPU's model name, as /proc/cpuinfo gives it."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
 def wait_up(server: Server, proc: subprocess.Popen[bytes], log: Path) -> None:
     deadline = time.monotonic() + 600
     url = f"http://127.0.0.1:{server.port}{server.ready}"
@@ -310,14 +318,21 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=RESULTS, help="where the JSON goes")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
+    names = [server.name for server in servers()]
+    unknown = sorted(set(args.only or ()) - set(names))
+    if unknown:  # it would run nothing for them and exit 0
+        parser.error(f"unknown server {', '.join(unknown)}: the servers are {', '.join(names)}")
     roof = roofs()
     print("roofs", json.dumps(roof), flush=True)
-    from sendpath.model.quant import cpu_features
+    from sendpath.model.kernels import cpu_kernels
+    from sendpath.model.quant import cpu_features, matrix_engine
 
     results: dict[str, Any] = {
         "machine": {
+            "cpu": cpu_model(),
             "cpu_count": os.cpu_count(),
             "cpu_features": sorted(k for k, v in cpu_features().items() if v),
+            "matrix_engine": matrix_engine(cpu_kernels()),
         },
         "torch": torch.__version__,
         "roofs": roof,
