@@ -198,14 +198,6 @@ def roofs() -> dict[str, float]:
     return out
 
 
-def cpu_model() -> str:
-    """The CPU's model name, as /proc/cpuinfo gives it."""
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
-
-
 def wait_up(server: Server, proc: subprocess.Popen[bytes], log: Path) -> None:
     deadline = time.monotonic() + 600
     url = f"http://127.0.0.1:{server.port}{server.ready}"
@@ -325,7 +317,7 @@ def main() -> None:
     roof = roofs()
     print("roofs", json.dumps(roof), flush=True)
     from sendpath.model.kernels import cpu_kernels
-    from sendpath.model.quant import cpu_features, matrix_engine
+    from sendpath.model.quant import cpu_features, cpu_model, matrix_engine
 
     results: dict[str, Any] = {
         "machine": {

@@ -1,4 +1,5 @@
-"""Where a decode step's time goes, by kind of work, at a few batch sizes.
+"""Where a decode step's time goes, by kind of work, at a few batch sizes, and a long
+prompt's prefill step.
 
 The built-in model in the configuration ``make serve`` runs (``--dtype auto
 --quantization auto``), B requests decoding with ~190-token contexts (random prompt
@@ -9,10 +10,11 @@ torch's SDPA), and the rest (norms, RoPE, sampling, the cache writes, and the Py
 dispatch between them: the step's wall time less the three buckets). Where the model
 runs every layer in one C++ call (``model/layer_stack.py``), the profiler cannot see the
 kernels inside it: the step is timed that way first, then profiled with the layers'
-modules calling the same kernels one by one. Compare with ``--dtype float32
---quantization none``.
+modules calling the same kernels one by one. A prefill row is one step of a fresh
+``--prefill N``-token prompt (a single chunk), profiled the same way over 3 prompts.
+Compare with ``--dtype float32 --quantization none``.
 
-    .venv/bin/python benchmarks/step_profile.py [--batches 1 8 32]       # about a minute
+    .venv/bin/python benchmarks/step_profile.py [--batches 1 8 32] [--prefill 1024]  # a minute
     .venv/bin/python benchmarks/step_profile.py --dtype float32 --quantization none \
         --output benchmarks/results/step_profile_float32.json
 
@@ -33,7 +35,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from sendpath.config import CacheConfig, EngineConfig, SchedulerConfig
 from sendpath.engine.core import EngineCore
-from sendpath.model.quant import BlockWeights
+from sendpath.model.kernels import cpu_kernels
+from sendpath.model.quant import BlockWeights, cpu_model, matrix_engine
 from sendpath.request import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results" / "step_profile.json"
@@ -95,37 +98,65 @@ def _named_block_matmul() -> None:
 
 def profile_batch(core: EngineCore, batch: int) -> dict[str, Any]:
     decoding(core, batch)
+    row = {"batch": batch} | profile_steps(core, lambda: None, STEPS)
+    for request in list(core.scheduler.running):
+        core.abort(request.request_id)
+    return row
+
+
+def profile_prefill(core: EngineCore, tokens: int) -> dict[str, Any]:
+    """One step of a fresh ``tokens``-token prompt, over 3 prompts (after one unprofiled)."""
+    rng = random.Random(tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def arrive() -> None:
+        while core.has_unfinished_requests():  # the last prompt's request, finished
+            core.step()
+        core.add_request([rng.randrange(100, 40_000) for _ in range(tokens)], params)
+
+    arrive()
+    core.step()
+    return {"prefill_tokens": tokens} | profile_steps(core, arrive, 3)
+
+
+def profile_steps(core: EngineCore, before: Any, steps: int) -> dict[str, Any]:
+    """``steps`` steps (each after ``before()``) timed as served, then profiled by bucket."""
     model = core.runner.model  # type: ignore[attr-defined]
     stack, in_one_call = model.stack, None
     if stack is not None:  # the step as served, then its modules' kernels one by one
-        start = time.perf_counter()
-        for _ in range(STEPS):
+        total = 0.0
+        for _ in range(steps):
+            before()
+            start = time.perf_counter()
             core.step()
-        in_one_call = round((time.perf_counter() - start) * 1e3 / STEPS, 2)
+            total += time.perf_counter() - start
+        in_one_call = round(total * 1e3 / steps, 2)
         model.stack = None
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        start = time.perf_counter()
-        for _ in range(STEPS):
+        total = 0.0
+        for _ in range(steps):
+            before()  # outside the timed span; the profiler sees it, but in no bucket
+            start = time.perf_counter()
             core.step()
-        wall_ms = (time.perf_counter() - start) * 1e3 / STEPS
+            total += time.perf_counter() - start
+        wall_ms = total * 1e3 / steps
     spent = dict.fromkeys(BUCKETS, 0.0)
     for event in prof.key_averages():
         label = bucket(event.key)
         if label is not None:
-            spent[label] += event.self_cpu_time_total / 1e3 / STEPS
+            spent[label] += event.self_cpu_time_total / 1e3 / steps
     model.stack = stack
-    row = {"batch": batch, "step_ms (layers in one call)": in_one_call}
+    row: dict[str, Any] = {"step_ms (layers in one call)": in_one_call}
     row["step_ms"] = round(wall_ms, 2)
     row |= {k: round(v, 2) for k, v in spent.items()}
     row["the rest"] = round(wall_ms - sum(spent.values()), 2)
-    for request in list(core.scheduler.running):
-        core.abort(request.request_id)
     return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--prefill", type=int, nargs="*", default=[1024], help="prompt lengths")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default="auto")
     parser.add_argument("--output", type=Path, default=RESULTS)
@@ -134,7 +165,9 @@ def main() -> None:
         dtype=args.dtype,
         quantization=args.quantization,
         device="cpu",
-        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512),
+        scheduler=SchedulerConfig(
+            max_num_seqs=64, max_num_batched_tokens=max([512, *args.prefill])
+        ),
         cache=CacheConfig(kv_cache_memory_gib=1.0, enable_prefix_caching=False),
     )
     core = EngineCore.from_config(config)
@@ -143,12 +176,15 @@ def main() -> None:
     if attention.kernel is not None:
         attention.kernel = _Named(attention.kernel)
     rows = [profile_batch(core, b) for b in args.batches]
+    rows += [profile_prefill(core, n) for n in args.prefill]
     print(
-        "| batch | step ms, layers in one call | step ms | " + " | ".join(BUCKETS) + " | the rest |"
+        "| step | step ms, layers in one call | step ms | " + " | ".join(BUCKETS) + " | the rest |"
     )
     for row in rows:
         print("| " + " | ".join(str(v) for v in row.values()) + " |")
     result = {
+        "cpu": cpu_model(),
+        "matrix_engine": matrix_engine(cpu_kernels()),
         "dtype": args.dtype,
         "quantization": args.quantization,
         "torch": torch.__version__,

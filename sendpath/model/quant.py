@@ -33,6 +33,7 @@ chunks too, and no dense copy is kept.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,7 @@ __all__ = [
     "block_kernels",
     "block_loop",
     "cpu_features",
+    "cpu_model",
     "int4_supported",
     "matrix_engine",
     "native_bf16",
@@ -68,6 +70,22 @@ def cpu_features() -> dict[str, bool]:
         name: bool(caps.get(name, False))
         for name in ("avx2", "avx512_f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
     }
+
+
+def cpu_model() -> str:
+    """The CPU's model name and family as /proc/cpuinfo gives them (a virtual machine may
+    name only the vendor: the family tells Zen 4 (25) from Zen 5 (26))."""
+    facts: dict[str, str] = {}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        facts.setdefault(key.strip(), value.strip())
+    name = facts.get("model name", "unknown")
+    family, model = facts.get("cpu family"), facts.get("model")
+    return f"{name} (family {family}, model {model})" if family and model else name
 
 
 def native_bf16() -> bool:

@@ -38,7 +38,7 @@ Quantized quantize(const at::BFloat16* x, int64_t rows, int64_t k, int64_t padde
 // From this many rows a product goes to the tiles where they are usable; fewer take the
 // VNNI loop, which the weights' bytes bound there. A tile takes 16 rows (fewer are padded
 // with zeros), so 16 is where the tiles stop wasting work; where past it they start to pay
-// is for `benchmarks/amx_matmul.py` to measure on an AMX machine.
+// is for `benchmarks/matrix_matmul.py` to measure on an AMX machine.
 constexpr int64_t kAmxMinRows = 16;
 
 enum class Amx { kInt8, kBf16 };  // block_matmul_amx.h's two designs
