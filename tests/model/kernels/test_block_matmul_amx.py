@@ -104,8 +104,8 @@ def test_the_tiles_compute_what_their_model_computes(kernel: Any, design: str) -
     model = kernel.block_matmul(x, *packed, 80, loop=f"amx-{design}-emulated")
     if design == "int8":
         assert torch.equal(tiles, model)
-    else:  # the same sums in the same order; the hardware flushes denormals
-        assert torch.allclose(tiles, model, rtol=1e-5, atol=1e-6)
+    else:  # the same products; the hardware may round its float32 sums otherwise
+        assert torch.allclose(tiles, model, rtol=1e-4, atol=1e-5)
 
 
 def test_where_the_tiles_cannot_run_a_loop_on_them_says_why(kernel: Any) -> None:
