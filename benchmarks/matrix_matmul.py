@@ -4,14 +4,14 @@ SmolLM2-135M's four products a layer (qkv 960x576, o 576x576, gate_up 3072x576, 
 576x1536) with random Q4_1 weights in block_matmul's layout, for 1 to 1,024 rows (one
 decode to a long prompt chunk): each loop that runs here (the vector loop, AVX-512 VNNI or
 AVX2, and where AMX's tiles run, amx-int8 and amx-bf16) timed at its best of several
-calls, in GFLOP/s (2 x rows x N x K a product), beside torch's own 2048x2048 bfloat16 and
-float32 matmuls on this machine (the roof the issue measures against). It says from how
+calls, in GFLOP/s (2 x rows x N x K a product), beside ``peers.py``'s roofs: torch's own
+2048x2048 bfloat16 and float32 matmuls on this machine, and its copy bandwidth. It says from how
 many rows each AMX design beats the vector loop on every product: what
 ``kAmxMinRows`` in ``kernels/block_matmul.h`` should be on this CPU kind (the default
 takes amx-int8, which gives the vector loop's bits). Where there is no AMX it times the
 vector loop alone and says why (the software model of the tiles is for tests, not timed).
 
-    .venv/bin/python benchmarks/matrix_matmul.py          # about a minute
+    .venv/bin/python -m benchmarks.matrix_matmul          # about a minute
 
 Results: ``benchmarks/results/matrix_matmul.json`` (named by the CPU it ran on).
 """
@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
+from benchmarks.peers import roofs
 from sendpath.model.kernels import cpu_kernels
-from sendpath.model.quant import cpu_features, cpu_model, matrix_engine, native_bf16
+from sendpath.model.quant import cpu_features, cpu_model, matrix_engine
 
 RESULTS = Path(__file__).resolve().parent / "results" / "matrix_matmul.json"
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
@@ -47,17 +48,6 @@ def best_seconds(fn: Callable[[], Any], budget_s: float = 0.3) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
-
-
-def roofs() -> dict[str, float]:
-    """torch's 2048x2048 matmul in GFLOP/s, bfloat16 where the CPU computes it."""
-    n = 2048
-    out = {}
-    for dtype in (torch.float32, torch.bfloat16) if native_bf16() else (torch.float32,):
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        seconds = best_seconds(partial(torch.mm, a, b), 1.0)
-        out[str(dtype).removeprefix("torch.")] = round(2 * n**3 / seconds / 1e9, 1)
-    return out
 
 
 def main() -> None:
@@ -102,13 +92,13 @@ def main() -> None:
             "matrix_engine": matrix_engine(kernel),
         },
         "torch": torch.__version__,
-        "roof_gflop_per_s": roofs(),
+        "roofs": roofs(),
         "matrix_min_rows": kernel.matrix_min_rows(),
         "gflop_per_s": table,
         "beats_the_vector_loop_from_rows": crossover,
     }
     args.output.write_text(json.dumps(results, indent=2) + "\n")
-    print(json.dumps({k: results[k] for k in ("machine", "roof_gflop_per_s")}, indent=1))
+    print(json.dumps({k: results[k] for k in ("machine", "roofs")}, indent=1))
     print("beats", vector, "from rows:", crossover or "(no AMX here)")
 
 

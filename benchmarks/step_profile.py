@@ -27,6 +27,7 @@ import argparse
 import json
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +120,7 @@ def profile_prefill(core: EngineCore, tokens: int) -> dict[str, Any]:
     return {"prefill_tokens": tokens} | profile_steps(core, arrive, 3)
 
 
-def profile_steps(core: EngineCore, before: Any, steps: int) -> dict[str, Any]:
+def profile_steps(core: EngineCore, before: Callable[[], None], steps: int) -> dict[str, Any]:
     """``steps`` steps (each after ``before()``) timed as served, then profiled by bucket."""
     model = core.runner.model  # type: ignore[attr-defined]
     stack, in_one_call = model.stack, None

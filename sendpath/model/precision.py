@@ -30,6 +30,7 @@ from sendpath.model.quant import (
     block_kernels,
     block_loop,
     int4_supported,
+    matrix_engine,
     native_bf16,
     quantize_q4,
 )
@@ -107,8 +108,7 @@ def choose_precision(
 def _blocks(kernels: Any) -> str:
     """How the block-quantized weights multiply here, for a precision's reason."""
     loop = {"avx512-vnni": "AVX-512 VNNI", "avx2": "AVX2"}[block_loop(kernels)]
-    tiles = kernels.matrix_loops()
-    amx = f"; AMX {tiles[0]} tiles from {kernels.matrix_min_rows()} rows a step" if tiles else ""
+    amx = f"; AMX {matrix_engine(kernels)}" if kernels.matrix_loops() else ""
     return f" (times int8 activations per block of 32 on {loop}{amx}, as llama.cpp)"
 
 

@@ -233,14 +233,15 @@ class ModelRunner:
             "attention": "paged kernel" if self.attention.kernel else "torch SDPA",
             "layer_ops": self._layer_ops(),
             "precision_reason": self.precision.reason,
-            "matrix_engine": self._matrix_engine(),
+            "matrix_engine": self.matrix_engine,
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
         }
 
     def _matrix_engine(self) -> str:
         """The CPU's matrix engine as the block-quantized weights use it (``none`` on a GPU,
-        or where the weights are not block-quantized)."""
+        or where the weights are not block-quantized); once, at load (``describe`` answers
+        every ``/load``)."""
         if self.model.device.type != "cpu":
             return f"none: {self.model.device.type}"
         blocks = any(
@@ -269,6 +270,7 @@ class ModelRunner:
             kernels = cpu_kernels()
         self.model.use_kernels(kernels)
         self.attention = PagedAttention(self.k_cache, self.v_cache, block_size, kernels)
+        self.matrix_engine = self._matrix_engine()
         self.tokenizer = loaded.tokenizer
         self.end_ids = list(loaded.tokenizer.eos_token_ids)  # what min_tokens holds back
         self._requests: dict[str, Request] = {}
