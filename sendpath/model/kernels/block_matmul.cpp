@@ -262,9 +262,7 @@ void groups_vnni(const Packed& w, const Quantized& x, T* out, int64_t n_out, int
 }
 #endif
 
-enum class Loop { kVnni, kAvx2, kPortable, kAmxInt8, kAmxBf16 };
-
-// ----------------------------------------------------------------- the vector loops
+enum class Loop { kVnni, kAvx2, kPortable };
 
 template <typename T>
 void run(const Packed& w, const T* x, int64_t rows, int64_t k, T* out, int64_t n_out,
@@ -395,20 +393,15 @@ torch::Tensor block_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d
     TORCH_CHECK(false, "the ", name, " loop does not run on this CPU",
                 amx ? " (" + amx_unavailable() + ")" : std::string());
   }
-  const Loop which = name == "avx512-vnni"            ? Loop::kVnni
-                     : name == "avx2"                 ? Loop::kAvx2
-                     : name == "portable"             ? Loop::kPortable
-                     : name.rfind("amx-int8", 0) == 0 ? Loop::kAmxInt8
-                                                      : Loop::kAmxBf16;
   auto input = x.contiguous();
   TORCH_CHECK(input.scalar_type() == at::kBFloat16 || input.scalar_type() == at::kFloat,
               "float32 or bfloat16 only");
   auto out = torch::empty({x.size(0), n_out}, x.options());
   const bool bf16 = input.scalar_type() == at::kBFloat16;
-  if (which == Loop::kAmxInt8 || which == Loop::kAmxBf16) {
+  if (name.rfind("amx", 0) == 0) {
     // float32 sums, rounded to bfloat16 (where asked) as the vector loops round theirs
     auto sums = bf16 ? torch::empty({x.size(0), n_out}, torch::kFloat) : out;
-    const Amx design = which == Loop::kAmxInt8 ? Amx::kInt8 : Amx::kBf16;
+    const Amx design = name.rfind("amx-int8", 0) == 0 ? Amx::kInt8 : Amx::kBf16;
     if (bf16)
       run_amx(w, input.data_ptr<at::BFloat16>(), input.size(0), k, sums.data_ptr<float>(), n_out,
               design, emulated);
@@ -416,11 +409,13 @@ torch::Tensor block_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d
       run_amx(w, input.data_ptr<float>(), input.size(0), k, sums.data_ptr<float>(), n_out, design,
               emulated);
     if (bf16) out.copy_(sums);
-  } else if (bf16) {
+    return out;
+  }
+  const Loop which = name == "avx512-vnni" ? Loop::kVnni : name == "avx2" ? Loop::kAvx2 : Loop::kPortable;
+  if (bf16)
     run(w, input.data_ptr<at::BFloat16>(), input.size(0), k, out.data_ptr<at::BFloat16>(), n_out,
         which);
-  } else {
+  else
     run(w, input.data_ptr<float>(), input.size(0), k, out.data_ptr<float>(), n_out, which);
-  }
   return out;
 }
