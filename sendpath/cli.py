@@ -16,6 +16,7 @@ from sendpath.errors import SendpathError
 from sendpath.launch import (
     add_connection_args,
     add_gateway_args,
+    add_kv_events_arg,
     run_gateway,
     run_replica,
     run_serve,
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_connection_args(rep)
     add_engine_args(rep)
+    add_kv_events_arg(rep, "")
     chat = sub.add_parser(
         "chat",
         help="send one message to a server, stream the answer, draw where the time went",
@@ -130,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds to wait for replicas"
+    )
+    add_kv_events_arg(
+        srv,
+        "; each local replica gets its own ports (replica i: the ports + i; a '*' port: "
+        "one the OS picks)",
     )
     add_gateway_args(srv)
     add_engine_args(srv)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields, replace
 
 __all__ = [
     "CacheConfig",
     "ConnectionLimits",
     "EngineConfig",
     "GatewayConfig",
+    "KVEventsConfig",
     "ReplicaConfig",
     "SchedulerConfig",
 ]
@@ -102,6 +104,94 @@ class ConnectionLimits:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """Publishing the prefix cache's events (``server/kv_events.py``), with vLLM's keys and
+    defaults (``--kv-events-config``): ZMQ PUB on ``endpoint``, missed batches replayed by
+    sequence number on ``replay_endpoint`` (ROUTER) from the last ``buffer_steps`` steps.
+
+    An endpoint whose host is ``*``, ``::``, a loopback address, or an ``ipc://`` /
+    ``inproc://`` path is bound, so subscribers connect to it; any other host is connected
+    to (vLLM's rule, "bind stable, connect volatile", with loopback added: on one machine
+    the replica is the stable side).
+    """
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # "zmq" or "null"; None: zmq when enabled
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            chosen = "zmq" if self.enable_kv_cache_events else "null"
+            object.__setattr__(self, "publisher", chosen)
+        if self.publisher not in ("zmq", "null"):
+            raise ValueError(f"publisher must be 'zmq' or 'null', got {self.publisher!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(
+                    f"{name} must be a ZMQ address (tcp://HOST:PORT, ipc://PATH or "
+                    f"inproc://NAME), got {value!r}"
+                )
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        """The config a ``--kv-events-config`` JSON object gives (vLLM's keys); raises
+        ValueError naming what is wrong."""
+        try:
+            raw = json.loads(text)
+        except ValueError:
+            raise ValueError(
+                'give a JSON object, e.g. \'{"enable_kv_cache_events": true, '
+                '"endpoint": "tcp://127.0.0.1:5557"}\''
+            ) from None
+        if not isinstance(raw, dict):
+            raise ValueError("give a JSON object of vLLM's KVEventsConfig keys")
+        known = [f.name for f in fields(cls)]
+        if unknown := sorted(set(raw) - set(known)):
+            raise ValueError(f"unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
+        for key, value in raw.items():
+            want: tuple[type, ...] = {
+                "enable_kv_cache_events": (bool,),
+                "buffer_steps": (int,),
+                "hwm": (int,),
+                "max_queue_size": (int,),
+            }.get(key, (str, type(None)) if key in ("publisher", "replay_endpoint") else (str,))
+            if not isinstance(value, want) or (bool not in want and isinstance(value, bool)):
+                raise ValueError(f"{key} must be {' or '.join(t.__name__ for t in want)}")
+        return cls(**raw)
+
+    def for_replica(self, index: int) -> KVEventsConfig:
+        """This config for the ``index``-th of several local replicas: TCP ports offset by
+        ``index`` (vLLM's rule for its data-parallel ranks), a ``*`` port left to the OS."""
+
+        def offset(endpoint: str | None) -> str | None:
+            if endpoint is None or not endpoint.startswith("tcp://") or index == 0:
+                return endpoint
+            base, _, port = endpoint.rpartition(":")
+            return f"{base}:{int(port) + index}" if port.isdigit() else endpoint
+
+        endpoint = offset(self.endpoint)
+        assert endpoint is not None
+        return replace(self, endpoint=endpoint, replay_endpoint=offset(self.replay_endpoint))
+
+    def to_json(self) -> str:
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})
+
+    @property
+    def publishes(self) -> bool:
+        """Events leave the replica (enabled, over ZMQ)."""
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
+@dataclass(frozen=True)
 class ReplicaConfig:
     """One replica server: its engine, its name on the API and its HTTP limits.
 
@@ -118,6 +208,7 @@ class ReplicaConfig:
     api_key: str | None = None
     connection: ConnectionLimits = ConnectionLimits()
     stuck_step_s: float = 120.0
+    kv_events: KVEventsConfig = KVEventsConfig()
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:

@@ -17,25 +17,30 @@ __all__ = ["EXTRAS", "Extra", "require"]
 
 @dataclass(frozen=True)
 class Extra:
-    """An extra of the ``sendpath`` package: the module it provides and the flag needing it."""
+    """An extra of the ``sendpath`` package: the modules it provides (the first named in
+    the message, or ``needs``) and the flag needing it."""
 
     name: str
-    module: str
+    modules: tuple[str, ...]
     flag: str
+    needs: str | None = None  # what the message says is missing (default: the first module)
 
 
 EXTRAS: dict[str, Extra] = {
-    "plot": Extra("plot", "matplotlib", "--plot"),
-    "redis": Extra("redis", "redis", "--redis"),
+    "plot": Extra("plot", ("matplotlib",), "--plot"),
+    "redis": Extra("redis", ("redis",), "--redis"),
+    "kv-events": Extra("kv-events", ("zmq", "msgpack"), "--kv-events-config", "pyzmq and msgpack"),
 }
 
 
 def require(name: str) -> None:
-    """Import the extra's module, or raise MissingExtraError saying how to install it."""
+    """Import the extra's modules, or raise MissingExtraError saying how to install it."""
     extra = EXTRAS[name]
     try:
-        importlib.import_module(extra.module)
+        for module in extra.modules:
+            importlib.import_module(module)
     except ImportError:
+        needs = extra.needs or extra.modules[0]
         raise MissingExtraError(
-            f"{extra.flag} needs {extra.module}: pip install 'sendpath[{extra.name}]'"
+            f"{extra.flag} needs {needs}: pip install 'sendpath[{extra.name}]'"
         ) from None

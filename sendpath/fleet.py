@@ -31,6 +31,8 @@ from typing import Any
 
 import httpx
 
+from sendpath.config import KVEventsConfig
+
 __all__ = ["LocalFleet", "ReplicaStartError", "free_port", "wait_healthy"]
 
 logger = logging.getLogger("sendpath.serve")
@@ -103,17 +105,26 @@ class _Supervised:
 class LocalFleet:
     """N replica processes; a context manager that stops them all on exit."""
 
-    def __init__(self, count: int, engine_args: Sequence[str], api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        count: int,
+        engine_args: Sequence[str],
+        api_key: str | None = None,
+        kv_events: KVEventsConfig | None = None,
+    ) -> None:
+        """``kv_events``: each replica publishes its cache's events, on ports of its own
+        (``KVEventsConfig.for_replica``)."""
         if count < 0:
             raise ValueError(f"--replicas must be >= 0, got {count}")
         self.count, self.engine_args, self.api_key = count, list(engine_args), api_key
+        self.kv_events = kv_events if kv_events is not None and kv_events.publishes else None
         self.procs: list[subprocess.Popen[bytes]] = []
         self.urls: list[str] = []
         self._states: list[_Supervised] = []
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
 
-    def _spawn(self, port: int) -> subprocess.Popen[bytes]:
+    def _spawn(self, port: int, index: int) -> subprocess.Popen[bytes]:
         from sendpath.launch import API_KEY_ENV
 
         env = dict(os.environ)
@@ -122,12 +133,14 @@ class LocalFleet:
         if self.api_key is not None:
             env[API_KEY_ENV] = self.api_key
         cmd = [sys.executable, "-m", "sendpath.cli", "replica", "--port", str(port)]
+        if self.kv_events is not None:
+            cmd += ["--kv-events-config", self.kv_events.for_replica(index).to_json()]
         return subprocess.Popen(cmd + self.engine_args, env=env, preexec_fn=_die_with_parent)
 
     def start(self) -> None:
-        for _ in range(self.count):
+        for i in range(self.count):
             port = free_port()
-            self.procs.append(self._spawn(port))
+            self.procs.append(self._spawn(port, i))
             self.urls.append(f"http://127.0.0.1:{port}")
             self._states.append(_Supervised(time.monotonic()))
 
@@ -136,7 +149,7 @@ class LocalFleet:
         if self.procs[i].poll() is None:
             self.procs[i].terminate()
             self.procs[i].wait(15)
-        self.procs[i] = self._spawn(int(self.urls[i].rsplit(":", 1)[1]))
+        self.procs[i] = self._spawn(int(self.urls[i].rsplit(":", 1)[1]), i)
 
     def supervise(self) -> None:
         """Start the thread that restarts replicas that exit (see the module docstring)."""

@@ -18,12 +18,14 @@ from types import FrameType
 from sendpath.config import (
     ConnectionLimits,
     GatewayConfig,
+    KVEventsConfig,
 )
 from sendpath.engine.args import engine_argv, engine_config
 from sendpath.extras import require
 
 __all__ = [
     "add_gateway_args",
+    "add_kv_events_arg",
     "gateway_config",
     "run_gateway",
     "run_replica",
@@ -249,7 +251,8 @@ def run_serve(args: argparse.Namespace) -> int:
     # only this gateway can use the local replicas: their key is given, or made here
     replica_key = replica_api_key(args) or secrets.token_urlsafe(32)
     try:
-        fleet = LocalFleet(args.replicas, engine_argv(args), api_key=replica_key)
+        events = kv_events_config(args)
+        fleet = LocalFleet(args.replicas, engine_argv(args), replica_key, events)
         gateway_config(args, ["http://placeholder"])  # check the flags before starting anything
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -325,6 +328,34 @@ def add_connection_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _kv_events(text: str) -> KVEventsConfig:
+    try:
+        return KVEventsConfig.from_json(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_kv_events_arg(p: argparse.ArgumentParser, more_help: str) -> None:
+    p.add_argument(
+        "--kv-events-config",
+        type=_kv_events,
+        default=None,
+        metavar="JSON",
+        help="publish the prefix cache's events over ZMQ as vLLM does, with vLLM's keys: "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557", '
+        '"replay_endpoint": "tcp://127.0.0.1:5567", "topic": ""}\'; gateways subscribe and '
+        f"route on what each replica holds (needs sendpath[kv-events]){more_help}",
+    )
+
+
+def kv_events_config(args: argparse.Namespace) -> KVEventsConfig:
+    """``--kv-events-config`` (off when not given); checks its extra is installed."""
+    config: KVEventsConfig = args.kv_events_config or KVEventsConfig()
+    if config.publishes:
+        require("kv-events")
+    return config
+
+
 def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
     return ConnectionLimits(
         request_timeout_s=args.request_timeout,
@@ -354,6 +385,7 @@ def run_replica(args: argparse.Namespace) -> int:
             api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
             connection=connection_limits(args),
             stuck_step_s=args.stuck_step_timeout,
+            kv_events=kv_events_config(args),
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

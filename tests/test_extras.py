@@ -24,7 +24,7 @@ def test_require_names_the_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(MissingExtraError) as info:
         require("plot")
     assert info.value.message == "--plot needs matplotlib: pip install 'sendpath[plot]'"
-    assert set(EXTRAS) == {"plot", "redis"}
+    assert set(EXTRAS) == {"plot", "redis", "kv-events"}
 
 
 @pytest.mark.parametrize(
@@ -38,6 +38,10 @@ def test_require_names_the_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> 
          "error: --redis needs redis: pip install 'sendpath[redis]'"),
         ("redis", ["serve", "--replicas", "1", "--redis", "redis://x:1"],
          "error: --redis needs redis: pip install 'sendpath[redis]'"),
+        ("zmq", ["replica", "--kv-events-config", '{"enable_kv_cache_events": true}'],
+         "error: --kv-events-config needs pyzmq and msgpack: pip install 'sendpath[kv-events]'"),
+        ("msgpack", ["serve", "--kv-events-config", '{"enable_kv_cache_events": true}'],
+         "error: --kv-events-config needs pyzmq and msgpack: pip install 'sendpath[kv-events]'"),
     ],
 )  # fmt: skip
 def test_cli_refuses_a_flag_whose_extra_is_missing(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -25,6 +25,7 @@ from sendpath.engine.outputs import EngineOutput, OutputStream
 from sendpath.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput, SchedulerStats
 from sendpath.engine.steps import StepLog, StepShape
 from sendpath.errors import InvalidRequestError, PromptTooLongError
+from sendpath.kvcache.events import AllBlocksCleared, KVEvent
 from sendpath.kvcache.manager import KVCacheManager
 from sendpath.model.tokenizer import Chat, ChatMessage, Tokenizer
 from sendpath.request import Request, RequestStatus, SamplingParams, TokenLogprobs
@@ -90,6 +91,7 @@ class EngineCore:
         self._ids = itertools.count()
         # every step's shape and time: calibration from a live server
         self.steps = StepLog()
+        self._kv_sink: Callable[[list[KVEvent]], None] | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, clock: Clock | None = None) -> EngineCore:
@@ -265,7 +267,19 @@ class EngineCore:
             busy = self.scheduler.has_unfinished_requests()
             shape = StepShape.of(plan)
             self.steps.record(start, self.clock.now() - start, busy, shape)
+        pool = self.scheduler.kv.pool
+        if self._kv_sink is not None and pool.events:
+            events, pool.events = pool.events, []
+            self._kv_sink(events)
         return outputs
+
+    def publish_kv_events(self, sink: Callable[[list[KVEvent]], None]) -> None:
+        """From now on, hand ``sink`` each step's prefix-cache events (``kvcache/events.py``)
+        at the end of that step, starting with ``AllBlocksCleared``: a subscriber forgets
+        what it knew of this replica before (a restart). Call it before serving, on the
+        engine's thread (``AsyncEngine.call``)."""
+        self.scheduler.kv.pool.events = [AllBlocksCleared()]
+        self._kv_sink = sink
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -4,6 +4,10 @@ A block is *free* when no request holds it (``ref_cnt == 0``). Free blocks wait 
 queue, oldest-freed first out; a free block that still has a hash stays findable in the
 prefix index until it is taken for new data, which is when its hash is dropped. So a
 request that finished a moment ago still lends its prefix to the next one.
+
+While ``events`` is a list, the pool appends to it what a router outside would need to
+know of the index (``kvcache/events.py``): the blocks ``cache_all`` indexes and the hashes
+``allocate`` evicts. ``None`` (the default, and the simulator's) records nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from sendpath.kvcache.events import BlockRemoved, BlockStored, KVEvent, WireHash
 from sendpath.kvcache.hashing import BlockHash
 
 __all__ = ["BlockPool", "KVBlock"]
@@ -48,6 +53,7 @@ class BlockPool:
         self._fresh = 0
         self._free: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[BlockHash, KVBlock] = {}
+        self.events: list[KVEvent] | None = None  # a list: record index changes into it
 
     @property
     def num_blocks(self) -> int:
@@ -91,15 +97,19 @@ class BlockPool:
         if out:  # never used before: made now, in id order
             blocks[start:end] = out
             self._fresh = end
+        evicted: list[WireHash] = []
         for _ in range(n - len(out)):
             block_id, _ = free.popitem(last=False)
             block = blocks[block_id]
             assert block is not None  # it was handed out before it was freed
             if block.block_hash is not None:
                 cached.pop(block.block_hash, None)
+                evicted.append(block.block_hash)
                 block.block_hash, block.tokens = None, b""
             block.ref_cnt = 1
             out.append(block)
+        if evicted and self.events is not None:
+            self.events.append(BlockRemoved(evicted))
         return out
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -123,22 +133,67 @@ class BlockPool:
                 self._free[block.block_id] = None
 
     def cache(
-        self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int] | bytes
+        self,
+        block: KVBlock,
+        block_hash: BlockHash,
+        token_ids: Sequence[int] | bytes,
+        parent: BlockHash | None = None,
     ) -> None:
         """Index a full block under its hash (first writer wins: duplicates stay private);
         ``token_ids`` may come packed already (int64 bytes)."""
         if self.enable_caching:
             packed = token_ids if isinstance(token_ids, bytes) else _pack(token_ids)
-            self.cache_all([block], [block_hash], [packed])
+            self.cache_all([block], [block_hash], [packed], parent)
 
     def cache_all(
-        self, blocks: Sequence[KVBlock], hashes: Sequence[BlockHash], packed: Sequence[bytes]
+        self,
+        blocks: Sequence[KVBlock],
+        hashes: Sequence[BlockHash],
+        packed: Sequence[bytes],
+        parent: BlockHash | None = None,
     ) -> None:
-        """``cache`` for each block, in order, with its hash and its token ids packed."""
+        """``cache`` for each block, in order, with its hash and its token ids packed;
+        ``parent`` is the hash of the block before the first (for the events)."""
         if not self.enable_caching:
             return
-        cached = self._cached
+        cached, events = self._cached, self.events
+        if events is not None:
+            self._record_stored(blocks, hashes, packed, parent, events)
+            return
         for block, block_hash, tokens in zip(blocks, hashes, packed, strict=True):
             if block.block_hash is None and block_hash not in cached:
                 block.block_hash, block.tokens = block_hash, tokens
                 cached[block_hash] = block
+
+    def _record_stored(
+        self,
+        blocks: Sequence[KVBlock],
+        hashes: Sequence[BlockHash],
+        packed: Sequence[bytes],
+        parent: BlockHash | None,
+        events: list[KVEvent],
+    ) -> None:
+        """``cache_all``, recording one ``BlockStored`` per run of blocks it indexes (a
+        block already indexed under its hash, by another request, breaks the run)."""
+        cached = self._cached
+        run: list[WireHash] = []
+        run_tokens: list[bytes] = []
+        run_parent = parent
+
+        def close() -> None:
+            if run:
+                ids = array("q", b"".join(run_tokens)).tolist()
+                events.append(BlockStored(run.copy(), run_parent, ids, len(run_tokens[0]) // 8))
+                run.clear()
+                run_tokens.clear()
+
+        for block, block_hash, tokens in zip(blocks, hashes, packed, strict=True):
+            if block.block_hash is None and block_hash not in cached:
+                block.block_hash, block.tokens = block_hash, tokens
+                cached[block_hash] = block
+                run.append(block_hash)
+                run_tokens.append(tokens)
+            else:
+                close()
+                run_parent = block_hash
+        close()

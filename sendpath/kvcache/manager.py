@@ -180,7 +180,8 @@ class KVCacheManager:
         record = self._request_hashes(request)
         num_full = min(num_full, len(record.blocks))
         span = slice(start, num_full)
-        self.pool.cache_all(record.blocks[span], record.hashes[span], record.packed[span])
+        parent = record.hashes[start - 1] if start else None
+        self.pool.cache_all(record.blocks[span], record.hashes[span], record.packed[span], parent)
         record.num_cached = num_full
 
     def free(self, request: Request) -> None:

@@ -70,6 +70,8 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loading = None if replica.engine is not None else asyncio.create_task(replica.load())
+        if loading is None:
+            await replica.start_events()
         watch = None
         if on_engine_failure is not None:
             watch = asyncio.create_task(replica.watch(on_engine_failure))
@@ -82,6 +84,7 @@ def create_app(
                     await task
         if replica.engine is not None:
             await asyncio.to_thread(replica.engine.shutdown)
+        replica.stop_events()
         logger.info("replica %s stopped: engine shut down", replica.model_name)
 
     app = FastAPI(title="sendpath replica", lifespan=lifespan)

@@ -15,6 +15,7 @@ from sendpath.engine.async_engine import AsyncEngine
 from sendpath.engine.core import EngineCore
 from sendpath.errors import ServiceUnavailableError
 from sendpath.request import Request as EngineRequest
+from sendpath.server.kv_events import KVEventPublisher
 from sendpath.server.metrics import ReplicaMetrics
 from sendpath.server.responses import timings_ms
 from sendpath.trace import TraceStore, event_log
@@ -43,6 +44,7 @@ class Replica:
         self.config = config
         self.model_name = served_name(config)
         self.engine = engine
+        self.kv_events: KVEventPublisher | None = None  # publishing its cache's events
         self.draining = False
         self.load_error: BaseException | None = None
         self.metrics = ReplicaMetrics()
@@ -82,8 +84,9 @@ class Replica:
     async def load(self) -> None:
         config = self.config.engine
         try:  # the model is made on the engine's own thread, where it will run
+            publisher = self._open_events()  # first: a taken port fails before the model
             engine = await asyncio.to_thread(
-                AsyncEngine.build, lambda: EngineCore.from_config(config)
+                AsyncEngine.build, lambda: self._built(EngineCore.from_config(config), publisher)
             )
         except BaseException as exc:
             self.load_error = exc
@@ -104,6 +107,51 @@ class Replica:
             runs.get("attention"),
             runs.get("layer_ops"),
         )
+
+    def _open_events(self) -> KVEventPublisher | None:
+        """The publisher ``--kv-events-config`` asks for (``None``: it asks for none)."""
+        events = self.config.kv_events
+        if not events.publishes:
+            return None
+        device = self.config.engine.device or ""
+        self.kv_events = KVEventPublisher(events, "GPU" if device.startswith("cuda") else "CPU")
+        logger.info(
+            "KV events: publishing on %s (replay: %s, topic %r)",
+            self.kv_events.endpoint,
+            self.kv_events.replay_endpoint,
+            events.topic,
+        )
+        return self.kv_events
+
+    @staticmethod
+    def _built(core: EngineCore, publisher: KVEventPublisher | None) -> EngineCore:
+        """``core``, handing its prefix-cache events to ``publisher`` (its thread)."""
+        if publisher is not None:
+            core.publish_kv_events(publisher.publish)
+        return core
+
+    async def start_events(self) -> None:
+        """Publish a handed-in engine's events (before it serves: its cache is taken as
+        empty, ``EngineCore.publish_kv_events``)."""
+        if self.engine is not None and (publisher := self._open_events()) is not None:
+            await asyncio.wrap_future(self.engine.call(lambda core: self._built(core, publisher)))
+
+    def stop_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
+
+    def events_endpoints(self) -> dict[str, Any] | None:
+        """Where gateways subscribe to this replica's events (``/load``); ``None`` when it
+        publishes none, or connects to its subscriber instead."""
+        publisher = self.kv_events
+        if publisher is None or not publisher.bound or self.engine is None:
+            return None
+        return {
+            "endpoint": publisher.endpoint,
+            "replay_endpoint": publisher.replay_endpoint,
+            "topic": publisher.config.topic,
+            "block_size": self.engine.core.scheduler.kv.block_size,
+        }
 
     def runs_on(self) -> dict[str, Any]:
         """What the engine runs on and in (the model runner's ``describe()``)."""

@@ -60,6 +60,7 @@ async def load(request: Request) -> dict[str, Any]:
         "prefix_cache_queries": stats.prefix_cache_queries,
         "prefix_cache_hits": stats.prefix_cache_hits,
         "precision": {k: runs.get(k) for k in _PRECISION},
+        "kv_events": replica.events_endpoints(),
     }
 
 

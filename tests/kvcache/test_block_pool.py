@@ -66,3 +66,40 @@ def test_duplicate_hash_keeps_first_block() -> None:
     pool.cache(a, h, [7])
     pool.cache(b, h, [7])
     assert pool.lookup(h, [7]) is a and b.block_hash is None
+
+
+def test_events_record_stored_runs_and_evictions_exactly() -> None:
+    from sendpath.kvcache.events import BlockRemoved, BlockStored
+
+    pool = BlockPool(4)
+    pool.events = []
+    blocks = pool.allocate(3)
+    assert blocks is not None
+    h = [hash_block(None, [1, 2])]
+    h.append(hash_block(h[0], [3, 4]))
+    h.append(hash_block(h[1], [5, 6]))
+    pool.cache(blocks[0], h[0], [9, 9])  # block 0 is indexed already
+    pool.events.clear()
+    other = pool.allocate(1)
+    assert other is not None
+    pool.cache_all(blocks, h, [_ids(1, 2), _ids(3, 4), _ids(5, 6)])
+    # the run of newly indexed blocks starts after block 0, its parent
+    assert pool.events == [BlockStored([h[1], h[2]], h[0], [3, 4, 5, 6], 2)]
+    pool.events.clear()
+    pool.release(reversed(blocks))  # freed: still indexed, nothing to say
+    assert pool.events == []
+    assert pool.allocate(2) is not None  # evicts the two tail blocks' hashes
+    assert pool.events == [BlockRemoved([h[2], h[1]])]
+
+
+def test_no_events_are_recorded_unless_asked() -> None:
+    pool = BlockPool(2)
+    (block,) = pool.allocate(1) or []
+    pool.cache(block, hash_block(None, [1]), [1])
+    assert pool.events is None
+
+
+def _ids(*tokens: int) -> bytes:
+    from array import array
+
+    return array("q", tokens).tobytes()

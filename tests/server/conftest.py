@@ -17,7 +17,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from sendpath.api.http_server import uvicorn_config
-from sendpath.config import ConnectionLimits, ReplicaConfig, SchedulerConfig
+from sendpath.config import ConnectionLimits, KVEventsConfig, ReplicaConfig, SchedulerConfig
 from sendpath.engine.async_engine import AsyncEngine
 from sendpath.engine.core import EngineCore, Runner
 from sendpath.kvcache.manager import KVCacheManager
@@ -65,6 +65,7 @@ def serve(
     runner: Callable[[ModelRunner], Runner] | None = None,
     on_engine_failure: Callable[[], None] | None = None,
     stuck_step_s: float = 120.0,
+    kv_events: KVEventsConfig | None = None,
 ) -> Iterator[Server]:
     """A replica of ``loaded`` in this process (``runner``: wraps the model runner)."""
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_queued_requests)
@@ -78,6 +79,7 @@ def serve(
         api_key=api_key,
         connection=limits or ConnectionLimits(),
         stuck_step_s=stuck_step_s,
+        kv_events=kv_events or KVEventsConfig(),
     )
     app = create_app(config, AsyncEngine(core), on_engine_failure)
     with serve_app(app, limits) as url:
