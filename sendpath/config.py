@@ -220,6 +220,7 @@ class ReplicaConfig:
 
 
 ISOLATION_MODES = ("per-key", "shared")
+PREFIX_ROUTING = ("precise", "approximate")
 
 
 @dataclass(frozen=True)
@@ -258,6 +259,9 @@ class GatewayConfig:
     between_tokens_timeout_s: float = 60.0
     upstream_timeout_s: float = 600.0
     policy: str = "prefix_aware"  # routing: round_robin, least_load or prefix_aware
+    # prefix_aware on replicas that publish KV events: "precise" follows them (the
+    # replicas' real caches), "approximate" keeps the gateway's own guess for every replica
+    prefix_routing: str = "precise"
     retry_deadline_s: float = 30.0  # retries (before the first token) stop after this
     health_interval_s: float = 1.0
     replica_api_key: str | None = None
@@ -267,6 +271,10 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if len(self.replica_keys) > len(self.replicas):
             raise ValueError("replica_keys has more keys than there are replicas")
+        if self.prefix_routing not in PREFIX_ROUTING:
+            raise ValueError(
+                f"prefix_routing must be one of {PREFIX_ROUTING}, got {self.prefix_routing!r}"
+            )
         if self.prefix_cache_isolation not in ISOLATION_MODES:
             raise ValueError(
                 f"prefix_cache_isolation must be one of {ISOLATION_MODES}, "

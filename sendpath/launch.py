@@ -47,6 +47,15 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         choices=["prefix_aware", "least_load", "round_robin"],
         help="how the router picks a replica (default: prefix_aware)",
     )
+    p.add_argument(
+        "--prefix-routing",
+        default="precise",
+        choices=["precise", "approximate"],
+        help="prefix_aware on replicas that publish KV events (--kv-events-config): "
+        "precise follows their events and routes on what each really holds, so several "
+        "gateways agree; approximate guesses from the prompts sent (default: precise; "
+        "replicas without events are always approximate)",
+    )
     p.add_argument("--no-auth", action="store_true", help="accept requests without an API key")
     p.add_argument(
         "--redis",
@@ -147,6 +156,7 @@ def gateway_config(
         queue_timeout_s=args.queue_timeout,
         default_max_tokens=args.default_max_tokens,
         policy=args.policy,
+        prefix_routing=args.prefix_routing,
         redis_fail_open=args.redis_failure == "open",
         connect_timeout_s=args.connect_timeout,
         first_token_timeout_s=args.first_token_timeout,

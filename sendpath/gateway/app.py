@@ -111,6 +111,8 @@ def create_gateway_app(
             yield
         finally:
             checks.cancel()
+            if parts.follower is not None:
+                await parts.follower.aclose()
             await parts.ledger.flush()
             await parts.proxy.aclose()
             await parts.client.aclose()

@@ -20,6 +20,7 @@ from sendpath.config import GatewayConfig
 from sendpath.gateway.admission import AdmissionQueue
 from sendpath.gateway.context import GatewayContext
 from sendpath.gateway.keys import KeyStore, default_data_dir
+from sendpath.gateway.kv_events import KVEventFollower
 from sendpath.gateway.ledger import UsageLedger
 from sendpath.gateway.metrics import GatewayMetrics
 from sendpath.gateway.proxy import Proxy, ProxyTimeouts
@@ -27,6 +28,7 @@ from sendpath.gateway.ratelimit import RateLimiter, make_limiter
 from sendpath.gateway.safety import DEFAULT_RULES, OutputGuard, RulesFilter, SafetyCheck
 from sendpath.gateway.tokens import ReplicaText
 from sendpath.gateway.tracing import GatewayTrace, record
+from sendpath.router.kv_index import KVIndex
 from sendpath.router.policy import make_policy
 from sendpath.router.pool import ReplicaPool
 from sendpath.router.router import Router
@@ -58,6 +60,7 @@ class GatewayParts:
     proxy: Proxy
     ledger: UsageLedger  # finished requests' usage, written in batches
     text: ReplicaText  # counts and detokenizes with the replicas
+    follower: KVEventFollower | None  # the replicas' KV events (None: approximate routing)
     # health checks and the operator's views (not per request): httpx
     client: httpx.AsyncClient
     fleet_status: FleetStatus | None
@@ -94,7 +97,15 @@ def build_parts(
     if safety is None and config.safety:
         safety = RulesFilter.from_toml(Path(config.safety_rules or DEFAULT_RULES))
     queue = AdmissionQueue(pool.capacity, config.max_queued_requests, config.queue_timeout_s)
-    router = Router(pool, make_policy(config.policy), lambda: queue.resize(pool.capacity))
+    precise = config.policy == "prefix_aware" and config.prefix_routing == "precise"
+    index = KVIndex(clock) if precise else None
+    follower = KVEventFollower(index) if index is not None else None
+    router = Router(
+        pool,
+        make_policy(config.policy, index),
+        lambda: queue.resize(pool.capacity),
+        follower.sync if follower is not None else lambda pool: None,
+    )
     timeouts = ProxyTimeouts(
         connect_s=config.connect_timeout_s,
         first_token_s=config.first_token_timeout_s,
@@ -105,6 +116,9 @@ def build_parts(
     checker = safety
     guard = (lambda: OutputGuard(checker)) if checker is not None else None
     proxy = Proxy(router, guard, timeouts)
+    text = ReplicaText(pool, proxy.client)
+    if precise:
+        proxy.tokenize = text.tokens
     parts = GatewayParts(
         config=config,
         clock=clock,
@@ -117,7 +131,8 @@ def build_parts(
         router=router,
         proxy=proxy,
         ledger=UsageLedger(keys),
-        text=ReplicaText(pool, proxy.client),
+        text=text,
+        follower=follower,
         client=httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=config.connect_timeout_s)),
         fleet_status=fleet_status,
     )

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, Response
 
 from sendpath.api.disconnect import ClientWatch, signal_of
 from sendpath.api.errors import error_body
+from sendpath.api.prompt import GenerationBody
 from sendpath.api.schema import DEFAULT_CAP_HEADER
 from sendpath.api.sse import EventStreamResponse
 from sendpath.errors import SendpathError, ServiceUnavailableError
@@ -121,6 +122,8 @@ class Proxy:
     ) -> None:
         self.router = router
         self.on_done = on_done  # a request finished: record its trace and metrics
+        # a prompt's token ids from a replica, for precise prefix routing (None: not asked)
+        self.tokenize: Callable[[GenerationBody], Awaitable[list[int] | None]] | None = None
         self.guard = guard
         self.timeouts = timeouts
         # the pooled client (each replica's key goes per request)
@@ -146,7 +149,12 @@ class Proxy:
         ctx = context(request.scope)
         assert ctx.request is not None
         body, headers, wants_usage = upstream_body(ctx)
-        route = route_request(ctx.request, ctx.cache_salt)
+        salt = body.get("cache_salt")  # the key's, or the client's where keys share a cache
+        route = route_request(ctx.request, salt if isinstance(salt, str) else None)
+        if self.tokenize is not None and any(e.events for e in self.router.pool.endpoints):
+            ids = await self.tokenize(ctx.request)  # one /tokenize round trip
+            if ids is not None:
+                route = replace(route, token_ids=tuple(ids))
         deadline = ctx.clock.now() + self.timeouts.retry_deadline_s
         tried: set[int] = set()
         fallback: Response | None = None

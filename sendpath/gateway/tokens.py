@@ -74,9 +74,17 @@ class ReplicaText:
 
     async def count(self, request: GenerationBody) -> int:
         """The prompt's tokens as the engine will count them (or ``byte_bound``)."""
+        if isinstance(request, CompletionBody) and message_texts(request) is None:
+            return len(request.prompt)  # token ids: already exact
+        ids = await self.tokens(request)
+        return len(ids) if ids is not None else byte_bound(request)
+
+    async def tokens(self, request: GenerationBody) -> list[int] | None:
+        """The prompt's token ids as the engine will see them, the chat template included
+        (``None``: no replica could say): what precise prefix routing hashes."""
         texts = None if isinstance(request, ChatBody) else message_texts(request)
         if isinstance(request, CompletionBody) and texts is None:
-            return len(request.prompt)  # token ids: already exact
+            return list(request.prompt)  # type: ignore[arg-type]  # token ids already
         if isinstance(request, ChatBody):  # as the chat renders them: tool calls, tools too
             body: dict[str, Any] = {
                 "messages": [m.model_dump(exclude_none=True) for m in request.messages]
@@ -87,10 +95,10 @@ class ReplicaText:
             assert texts is not None
             body = {"prompt": texts[0]}
         found = await self._ask("/tokenize", body)
-        count = found.get("count") if found is not None else None
-        if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
-            return count
-        return byte_bound(request)
+        ids = found.get("tokens") if found is not None else None
+        if isinstance(ids, list) and all(type(t) is int and t >= 0 for t in ids):
+            return ids
+        return None
 
     async def detokenize(self, ids: list[int]) -> str | None:
         """A token-id prompt's text (``None``: no replica could say)."""

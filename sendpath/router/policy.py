@@ -1,7 +1,8 @@
 """Routing policies: which of the candidate replicas gets a request.
 
 A policy sees the request as a ``RouteRequest`` (its prompt text, approximately as the
-replica will see it, and its prefix-cache salt) and the candidates (healthy, with room),
+replica will see it, its prefix-cache salt, and its token ids when the gateway asked a
+replica for them) and the candidates (healthy, with room),
 and picks one. ``routed`` tells it where the request went, so a policy that learns (the
 prefix tree) can remember. Policies are plain objects with no I/O and no clock of their
 own, so the simulator runs the same ones.
@@ -10,12 +11,16 @@ own, so the simulator runs the same ones.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from sendpath.api.prompt import route_text
 from sendpath.api.schema import ChatBody, CompletionBody
+from sendpath.kvcache.hashing import BlockHash, block_hashes
 from sendpath.router.pool import Endpoint
+
+if TYPE_CHECKING:
+    from sendpath.router.kv_index import KVIndex
 
 __all__ = ["POLICIES", "LeastLoad", "RoundRobin", "RouteRequest", "RoutingPolicy", "make_policy"]
 
@@ -23,8 +28,20 @@ __all__ = ["POLICIES", "LeastLoad", "RoundRobin", "RouteRequest", "RoutingPolicy
 @dataclass(frozen=True)
 class RouteRequest:
     text: str  # the prompt: chat messages as "role\ncontent\n", or the completion prompt
-    salt: str | None = None  # the tenant's prefix-cache salt (per-key isolation)
+    salt: str | None = None  # the prefix-cache salt the replica gets (per-key isolation)
     chat: bool = True
+    token_ids: tuple[int, ...] | None = None  # as the replica tokenizes it, if known
+    _hashes: dict[int, list[BlockHash]] = field(default_factory=dict, compare=False, repr=False)
+
+    def token_hashes(self, block_size: int) -> list[BlockHash]:
+        """The chained hashes of the prompt's blocks a replica could serve from cache (its
+        full blocks before the last token), as the replica computes them; ``[]`` without
+        token ids."""
+        found = self._hashes.get(block_size)
+        if found is None:
+            ids = self.token_ids or ()
+            found = self._hashes[block_size] = block_hashes(ids[:-1], block_size, self.salt)
+        return found
 
     def answered(self, answer: str) -> RouteRequest:
         """The prompt followed by its answer: how the conversation's next turn starts."""
@@ -95,23 +112,25 @@ class LeastLoad:
         pass
 
 
-def _prefix_aware() -> RoutingPolicy:
+def _prefix_aware(index: KVIndex | None) -> RoutingPolicy:
     from sendpath.router.prefix_aware import PrefixAware
 
-    return PrefixAware()
+    return PrefixAware(index)
 
 
-POLICIES: dict[str, Callable[[], RoutingPolicy]] = {
-    "round_robin": RoundRobin,
-    "least_load": LeastLoad,
+# Each makes a policy given the index of what replicas hold (from their KV events; None
+# when the gateway follows none), which only the prefix-aware policy reads.
+POLICIES: dict[str, Callable[[KVIndex | None], RoutingPolicy]] = {
+    "round_robin": lambda index: RoundRobin(),
+    "least_load": lambda index: LeastLoad(),
     "prefix_aware": _prefix_aware,
 }
 
 
-def make_policy(name: str) -> RoutingPolicy:
+def make_policy(name: str, index: KVIndex | None = None) -> RoutingPolicy:
     """A new policy by its registry name."""
     try:
-        return POLICIES[name]()
+        return POLICIES[name](index)
     except KeyError:
         raise ValueError(
             f"unknown routing policy {name!r}; use one of {', '.join(POLICIES)}"

@@ -27,13 +27,24 @@ from dataclasses import dataclass, field
 
 from sendpath.clock import Clock
 
-__all__ = ["Endpoint", "ReplicaPool"]
+__all__ = ["Endpoint", "EventSource", "ReplicaPool"]
 
 CHECK_INTERVAL_S = 1.0
 CHECK_TIMEOUT_S = 2.0
 EJECT_AFTER = 2
 BACKOFF_S = 1.0
 MAX_BACKOFF_S = 30.0
+
+
+@dataclass(frozen=True)
+class EventSource:
+    """Where a replica publishes its KV events, as its ``/load`` says (addresses a gateway
+    connects to: a wildcard host is the replica's own)."""
+
+    endpoint: str  # ZMQ PUB
+    replay_endpoint: str | None  # ZMQ ROUTER for missed batches
+    topic: str
+    block_size: int
 
 
 @dataclass
@@ -52,6 +63,7 @@ class Endpoint:
     external_load: int = 0  # running + waiting at the replica that are not this gateway's
     stuck: bool = False  # its last check said an engine step has run too long
     stats: dict[str, float] = field(default_factory=dict)  # its last /load, as it said it
+    events: EventSource | None = None  # where it publishes KV events (None: it does not)
 
     @property
     def name(self) -> str:
@@ -134,10 +146,14 @@ class ReplicaPool:
         load: int | None = None,
         stats: dict[str, float] | None = None,
         stuck: bool = False,
+        events: EventSource | None = None,
     ) -> None:
         """The result of an active health check (``stats``: the replica's /load; ``stuck``:
-        it said an engine step is stuck, so what waits on it there will not be answered)."""
+        it said an engine step is stuck, so what waits on it there will not be answered;
+        ``events``: where its /load says it publishes KV events)."""
         endpoint.up, endpoint.stuck = ok, stuck
+        if ok and stats is not None:
+            endpoint.events = events
         if load is not None:
             endpoint.external_load = max(0, load - endpoint.in_flight)
         if stats is not None:

@@ -3,7 +3,9 @@
 ``choose`` asks the policy among the replicas that are healthy, have room and were not
 already tried for this request; ``failed``/``succeeded`` feed passive health; ``check``
 runs one round of active checks (``run_checks`` loops it). ``on_change`` is called when
-the set of healthy replicas changes, so admission can resize to the fleet.
+the set of healthy replicas changes, so admission can resize to the fleet. After each
+round, ``on_checked`` sees the pool (the KV event subscriber follows the replicas that
+announce events there).
 """
 
 from __future__ import annotations
@@ -11,11 +13,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
 from sendpath.router.policy import RouteRequest, RoutingPolicy
-from sendpath.router.pool import CHECK_INTERVAL_S, CHECK_TIMEOUT_S, Endpoint, ReplicaPool
+from sendpath.router.pool import (
+    CHECK_INTERVAL_S,
+    CHECK_TIMEOUT_S,
+    Endpoint,
+    EventSource,
+    ReplicaPool,
+)
 
 __all__ = ["Router"]
 
@@ -30,8 +40,10 @@ class Router:
         pool: ReplicaPool,
         policy: RoutingPolicy,
         on_change: Callable[[], None] = lambda: None,
+        on_checked: Callable[[ReplicaPool], None] = lambda pool: None,
     ) -> None:
         self.pool, self.policy, self.on_change = pool, policy, on_change
+        self.on_checked = on_checked
         self._no_load: set[int] = set()  # replicas without a /load endpoint (not ours)
         self._no_ready: set[int] = set()  # without /ready (not ours): /health says ready
 
@@ -63,6 +75,7 @@ class Router:
         before = [e.healthy for e in self.pool.endpoints]
         await asyncio.gather(*(self._check(client, e) for e in self.pool.endpoints))
         after = [e.healthy for e in self.pool.endpoints]
+        self.on_checked(self.pool)
         if before != after:
             for e, was in zip(self.pool.endpoints, before, strict=True):
                 if was != e.healthy:
@@ -79,18 +92,19 @@ class Router:
                 r = await client.get(endpoint.url + "/health", timeout=CHECK_TIMEOUT_S)
             ok = r.status_code == 200
             stuck = not ok and _status(r) == "stuck"
-            load, stats = None, None
+            load, stats, events = None, None, None
             if ok and endpoint.index not in self._no_load:
                 lr = await client.get(endpoint.url + "/load", timeout=CHECK_TIMEOUT_S)
                 if lr.status_code == 200:
                     raw = lr.json()
                     stats = {k: float(v) for k, v in raw.items() if isinstance(v, int | float)}
                     load = int(raw["num_requests_running"]) + int(raw["num_requests_waiting"])
+                    events = event_source(raw.get("kv_events"), endpoint.url)
                 elif lr.status_code == 404:
                     self._no_load.add(endpoint.index)  # e.g. vLLM: in-flight counts only
         except (httpx.HTTPError, ValueError, KeyError):
-            ok, load, stats, stuck = False, None, None, False
-        self.pool.checked(endpoint, ok, load, stats, stuck)
+            ok, load, stats, stuck, events = False, None, None, False, None
+        self.pool.checked(endpoint, ok, load, stats, stuck, events)
 
     async def run_checks(
         self, client: httpx.AsyncClient, interval: float = CHECK_INTERVAL_S
@@ -99,6 +113,41 @@ class Router:
         while True:
             await self.check(client)
             await asyncio.sleep(interval)
+
+
+WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]")
+
+
+def event_source(raw: Any, replica_url: str) -> EventSource | None:
+    """Where a replica's ``/load`` says it publishes KV events (``None``: nowhere, or not
+    a TCP or IPC address a gateway could reach). A wildcard host means the replica's."""
+    if not isinstance(raw, dict):
+        return None
+    endpoint, replay = raw.get("endpoint"), raw.get("replay_endpoint")
+    topic, size = raw.get("topic", ""), raw.get("block_size")
+    if not isinstance(endpoint, str) or not isinstance(topic, str):
+        return None
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        return None
+    host = urlsplit(replica_url).hostname or "127.0.0.1"
+
+    def reachable(address: str) -> str | None:
+        if address.startswith("ipc://"):
+            return address
+        if not address.startswith("tcp://"):
+            return None
+        where, _, port = address.removeprefix("tcp://").rpartition(":")
+        if not port.isdigit():
+            return None
+        if where in WILDCARD_HOSTS:
+            where = f"[{host}]" if ":" in host else host
+        return f"tcp://{where}:{port}"
+
+    pub = reachable(endpoint)
+    if pub is None:
+        return None
+    again = reachable(replay) if isinstance(replay, str) else None
+    return EventSource(pub, again, topic, size)
 
 
 def _status(r: httpx.Response) -> str | None:

@@ -70,6 +70,7 @@ class KVEventPublisher:
 
         self.config, self.medium = config, medium
         self.dropped = 0  # steps whose events were dropped: the queue was full
+        self.sent = 0  # batches sent (the next one's sequence number)
         self._queue: queue.Queue[tuple[float, list[KVEvent]] | None] = queue.Queue(
             config.max_queue_size
         )
@@ -160,6 +161,7 @@ class KVEventPublisher:
             logger.exception("KV events: batch %d could not be sent", n)
             return
         self._kept.append((n, payload))
+        self.sent = n + 1
 
     def _answer_replay(self) -> None:
         """Answer one replay request: kept batches from its start, then the end marker."""

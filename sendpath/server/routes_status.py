@@ -61,6 +61,7 @@ async def load(request: Request) -> dict[str, Any]:
         "prefix_cache_hits": stats.prefix_cache_hits,
         "precision": {k: runs.get(k) for k in _PRECISION},
         "kv_events": replica.events_endpoints(),
+        "kv_events_sent": replica.kv_events.sent if replica.kv_events is not None else 0,
     }
 
 

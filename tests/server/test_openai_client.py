@@ -163,8 +163,11 @@ def test_models_health_load(server: Server) -> None:
         "prefix_cache_hits",
         "precision",
         "kv_events",
+        "kv_events_sent",
     }
-    assert load["kv_events"] is None  # publishes none unless --kv-events-config asks
+    assert (
+        load["kv_events"] is None and load["kv_events_sent"] == 0
+    )  # publishes none unless --kv-events-config asks
     assert load["precision"]["dtype"] == "float32"  # the tiny test model's, as asked
     # its float32 weights are not block-quantized, so no matrix engine multiplies them
     assert load["precision"]["matrix_engine"] == "none: no block-quantized weights"
