@@ -3,6 +3,11 @@
 Latency histograms are observed once per finished request from its timeline; the engine's
 gauges and counters (running, waiting, KV usage, prefix cache, preemptions) are read from
 an engine statistics snapshot taken when ``/metrics`` is scraped.
+
+The three gauges a load-aware balancer reads are also exported under vLLM's own names,
+with its ``model_name`` label (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+``vllm:kv_cache_usage_perc``), so the Gateway API Inference Extension's endpoint picker
+and llm-d's scorers read a sendpath replica as they read a vLLM one.
 """
 
 from __future__ import annotations
@@ -25,22 +30,25 @@ _ITL = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 
 
 class _EngineCollector(Collector):
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
         self.stats: SchedulerStats | None = None
+        self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
         s = self.stats
         if s is None:
             return
-        yield GaugeMetricFamily(
-            "sendpath:num_requests_running", "Requests in the running batch.", s.num_running
-        )
-        yield GaugeMetricFamily(
-            "sendpath:num_requests_waiting", "Requests waiting for a slot.", s.num_waiting
-        )
-        yield GaugeMetricFamily(
-            "sendpath:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", s.kv_cache_usage
-        )
+        gauges = [
+            ("num_requests_running", "Requests in the running batch.", s.num_running),
+            ("num_requests_waiting", "Requests waiting for a slot.", s.num_waiting),
+            ("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", s.kv_cache_usage),
+        ]
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(f"sendpath:{name}", doc, value)
+        for name, doc, value in gauges:  # as vLLM names them, for balancers that read those
+            vllm = GaugeMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
+            vllm.add_metric([self.model_name], value)
+            yield vllm
         yield CounterMetricFamily(
             "sendpath:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
@@ -61,7 +69,7 @@ class _EngineCollector(Collector):
 class ReplicaMetrics:
     """A registry of its own (several apps can live in one process, as in tests)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "model") -> None:
         self.registry = CollectorRegistry()
         r = self.registry
 
@@ -86,7 +94,7 @@ class ReplicaMetrics:
             ["finished_reason"],
             registry=r,
         )
-        self._engine = _EngineCollector()
+        self._engine = _EngineCollector(model_name)
         r.register(self._engine)
         self.engine_info = Info(
             "sendpath:engine",

@@ -47,7 +47,7 @@ class Replica:
         self.kv_events: KVEventPublisher | None = None  # publishing its cache's events
         self.draining = False
         self.load_error: BaseException | None = None
-        self.metrics = ReplicaMetrics()
+        self.metrics = ReplicaMetrics(self.model_name)
         if engine is not None:  # handed in loaded (tests, the simulator's profile)
             self.metrics.describe_engine(self.runs_on())
         self.traces: TraceStore[dict[str, Any]] = TraceStore()
