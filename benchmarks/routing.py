@@ -9,8 +9,15 @@ prefix-cache hit rate (cached / prompt tokens, from `usage`), TTFT p50/p99 measu
 client (time to the first text chunk), the whole run's wall time, and how conversations
 spread over the replicas.
 
+With ``--gateways 2`` each conversation alternates between two gateways in front of the
+same replicas (turn t of conversation c goes to gateway (c + t) % 2), the replicas publish
+KV events, and ``--prefix-routing approximate precise`` runs prefix_aware both ways: each
+gateway guessing from what it sent, or both following the replicas' events.
+
     .venv/bin/python -m benchmarks.routing [--conversations 32 --turns 4 --max-tokens 16]
         [--arrival-rate R --think S] [--out benchmarks/results/routing.json]
+    .venv/bin/python -m benchmarks.routing --gateways 2 --policies prefix_aware \
+        --prefix-routing approximate precise --out benchmarks/results/routing_gateways.json
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import random
 import statistics
@@ -30,9 +38,16 @@ from typing import Any
 
 import httpx
 
-from sendpath.fleet import LocalFleet, free_port, wait_healthy
+from sendpath.config import KVEventsConfig
+from sendpath.fleet import LocalFleet, free_port
+from sendpath.model.quant import cpu_model
 
 RESULTS = Path(__file__).parent / "results" / "routing.json"
+EVENTS = KVEventsConfig(  # each replica's own ports, picked by the OS
+    enable_kv_cache_events=True,
+    endpoint="tcp://127.0.0.1:*",
+    replay_endpoint="tcp://127.0.0.1:*",
+)
 POLICIES = ("prefix_aware", "round_robin", "least_load")
 MODEL = "SmolLM2-135M-Instruct"
 SYSTEM = (
@@ -58,7 +73,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def conversation(
-    client: httpx.AsyncClient,
+    clients: list[httpx.AsyncClient],
     c: int,
     args: argparse.Namespace,
     out: list[dict[str, Any]],
@@ -83,6 +98,7 @@ async def conversation(
         }
         start = time.perf_counter()
         ttft, text, usage, timings = None, "", {}, {}
+        client = clients[(c + t) % len(clients)]
         async with client.stream("POST", "/v1/chat/completions", json=body) as r:
             r.raise_for_status()
             replica = r.headers["x-sendpath-replica"]
@@ -113,37 +129,63 @@ async def conversation(
         )
 
 
-async def workload(url: str, args: argparse.Namespace) -> list[Any]:
+async def workload(urls: list[str], args: argparse.Namespace) -> list[Any]:
     out: list[dict[str, Any]] = []
     limits = httpx.Limits(max_connections=args.conversations + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as client:
+    clients = [httpx.AsyncClient(base_url=u, timeout=900, limits=limits) for u in urls]
+    try:
         await asyncio.gather(
-            *(conversation(client, c, args, out) for c in range(args.conversations))
+            *(conversation(clients, c, args, out) for c in range(args.conversations))
         )
+    finally:
+        for client in clients:
+            await client.aclose()
     return out
 
 
-def run_policy(policy: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    with LocalFleet(2, ["--max-num-seqs", str(args.conversations)]) as fleet:
-        fleet.wait_healthy(300)
-        port = free_port()
-        gateway = subprocess.Popen(
-            [
-                sys.executable, "-m", "sendpath.cli", "gateway", "--port", str(port),
-                "--no-auth", "--policy", policy, "--data-dir", str(tmp),
-                *(arg for u in fleet.urls for arg in ("--replica", u)),
-            ],
-            stdout=subprocess.DEVNULL,
-        )  # fmt: skip
-        url = f"http://127.0.0.1:{port}"
+def gateway_up(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
+    """Wait until the gateway's /health is 200 (its replicas checked and healthy)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the gateway at {url} exited with code {proc.returncode}")
         try:
-            wait_healthy({url: gateway}, 60)
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the gateway at {url} was not healthy after {timeout_s:g} s")
+        time.sleep(0.2)
+
+
+def run_policy(policy: str, routing: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    events = EVENTS if args.gateways > 1 else None
+    with LocalFleet(2, ["--max-num-seqs", str(args.conversations)], kv_events=events) as fleet:
+        fleet.wait_healthy(300)
+        gateways: dict[str, subprocess.Popen[bytes]] = {}
+        for _ in range(args.gateways):
+            port = free_port()
+            gateways[f"http://127.0.0.1:{port}"] = subprocess.Popen(
+                [
+                    sys.executable, "-m", "sendpath.cli", "gateway", "--port", str(port),
+                    "--no-auth", "--policy", policy, "--prefix-routing", routing,
+                    "--data-dir", str(tmp),
+                    *(arg for u in fleet.urls for arg in ("--replica", u)),
+                ],
+                stdout=subprocess.DEVNULL,
+            )  # fmt: skip
+        try:
+            for url, gateway in gateways.items():
+                gateway_up(url, gateway)
+            time.sleep(2.0)  # two health rounds: the gateways find the replicas' events
             start = time.perf_counter()
-            turns = asyncio.run(workload(url, args))
+            turns = asyncio.run(workload(list(gateways), args))
             wall = time.perf_counter() - start
         finally:
-            gateway.terminate()
-            gateway.wait(30)
+            for gateway in gateways.values():
+                gateway.terminate()
+                gateway.wait(30)
     ttfts = [t["ttft_s"] * 1000 for t in turns if t["ttft_s"] is not None]
     prompt = sum(t["prompt_tokens"] for t in turns)
     cached = sum(t["cached_tokens"] for t in turns)
@@ -158,6 +200,8 @@ def run_policy(policy: str, args: argparse.Namespace, tmp: Path) -> dict[str, An
     }
     return {
         "policy": policy,
+        "prefix_routing": routing if policy == "prefix_aware" else None,
+        "gateways": args.gateways,
         "requests": len(turns),
         "prompt_tokens": prompt,
         "cached_tokens": cached,
@@ -177,6 +221,16 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--policies", nargs="+", default=list(POLICIES))
+    parser.add_argument(
+        "--gateways", type=int, default=1, help="gateways the turns alternate between (1)"
+    )
+    parser.add_argument(
+        "--prefix-routing",
+        nargs="+",
+        default=["precise"],
+        choices=["precise", "approximate"],
+        help="prefix_aware's modes to run (replicas publish KV events when --gateways > 1)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
     parser.add_argument(
         "--arrival-rate",
@@ -190,13 +244,18 @@ def main() -> None:
     args = parser.parse_args()
     tmp = Path("/tmp") / f"sendpath-routing-{int(time.time())}"
     results = []
-    for policy in args.policies:
-        print(f"{policy}: running...", flush=True)
-        results.append(run_policy(policy, args, tmp))
+    runs = [
+        (policy, routing)
+        for policy in args.policies
+        for routing in (args.prefix_routing if policy == "prefix_aware" else ["precise"])
+    ]
+    for policy, routing in runs:
+        print(f"{policy} ({routing}): running...", flush=True)
+        results.append(run_policy(policy, routing, args, tmp))
         print(json.dumps(results[-1]), flush=True)
     args.out.parent.mkdir(exist_ok=True)
     report = {
-        "machine": f"{platform.processor() or platform.machine()}, {platform.system()}",
+        "machine": f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()}",
         "workload": {
             "conversations": args.conversations,
             "turns": args.turns,
@@ -204,6 +263,7 @@ def main() -> None:
             "arrival_rate": args.arrival_rate,
             "think_s": args.think,
             "replicas": 2,
+            "gateways": args.gateways,
             "model": MODEL,
         },
         "results": results,
@@ -212,8 +272,9 @@ def main() -> None:
     print("\n| policy | prefix-cache hit rate | TTFT p50 ms | TTFT p99 ms | wall s |")
     print("|---|---:|---:|---:|---:|")
     for r in results:
+        name = r["policy"] + (f" ({r['prefix_routing']})" if r["prefix_routing"] else "")
         print(
-            f"| {r['policy']} | {r['hit_rate']:.1%} | {r['ttft_ms_p50']} | {r['ttft_ms_p99']} "
+            f"| {name} | {r['hit_rate']:.1%} | {r['ttft_ms_p50']} | {r['ttft_ms_p99']} "
             f"| {r['wall_s']} |"
         )
 

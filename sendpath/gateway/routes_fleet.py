@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from sendpath.gateway.parts import parts_of
+from sendpath.gateway.parts import GatewayParts, parts_of
 
 __all__ = ["WEB", "router"]
 
@@ -72,6 +72,7 @@ async def fleet(request: Request) -> dict[str, Any]:
                 "prefix_cache_hit_rate": (
                     s.get("prefix_cache_hits", 0.0) / queries if queries else None
                 ),
+                "prefix_routing": _prefix_routing(parts, e.index),
                 **processes.get(e.url, {}),
             }
         )
@@ -83,6 +84,19 @@ async def fleet(request: Request) -> dict[str, Any]:
             "policy": parts.router.policy.name,
         },
         "replicas": replicas,
+    }
+
+
+def _prefix_routing(parts: GatewayParts, replica: int) -> dict[str, Any]:
+    """How the router matches prefixes on this replica: precise (following its KV events:
+    the last batch applied, the blocks it holds) or approximate."""
+    follower = parts.follower
+    if follower is None or replica not in follower.following:
+        return {"mode": "approximate"}
+    return {
+        "mode": "precise",
+        "events_applied": follower.applied.get(replica, -1) + 1,
+        "blocks_held": follower.index.num_blocks(replica),
     }
 
 

@@ -64,6 +64,11 @@ class BlockPool:
         return len(self._blocks) - self._fresh + len(self._free)
 
     @property
+    def num_cached_blocks(self) -> int:
+        """Blocks findable in the prefix index (held or free)."""
+        return len(self._cached)
+
+    @property
     def blocks(self) -> list[KVBlock]:
         """Every block, in id order (made now if never used); for tests and stats."""
         return [b if b is not None else KVBlock(i) for i, b in enumerate(self._blocks)]

@@ -109,6 +109,13 @@ def test_precise_routing_keeps_each_conversation_on_its_replica_from_either_gate
     with fleet(tiny, tmp_path, "precise") as (replicas, gateways):
         wait_for(lambda: all(p.follower and p.follower.following == {0, 1} for _, p in gateways))
         turns = converse(replicas, gateways, secret)
+        for url, parts in gateways:  # the operator's view: exactly what each replica holds
+            wait_for(lambda parts=parts: caught_up(replicas, parts))  # type: ignore[misc]
+            views = httpx.get(url + "/fleet").json()["replicas"]
+            for view, replica in zip(views, replicas, strict=True):
+                cached = replica.core.scheduler.kv.pool.num_cached_blocks
+                assert view["prefix_routing"]["mode"] == "precise"
+                assert view["prefix_routing"]["blocks_held"] == cached > 0
     assert {first for first, *_ in turns} == {"replica-0", "replica-1"}  # both serve
     for first, replica, cached, before in turns:
         assert replica == first
@@ -122,5 +129,7 @@ def test_approximate_routing_splits_conversations_between_gateways(
     with fleet(tiny, tmp_path, "approximate") as (replicas, gateways):
         assert all(p.follower is None for _, p in gateways)
         turns = converse(replicas, gateways, secret)
+        views = httpx.get(gateways[0][0] + "/fleet").json()["replicas"]
+        assert [v["prefix_routing"] for v in views] == [{"mode": "approximate"}] * 2
     moved = [t for t in turns if t[1] != t[0]]
     assert moved, "the gateway that did not see a conversation start guessed right every time"

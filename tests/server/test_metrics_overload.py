@@ -118,9 +118,7 @@ def test_overload_answers_503_with_retry_after(tiny: LoadedModel) -> None:
 
 def test_vllm_named_gauges_carry_the_model_name(server: Server) -> None:
     text = httpx.get(f"{server.url}/metrics").text
-    samples = {
-        s.name: s for family in text_string_to_metric_families(text) for s in family.samples
-    }
+    samples = {s.name: s for family in text_string_to_metric_families(text) for s in family.samples}
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         vllm = samples[f"vllm:{name}"]
         assert vllm.labels == {"model_name": "tiny"}
