@@ -112,8 +112,8 @@ def test_precise_routing_keeps_each_conversation_on_its_replica_from_either_gate
         for url, parts in gateways:  # the operator's view: exactly what each replica holds
             wait_for(lambda parts=parts: caught_up(replicas, parts))  # type: ignore[misc]
             views = httpx.get(url + "/fleet").json()["replicas"]
-            for view, replica in zip(views, replicas, strict=True):
-                cached = replica.core.scheduler.kv.pool.num_cached_blocks
+            for view, server in zip(views, replicas, strict=True):
+                cached = server.core.scheduler.kv.pool.num_cached_blocks
                 assert view["prefix_routing"]["mode"] == "precise"
                 assert view["prefix_routing"]["blocks_held"] == cached > 0
     assert {first for first, *_ in turns} == {"replica-0", "replica-1"}  # both serve
