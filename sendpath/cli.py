@@ -13,14 +13,8 @@ from sendpath.bench.command import add_bench_args, run_bench
 from sendpath.chat import add_chat_args, run_chat
 from sendpath.engine.args import MODEL_HELP, add_engine_args
 from sendpath.errors import SendpathError
-from sendpath.launch import (
-    add_connection_args,
-    add_gateway_args,
-    add_kv_events_arg,
-    run_gateway,
-    run_replica,
-    run_serve,
-)
+from sendpath.launch import add_gateway_args, run_gateway, run_serve
+from sendpath.server.command import add_connection_args, add_kv_events_arg, run_replica
 from sendpath.sim.command import add_sim_args, run_sim
 from sendpath.sim.profile_command import DESCRIPTION as PROFILE_DESCRIPTION
 from sendpath.sim.profile_command import add_profile_args, run_profile

@@ -125,7 +125,7 @@ class LocalFleet:
         self._watcher: threading.Thread | None = None
 
     def _spawn(self, port: int, index: int) -> subprocess.Popen[bytes]:
-        from sendpath.launch import API_KEY_ENV
+        from sendpath.server.command import API_KEY_ENV
 
         env = dict(os.environ)
         if "OMP_NUM_THREADS" not in env:

@@ -1,4 +1,5 @@
-"""Starting servers from the command line: `replica`, `gateway` and `serve`.
+"""Starting the gateway from the command line: `gateway`, and `serve` (the gateway with
+local replicas; `replica` alone is ``server/command.py``).
 
 `cli.py` parses; this module turns the flags into configs, prints what a person needs (the
 URL, the first API key) and runs uvicorn. `serve` also owns the local replica processes and
@@ -8,29 +9,23 @@ stops them on Ctrl-C or SIGTERM.
 from __future__ import annotations
 
 import argparse
-import logging
 import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from sendpath.config import (
-    ConnectionLimits,
-    GatewayConfig,
-    KVEventsConfig,
-)
-from sendpath.engine.args import engine_argv, engine_config
+from sendpath.config import GatewayConfig
+from sendpath.engine.args import engine_argv
 from sendpath.extras import require
+from sendpath.server.command import (
+    add_connection_args,
+    connection_limits,
+    kv_events_config,
+    log_setup,
+)
 
-__all__ = [
-    "add_gateway_args",
-    "add_kv_events_arg",
-    "gateway_config",
-    "run_gateway",
-    "run_replica",
-    "run_serve",
-]
+__all__ = ["add_gateway_args", "gateway_config", "run_gateway", "run_serve"]
 
 
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
@@ -215,7 +210,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         f"({args.workers} worker{'s' if args.workers > 1 else ''})",
         flush=True,
     )
-    _log_setup()
+    log_setup()
     if args.workers == 1:
         settle_heap()
         http_server.run(app, args.host, args.port, config.connection)
@@ -232,11 +227,6 @@ def run_gateway(args: argparse.Namespace) -> int:
         timeout_keep_alive=max(1, round(config.connection.keep_alive_s)),
     )
     return 0
-
-
-def _log_setup() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -257,7 +247,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     if args.redis:
         require("redis")
-    _log_setup()
+    log_setup()
     # only this gateway can use the local replicas: their key is given, or made here
     replica_key = replica_api_key(args) or secrets.token_urlsafe(32)
     try:
@@ -310,121 +300,3 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 def _ignore(signum: int, frame: FrameType | None) -> None:
     pass
-
-
-def add_connection_args(p: argparse.ArgumentParser) -> None:
-    """How long a client may take (the gateway's and the replica's, each its own)."""
-    p.add_argument(
-        "--request-timeout",
-        type=float,
-        default=30.0,
-        metavar="S",
-        help="a client must send its whole request (head and body) within S seconds (30)",
-    )
-    p.add_argument(
-        "--write-timeout",
-        type=float,
-        default=30.0,
-        metavar="S",
-        help="a client that reads nothing of its answer for S seconds is dropped and its "
-        "request aborted (30)",
-    )
-    p.add_argument(
-        "--keep-alive-timeout",
-        type=float,
-        default=5.0,
-        metavar="S",
-        help="an idle kept-alive connection is closed after S seconds (5)",
-    )
-
-
-def _kv_events(text: str) -> KVEventsConfig:
-    try:
-        return KVEventsConfig.from_json(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def add_kv_events_arg(p: argparse.ArgumentParser, more_help: str) -> None:
-    p.add_argument(
-        "--kv-events-config",
-        type=_kv_events,
-        default=None,
-        metavar="JSON",
-        help="publish the prefix cache's events over ZMQ as vLLM does, with vLLM's keys: "
-        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557", '
-        '"replay_endpoint": "tcp://127.0.0.1:5567", "topic": ""}\'; gateways subscribe and '
-        f"route on what each replica holds (needs sendpath[kv-events]){more_help}",
-    )
-
-
-def kv_events_config(args: argparse.Namespace) -> KVEventsConfig:
-    """``--kv-events-config`` (off when not given); checks its extra is installed."""
-    config: KVEventsConfig = args.kv_events_config or KVEventsConfig()
-    if config.publishes:
-        require("kv-events")
-    return config
-
-
-def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
-    return ConnectionLimits(
-        request_timeout_s=args.request_timeout,
-        write_timeout_s=args.write_timeout,
-        keep_alive_s=args.keep_alive_timeout,
-    )
-
-
-API_KEY_ENV = "SENDPATH_API_KEY"  # a replica's key, from `serve` (not on its command line)
-EXIT_GRACE_S = 15.0  # a replica whose engine failed drains this long at most, then exits
-
-
-def run_replica(args: argparse.Namespace) -> int:
-    import os
-    import threading
-
-    import uvicorn
-
-    from sendpath.api.http_server import uvicorn_config
-    from sendpath.config import ReplicaConfig
-    from sendpath.server.app import create_app, served_name
-
-    try:
-        config = ReplicaConfig(
-            engine=engine_config(args),
-            served_model_name=args.served_model_name,
-            api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-            connection=connection_limits(args),
-            stuck_step_s=args.stuck_step_timeout,
-            kv_events=kv_events_config(args),
-        )
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.model is not None and not Path(args.model).expanduser().exists():
-        print(
-            f"error: model path {args.model!r} does not exist; pass a .gguf file or a "
-            "Hugging Face model directory.",
-            file=sys.stderr,
-        )
-        return 2
-    print(
-        f"sendpath replica: serving {served_name(config)} on http://{args.host}:{args.port} "
-        "(the model loads in the background; GET /ready says when it takes requests)",
-        flush=True,
-    )
-    _log_setup()
-    failed: list[bool] = []
-    server: list[uvicorn.Server] = []
-
-    def stop() -> None:  # the engine stopped or is stuck: exit, so `serve` restarts it
-        failed.append(True)
-        server[0].should_exit = True
-        # a stuck step never returns, nor do the requests waiting on it: exit regardless
-        deadline = threading.Timer(EXIT_GRACE_S, os._exit, (1,))
-        deadline.daemon = True
-        deadline.start()
-
-    app = create_app(config, on_engine_failure=stop)
-    server.append(uvicorn.Server(uvicorn_config(app, args.host, args.port, config.connection)))
-    server[0].run()
-    return 1 if failed else 0

@@ -267,8 +267,7 @@ class EngineCore:
             busy = self.scheduler.has_unfinished_requests()
             shape = StepShape.of(plan)
             self.steps.record(start, self.clock.now() - start, busy, shape)
-        pool = self.scheduler.kv.pool
-        if self._kv_sink is not None and pool.events:
+        if self._kv_sink is not None and (pool := self.scheduler.kv.pool).events:
             events, pool.events = pool.events, []
             self._kv_sink(events)
         return outputs

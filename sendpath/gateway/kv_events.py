@@ -30,6 +30,7 @@ import importlib.util
 import logging
 from typing import Any
 
+from sendpath.extras import EXTRAS
 from sendpath.kvcache.event_wire import END_SEQ, WireError, decode_batch
 from sendpath.router.kv_index import KVIndex
 from sendpath.router.pool import EventSource, ReplicaPool
@@ -48,8 +49,9 @@ class KVEventFollower:
     def __init__(self, index: KVIndex) -> None:
         self.index = index
         self._followed: dict[int, tuple[EventSource, asyncio.Task[None]]] = {}
-        self._can = importlib.util.find_spec("zmq") is not None
-        self._can = self._can and importlib.util.find_spec("msgpack") is not None
+        self._can = all(
+            importlib.util.find_spec(m) is not None for m in EXTRAS["kv-events"].modules
+        )
         self._said_missing = False
         self.applied: dict[int, int] = {}  # replica -> last sequence number applied
         self._sent: dict[int, int] = {}  # replica -> batches it said it sent (/load)

@@ -113,8 +113,10 @@ class Replica:
         events = self.config.kv_events
         if not events.publishes:
             return None
-        device = self.config.engine.device or ""
-        self.kv_events = KVEventPublisher(events, "GPU" if device.startswith("cuda") else "CPU")
+        from sendpath.model.loader import resolve_device  # the engine's own rule
+
+        on_gpu = resolve_device(self.config.engine.device).type == "cuda"
+        self.kv_events = KVEventPublisher(events, "GPU" if on_gpu else "CPU")
         logger.info(
             "KV events: publishing on %s (replay: %s, topic %r)",
             self.kv_events.endpoint,

@@ -1,0 +1,153 @@
+"""`sendpath replica` from the command line: its flags and its run.
+
+The connection limits are every server command's (the gateway takes them too); the KV
+events flag is the replica's (``--kv-events-config``, with vLLM's keys; `serve` passes it
+on to its local replicas). ``run_replica`` turns the flags into a ``ReplicaConfig`` and
+serves it with uvicorn until stopped, or until its engine fails (then it exits 1, so
+`serve` starts it again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from sendpath.config import ConnectionLimits, KVEventsConfig
+from sendpath.engine.args import engine_config
+from sendpath.extras import require
+
+__all__ = [
+    "API_KEY_ENV",
+    "add_connection_args",
+    "add_kv_events_arg",
+    "connection_limits",
+    "kv_events_config",
+    "log_setup",
+    "run_replica",
+]
+
+
+def log_setup() -> None:
+    """Log lines as ``name: message`` at INFO (httpx's per-request lines left out)."""
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request
+
+
+def add_connection_args(p: argparse.ArgumentParser) -> None:
+    """How long a client may take (the gateway's and the replica's, each its own)."""
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="a client must send its whole request (head and body) within S seconds (30)",
+    )
+    p.add_argument(
+        "--write-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="a client that reads nothing of its answer for S seconds is dropped and its "
+        "request aborted (30)",
+    )
+    p.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="an idle kept-alive connection is closed after S seconds (5)",
+    )
+
+
+def _kv_events(text: str) -> KVEventsConfig:
+    try:
+        return KVEventsConfig.from_json(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_kv_events_arg(p: argparse.ArgumentParser, more_help: str) -> None:
+    p.add_argument(
+        "--kv-events-config",
+        type=_kv_events,
+        default=None,
+        metavar="JSON",
+        help="publish the prefix cache's events over ZMQ as vLLM does, with vLLM's keys: "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557", '
+        '"replay_endpoint": "tcp://127.0.0.1:5567", "topic": ""}\'; gateways subscribe and '
+        f"route on what each replica holds (needs sendpath[kv-events]){more_help}",
+    )
+
+
+def kv_events_config(args: argparse.Namespace) -> KVEventsConfig:
+    """``--kv-events-config`` (off when not given); checks its extra is installed."""
+    config: KVEventsConfig = args.kv_events_config or KVEventsConfig()
+    if config.publishes:
+        require("kv-events")
+    return config
+
+
+def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    return ConnectionLimits(
+        request_timeout_s=args.request_timeout,
+        write_timeout_s=args.write_timeout,
+        keep_alive_s=args.keep_alive_timeout,
+    )
+
+
+API_KEY_ENV = "SENDPATH_API_KEY"  # a replica's key, from `serve` (not on its command line)
+EXIT_GRACE_S = 15.0  # a replica whose engine failed drains this long at most, then exits
+
+
+def run_replica(args: argparse.Namespace) -> int:
+    import os
+    import threading
+
+    import uvicorn
+
+    from sendpath.api.http_server import uvicorn_config
+    from sendpath.config import ReplicaConfig
+    from sendpath.server.app import create_app, served_name
+
+    try:
+        config = ReplicaConfig(
+            engine=engine_config(args),
+            served_model_name=args.served_model_name,
+            api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+            connection=connection_limits(args),
+            stuck_step_s=args.stuck_step_timeout,
+            kv_events=kv_events_config(args),
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.model is not None and not Path(args.model).expanduser().exists():
+        print(
+            f"error: model path {args.model!r} does not exist; pass a .gguf file or a "
+            "Hugging Face model directory.",
+            file=sys.stderr,
+        )
+        return 2
+    print(
+        f"sendpath replica: serving {served_name(config)} on http://{args.host}:{args.port} "
+        "(the model loads in the background; GET /ready says when it takes requests)",
+        flush=True,
+    )
+    log_setup()
+    failed: list[bool] = []
+    server: list[uvicorn.Server] = []
+
+    def stop() -> None:  # the engine stopped or is stuck: exit, so `serve` restarts it
+        failed.append(True)
+        server[0].should_exit = True
+        # a stuck step never returns, nor do the requests waiting on it: exit regardless
+        deadline = threading.Timer(EXIT_GRACE_S, os._exit, (1,))
+        deadline.daemon = True
+        deadline.start()
+
+    app = create_app(config, on_engine_failure=stop)
+    server.append(uvicorn.Server(uvicorn_config(app, args.host, args.port, config.connection)))
+    server[0].run()
+    return 1 if failed else 0
