@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from sendpath import __version__
 from sendpath.bench.command import add_bench_args, run_bench
 from sendpath.chat import add_chat_args, run_chat
+from sendpath.cluster.command import add_ray_gateway_arg, add_ray_serve_args
 from sendpath.engine.args import MODEL_HELP, add_engine_args
 from sendpath.errors import SendpathError
 from sendpath.launch import add_gateway_args, run_gateway, run_serve
@@ -132,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         "; each local replica gets its own ports (replica i: the ports + i; a '*' port: "
         "one the OS picks)",
     )
+    add_ray_serve_args(srv)
     add_gateway_args(srv)
     add_engine_args(srv)
     gw = sub.add_parser(
@@ -145,10 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument(
         "--replica",
         action="append",
-        required=True,
+        default=[],
         metavar="URL",
-        help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeat for several)",
+        help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeat for several; or --ray)",
     )
+    add_ray_gateway_arg(gw)
     gw.add_argument(
         "--workers", type=int, default=1, help="gateway processes on this port (use --redis)"
     )

@@ -182,6 +182,16 @@ class KVEventsConfig:
         assert endpoint is not None
         return replace(self, endpoint=endpoint, replay_endpoint=offset(self.replay_endpoint))
 
+    def on_node(self, host: str) -> KVEventsConfig:
+        """This config for a replica a cluster engine placed on the node at ``host``: it
+        binds ports the OS picks (several replicas may share a node), on loopback for a
+        loopback node and on every interface otherwise (gateways on other nodes connect
+        to the node's address, which the replica's URL gives)."""
+        loopback = host == "localhost" or host.startswith("127.") or host == "::1"
+        where = "127.0.0.1" if loopback else "*"
+        again = f"tcp://{where}:*" if self.replay_endpoint is not None else None
+        return replace(self, endpoint=f"tcp://{where}:*", replay_endpoint=again)
+
     def to_json(self) -> str:
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})
 
@@ -267,6 +277,9 @@ class GatewayConfig:
     replica_api_key: str | None = None
     replica_keys: tuple[str | None, ...] = ()
     connection: ConnectionLimits = ConnectionLimits()
+    # a Ray cluster whose sendpath replicas join the pool as they come and go (`--ray`;
+    # "auto": the one on this machine); they get ``replica_api_key``
+    ray_address: str | None = None
 
     def __post_init__(self) -> None:
         if len(self.replica_keys) > len(self.replicas):

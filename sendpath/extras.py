@@ -30,6 +30,7 @@ EXTRAS: dict[str, Extra] = {
     "plot": Extra("plot", ("matplotlib",), "--plot"),
     "redis": Extra("redis", ("redis",), "--redis"),
     "kv-events": Extra("kv-events", ("zmq", "msgpack"), "--kv-events-config", "pyzmq and msgpack"),
+    "ray": Extra("ray", ("ray.serve",), "--ray", "Ray Serve"),
 }
 
 

@@ -12,6 +12,7 @@ import argparse
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
@@ -196,8 +197,14 @@ def run_gateway(args: argparse.Namespace) -> int:
 
     if args.redis:
         require("redis")
+    if args.ray is not None:
+        require("ray")
+    elif not args.replica:
+        print("error: give the replicas: --replica URL (repeatable) or --ray ADDRESS",
+              file=sys.stderr)  # fmt: skip
+        return 2
     try:
-        config = gateway_config(args, args.replica)
+        config = replace(gateway_config(args, args.replica), ray_address=args.ray)
         if args.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {args.workers}")
         app = create_gateway_app(config)  # also checks the rules file and the data dir
@@ -205,8 +212,11 @@ def run_gateway(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     announce_first_key(config)
+    behind = ", ".join(config.replicas) or "the Ray cluster's sendpath replicas"
+    if config.ray_address is not None and config.replicas:
+        behind += " and the Ray cluster's sendpath replicas"
     print(
-        f"sendpath gateway: http://{args.host}:{args.port} -> {', '.join(config.replicas)} "
+        f"sendpath gateway: http://{args.host}:{args.port} -> {behind} "
         f"({args.workers} worker{'s' if args.workers > 1 else ''})",
         flush=True,
     )
@@ -237,6 +247,15 @@ def run_serve(args: argparse.Namespace) -> int:
     from sendpath.gateway.app import create_gateway_app, settle_heap
     from sendpath.gateway.safety import SafetyRulesError
 
+    if args.ray is not None:
+        from sendpath.cluster.command import run_ray_serve
+
+        return run_ray_serve(args)
+    for flag in ("min_replicas", "max_replicas", "ray_autoscaling_config"):
+        if getattr(args, flag) is not None:
+            print(f"error: --{flag.replace('_', '-')} needs --ray (Ray Serve scales the "
+                  "replicas)", file=sys.stderr)  # fmt: skip
+            return 2
     if args.replicas < 1 and not args.replica:
         print(
             "error: nothing to serve: use --replicas N (N >= 1) or --replica URL", file=sys.stderr

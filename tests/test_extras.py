@@ -24,7 +24,7 @@ def test_require_names_the_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(MissingExtraError) as info:
         require("plot")
     assert info.value.message == "--plot needs matplotlib: pip install 'sendpath[plot]'"
-    assert set(EXTRAS) == {"plot", "redis", "kv-events"}
+    assert set(EXTRAS) == {"plot", "redis", "kv-events", "ray"}
 
 
 @pytest.mark.parametrize(
@@ -42,6 +42,10 @@ def test_require_names_the_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> 
          "error: --kv-events-config needs pyzmq and msgpack: pip install 'sendpath[kv-events]'"),
         ("msgpack", ["serve", "--kv-events-config", '{"enable_kv_cache_events": true}'],
          "error: --kv-events-config needs pyzmq and msgpack: pip install 'sendpath[kv-events]'"),
+        ("ray.serve", ["serve", "--ray", "auto"],
+         "error: --ray needs Ray Serve: pip install 'sendpath[ray]'"),
+        ("ray.serve", ["gateway", "--ray", "127.0.0.1:6379"],
+         "error: --ray needs Ray Serve: pip install 'sendpath[ray]'"),
     ],
 )  # fmt: skip
 def test_cli_refuses_a_flag_whose_extra_is_missing(

@@ -46,7 +46,7 @@ from sendpath.gateway.middleware import (
     ForwardMiddleware,
     TraceMiddleware,
 )
-from sendpath.gateway.parts import FleetStatus, GatewayParts, build_parts, key_store
+from sendpath.gateway.parts import FleetStatus, GatewayParts, Members, build_parts, key_store
 from sendpath.gateway.ratelimit import RateLimiter
 from sendpath.gateway.safety import SafetyCheck
 
@@ -98,19 +98,24 @@ def create_gateway_app(
     limiter: RateLimiter | None = None,
     safety: SafetyCheck | None = None,
     fleet_status: FleetStatus | None = None,
+    members: Members | None = None,
 ) -> GatewayApp:
-    """The gateway app; ``limiter`` and ``safety`` override what the config would build."""
-    parts = build_parts(config, clock or RealClock(), limiter, safety, fleet_status)
+    """The gateway app; ``limiter``, ``safety`` and ``members`` override what the config
+    would build."""
+    parts = build_parts(config, clock or RealClock(), limiter, safety, fleet_status, members)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         checks = asyncio.create_task(
             parts.router.run_checks(parts.client, config.health_interval_s)
         )
+        following = None if parts.members is None else asyncio.create_task(parts.members.run())
         try:
             yield
         finally:
             checks.cancel()
+            if following is not None:
+                following.cancel()
             if parts.follower is not None:
                 await parts.follower.aclose()
             await parts.ledger.flush()

@@ -62,7 +62,14 @@ class KVEventFollower:
         return {i for i, (_, task) in self._followed.items() if not task.done()}
 
     def sync(self, pool: ReplicaPool) -> None:
-        """Follow the replicas that announce events now; forget the others."""
+        """Follow the replicas that announce events now; forget the others, and those
+        that left the pool."""
+        present = {e.index for e in pool.endpoints}
+        for gone in [i for i in self._followed if i not in present]:
+            self._followed.pop(gone)[1].cancel()
+            self.index.forget(gone)
+            self.applied.pop(gone, None)
+            self._sent.pop(gone, None)
         for endpoint in pool.endpoints:
             source, followed = endpoint.events, self._followed.get(endpoint.index)
             self._sent[endpoint.index] = int(endpoint.stats.get("kv_events_sent", 0))

@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from starlette.requests import Request
@@ -34,10 +34,15 @@ from sendpath.router.pool import ReplicaPool
 from sendpath.router.router import Router
 from sendpath.trace import TraceStore
 
+if TYPE_CHECKING:
+    from sendpath.cluster.members import DirectoryFollower
+
 __all__ = ["FleetStatus", "GatewayParts", "build_parts", "key_store", "parts_of"]
 
 # The processes behind the replicas, by URL, when `sendpath serve` started them
 FleetStatus = Callable[[], dict[str, dict[str, Any]]]
+# What keeps the pool equal to a cluster engine's replicas (``cluster/members.py``)
+Members = Callable[[Router, AdmissionQueue], "DirectoryFollower"]
 
 
 def key_store(config: GatewayConfig) -> KeyStore:
@@ -64,6 +69,7 @@ class GatewayParts:
     # health checks and the operator's views (not per request): httpx
     client: httpx.AsyncClient
     fleet_status: FleetStatus | None
+    members: DirectoryFollower | None  # a cluster engine's replicas (None: a fixed pool)
     traces: TraceStore[GatewayTrace] = field(default_factory=TraceStore)
     live: TraceStore[GatewayContext] = field(  # in flight, by key and client id
         default_factory=lambda: TraceStore(1024)
@@ -84,11 +90,22 @@ def build_parts(
     limiter: RateLimiter | None,
     safety: SafetyCheck | None,
     fleet_status: FleetStatus | None,
+    members: Members | None = None,
 ) -> GatewayParts:
-    """The parts for ``config``; ``limiter`` and ``safety`` override what it would build."""
+    """The parts for ``config``; ``limiter``, ``safety`` and ``members`` override what it
+    would build (``members``: what follows a cluster's replicas; by default the Ray
+    cluster at ``config.ray_address``, if any)."""
     keys = key_store(config)
+    if members is None and config.ray_address is not None:
+        from sendpath.cluster.members import ray_members
+
+        members = ray_members(config.ray_address, config.replica_api_key)
     pool = ReplicaPool(
-        config.replicas, config.max_inflight_per_replica, clock, config.keys_by_replica()
+        config.replicas,
+        config.max_inflight_per_replica,
+        clock,
+        config.keys_by_replica(),
+        dynamic=members is not None,
     )
     metrics = GatewayMetrics(pool)
     limiter = limiter or make_limiter(
@@ -135,6 +152,7 @@ def build_parts(
         follower=follower,
         client=httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=config.connect_timeout_s)),
         fleet_status=fleet_status,
+        members=members(router, queue) if members is not None else None,
     )
     proxy.on_done = parts.done
     return parts

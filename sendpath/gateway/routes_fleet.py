@@ -73,6 +73,7 @@ async def fleet(request: Request) -> dict[str, Any]:
                     s.get("prefix_cache_hits", 0.0) / queries if queries else None
                 ),
                 "prefix_routing": _prefix_routing(parts, e.index),
+                "runs_on": e.where or None,  # a cluster engine's node and host
                 **processes.get(e.url, {}),
             }
         )

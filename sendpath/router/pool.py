@@ -18,6 +18,12 @@ Health, with every tunable here:
   after it, the next passing check readmits it. A success resets the count.
 - Busy is not broken: a 429, or a 503 whose code is ``queue_full``, only sends the request
   elsewhere; it never counts towards ejection.
+- Reported: a replica placed by a cluster engine (``sendpath.cluster``) pushes its load
+  and readiness instead (``Endpoint.reported``); the active check leaves it alone.
+
+Membership is fixed for ``--replica`` URLs and `serve`'s local processes; a cluster
+engine ``add``s and ``remove``s replicas as they come and go. An index is never reused,
+so what was learned about a replica that left cannot be mistaken for a newcomer's.
 """
 
 from __future__ import annotations
@@ -64,6 +70,8 @@ class Endpoint:
     stuck: bool = False  # its last check said an engine step has run too long
     stats: dict[str, float] = field(default_factory=dict)  # its last /load, as it said it
     events: EventSource | None = None  # where it publishes KV events (None: it does not)
+    reported: bool = False  # it pushes its load (a cluster engine's replica): not polled
+    where: dict[str, str] = field(default_factory=dict)  # where it runs (node, host), if known
 
     @property
     def name(self) -> str:
@@ -99,18 +107,34 @@ class ReplicaPool:
         max_in_flight: int,
         clock: Clock,
         api_keys: Sequence[str | None] = (),
+        dynamic: bool = False,
     ):
-        """``api_keys``: each replica's key, in the order of ``urls`` (none if left out)."""
-        if not urls:
+        """``api_keys``: each replica's key, in the order of ``urls`` (none if left out);
+        ``dynamic``: replicas join later (``add``), so none at the start is fine."""
+        if not urls and not dynamic:
             raise ValueError("the gateway needs at least one replica URL (--replica URL)")
         if len(api_keys) > len(urls):
             raise ValueError("more replica keys than replicas")
         self.clock = clock
         keys = [*api_keys, *([None] * (len(urls) - len(api_keys)))]
+        self.max_in_flight = max_in_flight
         self.endpoints = [
             Endpoint(i, url.rstrip("/"), max_in_flight, key)
             for i, (url, key) in enumerate(zip(urls, keys, strict=True))
         ]
+        self._next_index = len(self.endpoints)
+
+    def add(self, url: str, api_key: str | None = None, reported: bool = False) -> Endpoint:
+        """A replica joined: its endpoint, under an index never used before."""
+        endpoint = Endpoint(self._next_index, url.rstrip("/"), self.max_in_flight, api_key)
+        endpoint.reported = reported
+        self._next_index += 1
+        self.endpoints.append(endpoint)
+        return endpoint
+
+    def remove(self, endpoint: Endpoint) -> None:
+        """A replica left: no new request goes there (those in flight finish or fail)."""
+        self.endpoints = [e for e in self.endpoints if e is not endpoint]
 
     def by_url(self, url: str) -> Endpoint | None:
         return next((e for e in self.endpoints if e.url == url), None)

@@ -71,16 +71,49 @@ class Router:
         self.pool.succeeded(endpoint)
 
     async def check(self, client: httpx.AsyncClient) -> None:
-        """One round of active health checks, all replicas at once."""
-        before = [e.healthy for e in self.pool.endpoints]
-        await asyncio.gather(*(self._check(client, e) for e in self.pool.endpoints))
-        after = [e.healthy for e in self.pool.endpoints]
+        """One round of active health checks, all polled replicas at once (a replica that
+        pushes its load is ``reported`` instead)."""
+        polled = [e for e in self.pool.endpoints if not e.reported]
+        before = [e.healthy for e in polled]
+        await asyncio.gather(*(self._check(client, e) for e in polled))
         self.on_checked(self.pool)
-        if before != after:
-            for e, was in zip(self.pool.endpoints, before, strict=True):
-                if was != e.healthy:
-                    state = "back in service" if e.healthy else "out of service"
-                    logger.warning("replica %s %s", e.url, state)
+        changed = False
+        for e, was in zip(polled, before, strict=True):
+            if was != e.healthy:
+                state = "back in service" if e.healthy else "out of service"
+                logger.warning("replica %s %s", e.url, state)
+                changed = True
+        if changed:
+            self.on_change()
+
+    def joined(self, endpoint: Endpoint) -> None:
+        """A replica was added to the pool (a cluster engine placed it)."""
+        logger.info("replica %s (%s) joined", endpoint.name, endpoint.url)
+        self.on_checked(self.pool)
+        self.on_change()
+
+    def left(self, endpoint: Endpoint) -> None:
+        """A replica was removed from the pool: what the policy learned of it is dropped."""
+        logger.warning("replica %s (%s) left", endpoint.name, endpoint.url)
+        self.policy.forget(endpoint)
+        self.on_checked(self.pool)
+        self.on_change()
+
+    def reported(self, endpoint: Endpoint, report: dict[str, Any]) -> None:
+        """A pushed load report (what ``/load`` says, plus ``status``): the active check's
+        result, without the round trip."""
+        was = endpoint.healthy
+        status = report.get("status")
+        ok = status == "ok"
+        stats = {k: float(v) for k, v in report.items() if isinstance(v, int | float)}
+        load = None
+        if "num_requests_running" in stats and "num_requests_waiting" in stats:
+            load = int(stats["num_requests_running"] + stats["num_requests_waiting"])
+        events = event_source(report.get("kv_events"), endpoint.url)
+        self.pool.checked(endpoint, ok, load, stats or None, status == "stuck", events)
+        if was != endpoint.healthy:
+            state = "back in service" if endpoint.healthy else "out of service"
+            logger.warning("replica %s %s (%s)", endpoint.url, state, status)
             self.on_change()
 
     async def _check(self, client: httpx.AsyncClient, endpoint: Endpoint) -> None:

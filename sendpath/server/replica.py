@@ -25,6 +25,7 @@ __all__ = ["Replica", "served_name"]
 logger = logging.getLogger("sendpath.replica")
 
 WATCH_INTERVAL_S = 0.5
+PRECISION = ("dtype", "quantization", "precision_reason", "matrix_engine", "attention")  # /load
 
 
 def served_name(config: ReplicaConfig) -> str:
@@ -160,6 +161,22 @@ class Replica:
         describe = getattr(self.engine.core.runner, "describe", None) if self.engine else None
         found: dict[str, Any] = describe() if describe is not None else {}
         return found
+
+    def load_report(self) -> dict[str, Any]:
+        """What ``/load`` says: running, waiting and KV usage as of the engine's last step,
+        its precision and where it publishes KV events (raises while it is not ready)."""
+        stats = self.ready_engine().snapshot
+        runs = self.runs_on()
+        return {
+            "num_requests_running": stats.num_running,
+            "num_requests_waiting": stats.num_waiting,
+            "kv_cache_usage": stats.kv_cache_usage,
+            "prefix_cache_queries": stats.prefix_cache_queries,
+            "prefix_cache_hits": stats.prefix_cache_hits,
+            "precision": {k: runs.get(k) for k in PRECISION},
+            "kv_events": self.events_endpoints(),
+            "kv_events_sent": self.kv_events.sent if self.kv_events is not None else 0,
+        }
 
     def ready_engine(self) -> AsyncEngine:
         if self.engine is None or self.status != "ok":

@@ -23,7 +23,6 @@ from sendpath.server.replica import Replica
 __all__ = ["replica_of", "router"]
 
 router = APIRouter()
-_PRECISION = ("dtype", "quantization", "precision_reason", "matrix_engine", "attention")  # /load
 
 
 def replica_of(request: Request) -> Replica:
@@ -50,19 +49,7 @@ async def ready(request: Request) -> JSONResponse:
 @router.get("/load")
 async def load(request: Request) -> dict[str, Any]:
     """Running, waiting and KV usage as of the engine's last step."""
-    replica = replica_of(request)
-    stats = replica.ready_engine().snapshot
-    runs = replica.runs_on()
-    return {
-        "num_requests_running": stats.num_running,
-        "num_requests_waiting": stats.num_waiting,
-        "kv_cache_usage": stats.kv_cache_usage,
-        "prefix_cache_queries": stats.prefix_cache_queries,
-        "prefix_cache_hits": stats.prefix_cache_hits,
-        "precision": {k: runs.get(k) for k in _PRECISION},
-        "kv_events": replica.events_endpoints(),
-        "kv_events_sent": replica.kv_events.sent if replica.kv_events is not None else 0,
-    }
+    return replica_of(request).load_report()
 
 
 @router.get("/metrics")

@@ -42,3 +42,15 @@ def test_active_checks_take_out_and_put_back_and_room_is_bounded() -> None:
     assert a.external_load == 4 and a.load == 5 and pool.candidates() == [a]
     a.in_flight = 2
     assert pool.candidates() == [] and pool.candidates({0}) == []
+
+
+def test_a_dynamic_pool_adds_and_removes_and_never_reuses_an_index() -> None:
+    pool = ReplicaPool([], 2, VirtualClock(), dynamic=True)
+    assert pool.endpoints == [] and pool.capacity == 0
+    a = pool.add("http://a/", "key", reported=True)
+    b = pool.add("http://b")
+    assert (a.index, a.url, a.api_key, a.reported) == (0, "http://a", "key", True)
+    assert pool.capacity == 4 and not b.reported
+    pool.remove(a)
+    c = pool.add("http://a")  # the same address again is a new replica
+    assert [e.name for e in pool.endpoints] == ["replica-1", "replica-2"] and c.index == 2

@@ -1,0 +1,75 @@
+"""A gateway whose pool follows the directory: replicas join, report, and leave, on real
+replicas (the directory in this process; on Ray it is an actor, ``test_ray_serve.py``)."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from sendpath.cluster.directory import Directory, ReplicaReport
+from sendpath.cluster.members import DirectoryFollower, LocalDirectory
+from sendpath.config import GatewayConfig
+from sendpath.gateway.admission import AdmissionQueue
+from sendpath.gateway.app import create_gateway_app
+from sendpath.model.loader import LoadedModel
+from sendpath.router.router import Router
+from tests.conftest import wait_for
+from tests.server.conftest import serve, serve_app
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def push(d: Directory, replica: str, url: str, status: str = "ok") -> None:
+    load = httpx.get(url + "/load").json() if status == "ok" else {}
+    d.report(ReplicaReport(replica, url, f"node-{replica}", "host-1", status, load))
+
+
+def fleet(gateway: str) -> list[dict[str, Any]]:
+    found: list[dict[str, Any]] = httpx.get(gateway + "/fleet").json()["replicas"]
+    return found
+
+
+def test_the_pool_follows_the_directory(tiny: LoadedModel, tmp_path: Path) -> None:
+    d = Directory()
+    followers: list[DirectoryFollower] = []
+
+    def members(router: Router, queue: AdmissionQueue) -> DirectoryFollower:
+        followers.append(DirectoryFollower(LocalDirectory(d), router, None, lambda: 3))
+        return followers[0]
+
+    config = GatewayConfig(require_keys=False, policy="round_robin", data_dir=str(tmp_path))
+    with ExitStack() as stack:
+        a = stack.enter_context(serve(tiny)).url
+        b = stack.enter_context(serve(tiny)).url
+        gateway = stack.enter_context(serve_app(create_gateway_app(config, members=members)))
+        assert fleet(gateway) == []  # nothing reported yet: nothing to route to
+        push(d, "a", a)
+        push(d, "b", b)
+        wait_for(lambda: len(fleet(gateway)) == 2)
+        names = {r["runs_on"]["node"]: r["name"] for r in fleet(gateway)}
+        assert set(names) == {"node-a", "node-b"}
+        assert all(r["healthy"] and r["runs_on"]["host"] == "host-1" for r in fleet(gateway))
+        for _ in range(4):
+            r = httpx.post(gateway + "/v1/chat/completions", json=CHAT, timeout=30)
+            assert r.status_code == 200, r.text
+        push(d, "a", a)  # the next reports carry what the replicas did
+        push(d, "b", b)
+        wait_for(
+            lambda: all(r["prefix_cache_hit_rate"] is not None for r in fleet(gateway))
+        )  # both took requests (round robin), as their own reports say
+        assert d.queued_total() == 3  # the gateway said how many wait in its queue
+
+        push(d, "b", b, status="stuck")  # pushed health counts, as a failed check would
+        wait_for(lambda: [r["healthy"] for r in fleet(gateway)] == [True, False])
+        d.leave("b")  # the replica stopped: forgotten
+        wait_for(lambda: [r["runs_on"]["node"] for r in fleet(gateway)] == ["node-a"])
+        assert all(
+            httpx.post(gateway + "/v1/chat/completions", json=CHAT, timeout=30).status_code == 200
+            for _ in range(3)
+        )
+        follower = followers[0]
+        assert list(follower.members) == ["a"]
+        assert follower.router.pool.endpoints[0].reported  # no active check polls it
