@@ -111,4 +111,23 @@ def run_chat(args: argparse.Namespace) -> int:
         )
         return 0
     draw(stages, network, console, title=f"where the time went ({result.request_id})")
+    if trace is not None and trace.get("routing"):
+        console.print(routing_line(trace.get("replica"), trace["routing"]))
     return 0
+
+
+def routing_line(replica: str | None, routing: dict[str, Any]) -> str:
+    """Where the request went and why: the policy, what it expected the replica to hold
+    of the prompt, what the replica then said it had cached, and where it runs."""
+    line = f"routed to {replica or 'a replica'} by {routing.get('policy')}"
+    if "match" in routing:
+        blocks = f"{routing['matched_blocks']} of {routing['prompt_blocks']} prompt blocks"
+        predicted = routing.get("predicted_cached_tokens")
+        expected = f"{predicted} tokens, " if predicted is not None else ""
+        line += f": expected {expected}{blocks} cached ({routing['match']})"
+    if routing.get("cached_tokens") is not None:
+        line += f"; the replica had {routing['cached_tokens']} cached"
+    where = routing.get("runs_on") or {}
+    if where:
+        line += f"; it runs on {where.get('host')} (Ray node {str(where.get('node'))[:12]})"
+    return line

@@ -66,3 +66,19 @@ def test_chat_against_a_server_without_traces(replica: Server) -> None:
     assert out["trace"] is None and out["network_ms"] > 0
     stages = [s["stage"] for s in out["stages"]]
     assert stages == ["engine.queue", "tokenize", "prefill", "decode", "network"]
+
+
+def test_the_routing_line_says_why_the_replica_was_chosen() -> None:
+    from sendpath.chat import routing_line
+
+    precise = {
+        "policy": "prefix_aware", "match": "precise", "matched_blocks": 3, "prompt_blocks": 4,
+        "predicted_cached_tokens": 48, "cached_tokens": 48,
+        "runs_on": {"engine": "ray", "node": "0123456789abcdef", "host": "gpu-7", "id": "x"},
+    }  # fmt: skip
+    assert routing_line("replica-1", precise) == (
+        "routed to replica-1 by prefix_aware: expected 48 tokens, 3 of 4 prompt blocks cached "
+        "(precise); the replica had 48 cached; it runs on gpu-7 (Ray node 0123456789ab)"
+    )
+    plain = {"policy": "round_robin", "runs_on": None, "cached_tokens": None}
+    assert routing_line("replica-0", plain) == "routed to replica-0 by round_robin"

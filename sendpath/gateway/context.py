@@ -59,6 +59,7 @@ class GatewayContext:
     prompt_tokens: int = 0  # the estimate reserved at admission
     default_max_tokens: int | None = None  # the cap sent upstream for a request without one
     usage: tuple[int, int] | None = None  # (prompt, completion) as the replica reported it
+    cached_tokens: int | None = None  # of the prompt, from its cache, as the replica reported
     streamed_chunks: int = 0  # text chunks relayed (the usage estimate if none is reported)
     first_token_at: float | None = None
     first_token_held: int | None = None  # text chunks the output filter held the first for
@@ -66,6 +67,8 @@ class GatewayContext:
     client_id: str | None = None  # the client's own name for it (x-sendpath-client-id)
     replica: str | None = None  # the URL it went to (internal: never shown to clients)
     replica_name: str | None = None  # the name clients see ("replica-0")
+    # why it went there: the route's prediction and where the replica runs (operator view)
+    routing: dict[str, Any] | None = None
     replica_request_id: str | None = None  # the replica's id for it (its x-request-id)
     response_id: str | None = None
     replica_arrival: float | None = None  # on this clock (exact on one host, else estimated)
@@ -113,6 +116,13 @@ class GatewayContext:
         end = self.end if self.end is not None else self.clock.now()
         out.append((Stage.STREAM, t - self.start, max(0.0, end - t)))
         return out
+
+    def reported_usage(self, usage: dict[str, Any]) -> None:
+        """The replica's ``usage`` object: token counts, and the prompt's cached tokens."""
+        self.usage = (int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)))
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        self.cached_tokens = cached if isinstance(cached, int) else None
 
     def timings_ms(
         self, stages: list[tuple[Stage, float, float]] | None = None

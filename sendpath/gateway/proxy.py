@@ -160,11 +160,17 @@ class Proxy:
         fallback: Response | None = None
         late = False
         while not tried or late or ctx.clock.now() < deadline:
-            endpoint = self.router.choose(route, tried)
-            if endpoint is None:
+            chosen = self.router.route(route, tried)
+            if chosen is None:
                 break
+            endpoint, prediction = chosen
             tried.add(endpoint.index)
             ctx.replica, ctx.replica_name = endpoint.url, endpoint.name
+            ctx.routing = {
+                "policy": self.router.policy.name,
+                **(prediction.to_dict() if prediction is not None else {}),
+                "runs_on": endpoint.where or None,
+            }
             attempt = Attempt(
                 self, ctx, request, endpoint, body, headers, wants_usage, route, watch
             )
@@ -253,8 +259,7 @@ class Proxy:
         self, ctx: GatewayContext, data: dict[str, Any], headers: dict[str, str]
     ) -> JSONResponse:
         """A whole (non-streamed) answer: usage, the output check, merged timings."""
-        u = data.get("usage") or {}
-        ctx.usage = (int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0)))
+        ctx.reported_usage(data.get("usage") or {})
         for choice in data.get("choices") or []:  # n answers: each checked on its own
             if self.guard is not None:
                 self._check(choice, self.guard)

@@ -220,8 +220,7 @@ class StreamRelay:
         timings = chunk.pop("timings", None)
         self.upstream_timings = timings or self.upstream_timings
         if chunk.get("usage"):
-            u = chunk["usage"]
-            ctx.usage = (int(u["prompt_tokens"]), int(u["completion_tokens"]))
+            ctx.reported_usage(chunk["usage"])
         return timings
 
     def _on_choice(

@@ -42,6 +42,8 @@ class GatewayTrace:
     relayed: list[float]  # when each text chunk was written to the client
     replica_arrival: float | None  # the replica's arrival
     usage: tuple[int, int] | None
+    cached_tokens: int | None = None  # what the replica said came from its cache
+    routing: dict[str, Any] | None = None  # why it went there (``GatewayContext.routing``)
 
 
 def _ms(seconds: float) -> float:
@@ -70,6 +72,8 @@ def record(
         relayed=ctx.relayed,
         replica_arrival=ctx.replica_arrival,
         usage=ctx.usage,
+        cached_tokens=ctx.cached_tokens,
+        routing=ctx.routing,
     )
 
 
@@ -110,6 +114,8 @@ def stitch(trace: GatewayTrace, replica: dict[str, Any] | None) -> dict[str, Any
     }
     if trace.usage is not None:
         out["usage"] = {"prompt_tokens": trace.usage[0], "completion_tokens": trace.usage[1]}
+    if trace.routing is not None:  # predicted beside what the replica then reported
+        out["routing"] = {**trace.routing, "cached_tokens": trace.cached_tokens}
     return out
 
 

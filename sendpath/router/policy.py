@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sendpath.api.prompt import route_text
 from sendpath.api.schema import ChatBody, CompletionBody
@@ -22,7 +22,15 @@ from sendpath.router.pool import Endpoint
 if TYPE_CHECKING:
     from sendpath.router.kv_index import KVIndex
 
-__all__ = ["POLICIES", "LeastLoad", "RoundRobin", "RouteRequest", "RoutingPolicy", "make_policy"]
+__all__ = [
+    "POLICIES",
+    "LeastLoad",
+    "Prediction",
+    "RoundRobin",
+    "RouteRequest",
+    "RoutingPolicy",
+    "make_policy",
+]
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,31 @@ def route_request(request: ChatBody | CompletionBody, salt: str | None) -> Route
     return RouteRequest(route_text(request), salt, chat=isinstance(request, ChatBody))
 
 
+@dataclass(frozen=True)
+class Prediction:
+    """What a policy expected of the replica it chose: how much of the prompt it holds
+    (``precise``: from that replica's KV events, in its token blocks of ``block_size``;
+    else the gateway's guess, in blocks of text)."""
+
+    matched_blocks: int
+    prompt_blocks: int
+    precise: bool
+    block_size: int | None = None  # tokens per block (precise only)
+
+    @property
+    def cached_tokens(self) -> int | None:
+        """The prompt tokens expected to come from the replica's cache (precise only)."""
+        return self.matched_blocks * self.block_size if self.block_size else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "match": "precise" if self.precise else "approximate",
+            "matched_blocks": self.matched_blocks,
+            "prompt_blocks": self.prompt_blocks,
+            "predicted_cached_tokens": self.cached_tokens,
+        }
+
+
 class RoutingPolicy(Protocol):
     name: str
 
@@ -67,6 +100,11 @@ class RoutingPolicy(Protocol):
 
     def forget(self, endpoint: Endpoint) -> None:
         """``endpoint`` was ejected: whatever was learned about its cache may be gone."""
+        ...
+
+    def predicted(self, request: RouteRequest, endpoint: Endpoint) -> Prediction | None:
+        """What choosing ``endpoint`` for ``request`` expects (``None``: nothing, the
+        policy does not look at caches)."""
         ...
 
 
@@ -91,6 +129,9 @@ class RoundRobin:
     def forget(self, endpoint: Endpoint) -> None:
         pass
 
+    def predicted(self, request: RouteRequest, endpoint: Endpoint) -> Prediction | None:
+        return None
+
 
 class LeastLoad:
     """The replica with the fewest requests (``Endpoint.load``: this gateway's in flight
@@ -110,6 +151,9 @@ class LeastLoad:
 
     def forget(self, endpoint: Endpoint) -> None:
         pass
+
+    def predicted(self, request: RouteRequest, endpoint: Endpoint) -> Prediction | None:
+        return None
 
 
 def _prefix_aware(index: KVIndex | None) -> RoutingPolicy:

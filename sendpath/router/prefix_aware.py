@@ -39,7 +39,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from sendpath.router.kv_index import KVIndex
-from sendpath.router.policy import RouteRequest
+from sendpath.router.policy import Prediction, RouteRequest
 from sendpath.router.pool import Endpoint
 
 __all__ = ["PrefixAware"]
@@ -101,6 +101,11 @@ class PrefixAware:
         if text_hashes is None:
             text_hashes = block_hashes(request)
         return self.match(text_hashes, endpoint), len(text_hashes), False
+
+    def predicted(self, request: RouteRequest, endpoint: Endpoint) -> Prediction:
+        matched, total, precise = self.matched(request, endpoint)
+        size = self._block_size(request, endpoint) if precise else None
+        return Prediction(matched, total, precise, size)
 
     def choose(self, request: RouteRequest, candidates: Sequence[Endpoint]) -> Endpoint:
         loads = [e.load for e in candidates]

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from sendpath.router.policy import RouteRequest, RoutingPolicy
+from sendpath.router.policy import Prediction, RouteRequest, RoutingPolicy
 from sendpath.router.pool import (
     CHECK_INTERVAL_S,
     CHECK_TIMEOUT_S,
@@ -49,12 +49,22 @@ class Router:
 
     def choose(self, request: RouteRequest, exclude: set[int] | None = None) -> Endpoint | None:
         """The replica for ``request`` (``None``: no healthy replica with room)."""
+        chosen = self.route(request, exclude)
+        return chosen[0] if chosen is not None else None
+
+    def route(
+        self, request: RouteRequest, exclude: set[int] | None = None
+    ) -> tuple[Endpoint, Prediction | None] | None:
+        """The replica for ``request`` and what the policy expected of it (how much of the
+        prompt it holds, before this request adds its own guess); ``None``: no healthy
+        replica with room."""
         candidates = self.pool.candidates(exclude)
         if not candidates:
             return None
         endpoint = self.policy.choose(request, candidates)
+        prediction = self.policy.predicted(request, endpoint)
         self.policy.routed(request, endpoint)
-        return endpoint
+        return endpoint, prediction
 
     def answered(self, request: RouteRequest, endpoint: Endpoint, answer: str) -> None:
         """``endpoint`` answered ``request`` with ``answer`` (now in its prefix cache too)."""

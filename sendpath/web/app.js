@@ -246,6 +246,9 @@ function markPipeline(stages, networkMs) {
   }
 }
 
+// What a replica reports about itself goes into markup escaped.
+const esc = (text) => String(text).replace(/[&<>"']/g, (c) => `&#${c.charCodeAt(0)};`);
+
 // The fleet: polled once a second from the gateway.
 async function pollFleet() {
   try {
@@ -263,10 +266,14 @@ async function pollFleet() {
       // `serve` reports its replica processes: one that exited is being started again
       const state = rep.process === "restarting" ? "restarting" : rep.healthy ? "healthy" : "out";
       const restarts = rep.restarts ? ` (${rep.restarts} restart${rep.restarts > 1 ? "s" : ""})` : "";
-      tr.innerHTML = `<td>${rep.name}<br><small>${rep.url.replace(/^https?:\/\//, "")}</small></td>` +
+      // a cluster engine's replica: the host and Ray node it runs on
+      const where = rep.runs_on ? `<br><small>on ${esc(rep.runs_on.host)}, Ray node ${esc(rep.runs_on.node.slice(0, 8))}</small>` : "";
+      const mode = rep.prefix_routing ? rep.prefix_routing.mode : "";
+      tr.innerHTML = `<td>${esc(rep.name)}<br><small>${esc(rep.url.replace(/^https?:\/\//, ""))}</small>${where}</td>` +
         `<td class="${rep.healthy ? "health-ok" : "health-down"}">${state}${restarts}</td>` +
         `<td class="num">${rep.running ?? "-"}</td><td class="num">${rep.waiting ?? "-"}</td>` +
-        `<td class="num">${pct(rep.kv_cache_usage)}</td><td class="num">${pct(rep.prefix_cache_hit_rate)}</td>`;
+        `<td class="num">${pct(rep.kv_cache_usage)}</td><td class="num">${pct(rep.prefix_cache_hit_rate)}</td>` +
+        `<td>${mode}</td>`;
       body.appendChild(tr);
     }
   } catch (err) {

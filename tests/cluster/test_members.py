@@ -55,6 +55,12 @@ def test_the_pool_follows_the_directory(tiny: LoadedModel, tmp_path: Path) -> No
         for _ in range(4):
             r = httpx.post(gateway + "/v1/chat/completions", json=CHAT, timeout=30)
             assert r.status_code == 200, r.text
+        trace = httpx.get(f"{gateway}/v1/traces/{r.json()['id']}").json()
+        assert trace["routing"]["policy"] == "round_robin"  # where it ran, and why there
+        assert (
+            trace["routing"]["runs_on"]["node"]
+            == {v: k for k, v in names.items()}[r.headers["x-sendpath-replica"]]
+        )
         push(d, "a", a)  # the next reports carry what the replicas did
         push(d, "b", b)
         wait_for(

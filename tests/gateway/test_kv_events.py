@@ -65,9 +65,10 @@ def caught_up(replicas: list[Server], parts: GatewayParts) -> bool:
 
 def converse(
     replicas: list[Server], gateways: list[tuple[str, GatewayParts]], secret: str
-) -> list[tuple[str, str, int, int]]:
+) -> list[tuple[str, str, int, int, dict[str, Any]]]:
     """Each conversation's turns, alternating gateways: (first replica, this turn's
-    replica, cached tokens, the previous turn's prompt tokens) for every follow-up turn."""
+    replica, cached tokens, the previous turn's prompt tokens, the trace's routing: why
+    the gateway chose it) for every follow-up turn."""
     headers = {"Authorization": f"Bearer {secret}"}
     conversations: list[list[dict[str, Any]]] = [
         [  # each its own from the first block on (no default system prompt to share)
@@ -92,7 +93,8 @@ def converse(
                 first[c] = replica
             else:
                 cached = usage["prompt_tokens_details"]["cached_tokens"]
-                out.append((first[c], replica, cached, before[c]))
+                trace = httpx.get(f"{url}/v1/traces/{r.json()['id']}", headers=headers).json()
+                out.append((first[c], replica, cached, before[c], trace["routing"]))
             before[c] = usage["prompt_tokens"]
             answer = r.json()["choices"][0]["message"]["content"]
             messages += [
@@ -117,9 +119,12 @@ def test_precise_routing_keeps_each_conversation_on_its_replica_from_either_gate
                 assert view["prefix_routing"]["mode"] == "precise"
                 assert view["prefix_routing"]["blocks_held"] == cached > 0
     assert {first for first, *_ in turns} == {"replica-0", "replica-1"}  # both serve
-    for first, replica, cached, before in turns:
+    for first, replica, cached, before, routing in turns:
         assert replica == first
         assert cached >= before // BLOCK * BLOCK - BLOCK  # the last turn's prompt, cached
+        # the trace says why: what the events said the replica held, and it did
+        assert routing["policy"] == "prefix_aware" and routing["match"] == "precise"
+        assert routing["predicted_cached_tokens"] == routing["cached_tokens"] == cached
 
 
 def test_approximate_routing_splits_conversations_between_gateways(
@@ -131,5 +136,7 @@ def test_approximate_routing_splits_conversations_between_gateways(
         turns = converse(replicas, gateways, secret)
         views = httpx.get(gateways[0][0] + "/fleet").json()["replicas"]
         assert [v["prefix_routing"] for v in views] == [{"mode": "approximate"}] * 2
+    assert {t[4]["match"] for t in turns} == {"approximate"}  # a guess: no tokens to predict
+    assert {t[4]["predicted_cached_tokens"] for t in turns} == {None}
     moved = [t for t in turns if t[1] != t[0]]
     assert moved, "the gateway that did not see a conversation start guessed right every time"
