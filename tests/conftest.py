@@ -16,6 +16,10 @@ from typing import Any
 import pytest
 import torch
 
+# Ray keeps every node it starts on 127.0.0.1 (else it moves them to the machine's network
+# address); read when Ray is first imported, so set before any test imports it.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
 from sendpath.fleet import free_port
 from sendpath.llm import LLM
 from sendpath.model.kernels import cpu_kernels

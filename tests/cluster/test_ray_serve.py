@@ -30,15 +30,14 @@ if importlib.util.find_spec("ray") is None:
         pytest.fail("CI must not skip: ray is not installed (the test extra has it)")
     pytest.skip("needs the ray extra: pip install 'sendpath[ray]'", allow_module_level=True)
 
-# "0": Ray keeps its nodes on 127.0.0.1 (else it moves them to the machine's network
-# address). Read when Ray is imported, here and in every process the cluster starts.
+# "0" (tests/conftest.py sets it): Ray keeps its nodes on 127.0.0.1, here and in every
+# process the cluster starts, which inherit it.
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-os.environ[LOOPBACK_ENV] = "0"
 
 from ray._private import ray_constants  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-if ray_constants.ENABLE_RAY_CLUSTER:  # Ray was imported before this module set it
+if ray_constants.ENABLE_RAY_CLUSTER:  # Ray was imported before tests/conftest.py set it
     pytest.fail(f"Ray would leave loopback: {LOOPBACK_ENV}=0 must be set before importing it")
 OBJECT_STORE = 80 * 2**20
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
