@@ -42,6 +42,7 @@ DIRECTORY_NAME = "sendpath-directory"
 REPORT_INTERVAL_S = 0.5  # a replica's push period
 EXPIRE_S = 3.0  # no report for this long: the replica is gone
 MAX_ERRORS = 16
+MAX_LEFT = 4096
 GATEWAY_EXPIRE_S = 5.0  # a gateway's queue that has not been reported for this long is 0
 
 
@@ -72,18 +73,24 @@ class Directory:
         self._clock = clock
         self._replicas: dict[str, tuple[ReplicaReport, float]] = {}
         self._queued: dict[str, tuple[int, float]] = {}  # gateway -> (waiting, when)
+        self._left: dict[str, None] = {}  # replicas that left (ids are never reused)
         self.errors: list[str] = []  # why replicas could not start, the latest last
         self.version = 0
         self._changed: asyncio.Event | None = None  # made in the actor's loop
 
     def report(self, report: ReplicaReport) -> float:
-        """A replica's push; returns its share of the requests the gateways have queued."""
-        self._replicas[report.replica_id] = (report, self._clock())
-        self._bump()
+        """A replica's push; returns its share of the requests the gateways have queued.
+        A replica that left is not taken back (a report still on its way when it left)."""
+        if report.replica_id not in self._left:
+            self._replicas[report.replica_id] = (report, self._clock())
+            self._bump()
         return self.queued_total() / max(1, len(self._replicas))
 
     def leave(self, replica_id: str) -> None:
         """A replica stops: gateways send it nothing more."""
+        self._left[replica_id] = None
+        while len(self._left) > MAX_LEFT:
+            del self._left[next(iter(self._left))]
         if self._replicas.pop(replica_id, None) is not None:
             self._bump()
 

@@ -40,6 +40,8 @@ def test_reports_upsert_and_the_silent_expire() -> None:
     assert [r.replica_id for r in later.replicas] == ["a"] and later.version > snap.version
     d.leave("a")
     assert d.snapshot().replicas == ()
+    d.report(report("a"))  # a report sent before it left, arriving after: not taken back
+    assert d.snapshot().replicas == ()
 
 
 def test_a_replicas_share_of_the_gateways_queues() -> None:
