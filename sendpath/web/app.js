@@ -267,13 +267,16 @@ async function pollFleet() {
       const state = rep.process === "restarting" ? "restarting" : rep.healthy ? "healthy" : "out";
       const restarts = rep.restarts ? ` (${rep.restarts} restart${rep.restarts > 1 ? "s" : ""})` : "";
       // a cluster engine's replica: the host and Ray node it runs on
-      const where = rep.runs_on ? `<br><small>on ${esc(rep.runs_on.host)}, Ray node ${esc(rep.runs_on.node.slice(0, 8))}</small>` : "";
+      const where = rep.runs_on
+        ? `<br><small class="where" title="Ray node ${esc(rep.runs_on.node)}">${esc(rep.runs_on.host)} · node ${esc(rep.runs_on.node.slice(0, 6))}</small>`
+        : "";
+      // how the router matches prompts on it: precise (its KV events) or approximate
       const mode = rep.prefix_routing ? rep.prefix_routing.mode : "";
       tr.innerHTML = `<td>${esc(rep.name)}<br><small>${esc(rep.url.replace(/^https?:\/\//, ""))}</small>${where}</td>` +
         `<td class="${rep.healthy ? "health-ok" : "health-down"}">${state}${restarts}</td>` +
         `<td class="num">${rep.running ?? "-"}</td><td class="num">${rep.waiting ?? "-"}</td>` +
-        `<td class="num">${pct(rep.kv_cache_usage)}</td><td class="num">${pct(rep.prefix_cache_hit_rate)}</td>` +
-        `<td>${mode}</td>`;
+        `<td class="num">${pct(rep.kv_cache_usage)}</td>` +
+        `<td class="num">${pct(rep.prefix_cache_hit_rate)}<br><small>${esc(mode)}</small></td>`;
       body.appendChild(tr);
     }
   } catch (err) {
