@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from sendpath import __version__
 from sendpath.bench.command import add_bench_args, run_bench
 from sendpath.chat import add_chat_args, run_chat
-from sendpath.cluster.command import add_ray_gateway_arg, add_ray_serve_args
+from sendpath.cluster.command import add_ray_gateway_arg, add_ray_serve_args, run_ray_serve
 from sendpath.engine.args import MODEL_HELP, add_engine_args
 from sendpath.errors import SendpathError
 from sendpath.launch import add_gateway_args, run_gateway, run_serve
@@ -281,8 +281,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _keys(args)
         if args.command == "gateway":
             return run_gateway(args)
-        if args.command == "serve":
-            return run_serve(args)
+        if args.command == "serve":  # with --ray: on a Ray cluster
+            return run_ray_serve(args) if args.ray is not None else run_serve(args)
         if args.command == "chat":
             return run_chat(args)
         if args.command == "bench":

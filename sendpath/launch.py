@@ -247,10 +247,6 @@ def run_serve(args: argparse.Namespace) -> int:
     from sendpath.gateway.app import create_gateway_app, settle_heap
     from sendpath.gateway.safety import SafetyRulesError
 
-    if args.ray is not None:
-        from sendpath.cluster.command import run_ray_serve
-
-        return run_ray_serve(args)
     for flag in ("min_replicas", "max_replicas", "ray_autoscaling_config"):
         if getattr(args, flag) is not None:
             print(f"error: --{flag.replace('_', '-')} needs --ray (Ray Serve scales the "

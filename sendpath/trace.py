@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Generic, NamedTuple, TypeVar
 
-__all__ = ["Event", "EventType", "Stage", "Timeline", "TraceStore", "event_log"]
+__all__ = ["Event", "EventType", "Stage", "Timeline", "TraceStore", "event_log", "server_timing"]
 
 T = TypeVar("T")
 
@@ -167,3 +167,9 @@ class TraceStore(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+def server_timing(timings: dict[str, float]) -> str:
+    """The W3C Server-Timing header value for a timings object (stage -> ms): what both
+    servers send beside their answers."""
+    return ", ".join(f"{name};dur={ms}" for name, ms in timings.items())

@@ -26,8 +26,8 @@ from sendpath.gateway.chunks import Event, SSELines, answer_text, read_head_even
 from sendpath.gateway.context import GatewayContext
 from sendpath.gateway.relay import StreamRelay
 from sendpath.gateway.upstream import ConnectTimeout, UpstreamConnectionError, UpstreamResponse
-from sendpath.router.policy import RouteRequest
 from sendpath.router.pool import Endpoint
+from sendpath.router.route import RouteRequest
 
 if TYPE_CHECKING:
     from sendpath.gateway.proxy import Proxy

@@ -39,8 +39,8 @@ from fastapi.responses import JSONResponse, Response
 
 from sendpath.api.disconnect import ClientWatch, signal_of
 from sendpath.api.errors import error_body
-from sendpath.api.prompt import GenerationBody
-from sendpath.api.schema import DEFAULT_CAP_HEADER
+from sendpath.api.prompt import GenerationBody, route_text
+from sendpath.api.schema import DEFAULT_CAP_HEADER, ChatBody, CompletionBody
 from sendpath.api.sse import EventStreamResponse
 from sendpath.errors import SendpathError, ServiceUnavailableError
 from sendpath.gateway.attempt import Attempt, Retry, UpstreamTimeoutError
@@ -48,12 +48,12 @@ from sendpath.gateway.chunks import numbers
 from sendpath.gateway.context import GatewayContext, context
 from sendpath.gateway.safety import OutputGuard
 from sendpath.gateway.upstream import UpstreamClient
-from sendpath.router.policy import route_request
 from sendpath.router.pool import Endpoint
+from sendpath.router.route import RouteRequest
 from sendpath.router.router import Router
-from sendpath.server.responses import server_timing
+from sendpath.trace import server_timing
 
-__all__ = ["Proxy", "ProxyTimeouts", "UpstreamTimeoutError"]
+__all__ = ["Proxy", "ProxyTimeouts", "UpstreamTimeoutError", "route_request"]
 
 logger = logging.getLogger("sendpath.gateway")
 
@@ -269,3 +269,8 @@ class Proxy:
         headers["Server-Timing"] = server_timing(data["timings"])
         self.on_done(ctx)
         return JSONResponse(data, headers=headers)
+
+
+def route_request(request: ChatBody | CompletionBody, salt: str | None) -> RouteRequest:
+    """The routing view of a checked OpenAI request (``api.prompt.route_text``)."""
+    return RouteRequest(route_text(request), salt, chat=isinstance(request, ChatBody))

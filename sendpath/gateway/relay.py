@@ -50,8 +50,8 @@ from sendpath.gateway.chunks import (
 from sendpath.gateway.context import GatewayContext
 from sendpath.gateway.safety import OutputGuard
 from sendpath.gateway.upstream import UpstreamConnectionError, UpstreamResponse
-from sendpath.router.policy import RouteRequest
 from sendpath.router.pool import Endpoint
+from sendpath.router.route import RouteRequest
 from sendpath.router.router import Router
 
 __all__ = ["StreamRelay"]

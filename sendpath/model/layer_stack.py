@@ -15,7 +15,14 @@ from typing import Any
 from sendpath.model.llama import DecoderLayer, Linear, LlamaModel
 from sendpath.model.quant import BlockWeights
 
-__all__ = ["layer_stack"]
+__all__ = ["layer_stack", "use_kernels"]
+
+
+def use_kernels(model: LlamaModel, kernels: Any) -> None:
+    """``model`` runs on ``kernels`` (``LlamaModel.use_kernels``), every layer in one call
+    where its layers allow it. Call it once the weights are in their final form."""
+    model.use_kernels(kernels)
+    model.stack = layer_stack(model, kernels)
 
 
 def layer_stack(model: LlamaModel, kernels: Any) -> Any | None:

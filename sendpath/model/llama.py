@@ -338,7 +338,7 @@ class LlamaModel(nn.Module):
             persistent=False,
         )
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.stack: Any | None = None  # every layer in one C++ call (``use_kernels``)
+        self.stack: Any | None = None  # every layer in one C++ call (``layer_stack.py``)
 
     def rope(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -378,14 +378,12 @@ class LlamaModel(nn.Module):
 
     def use_kernels(self, kernels: LayerKernels | None) -> None:
         """Run the small operations around the matmuls with these fused kernels (None:
-        torch's own ops again), and every layer in one call where the layers' weights
-        allow it (``layer_stack.py``; call this once the weights are in their final form)."""
-        from sendpath.model.layer_stack import layer_stack
-
+        torch's own ops again). A layer stack made for the old kernels is dropped:
+        ``layer_stack.use_kernels`` makes one for these, where the layers allow it."""
         for module in self.modules():
             if isinstance(module, RMSNorm | Attention | MLP):
                 module.kernels = kernels
-        self.stack = layer_stack(self, kernels)
+        self.stack = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> logits [N, V] in float32."""

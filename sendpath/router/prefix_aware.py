@@ -39,8 +39,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from sendpath.router.kv_index import KVIndex
-from sendpath.router.policy import Prediction, RouteRequest
 from sendpath.router.pool import Endpoint
+from sendpath.router.route import Prediction, RouteRequest
 
 __all__ = ["PrefixAware"]
 

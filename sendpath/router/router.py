@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from sendpath.router.policy import Prediction, RouteRequest, RoutingPolicy
+from sendpath.router.policy import RoutingPolicy
 from sendpath.router.pool import (
     CHECK_INTERVAL_S,
     CHECK_TIMEOUT_S,
@@ -26,6 +26,7 @@ from sendpath.router.pool import (
     EventSource,
     ReplicaPool,
 )
+from sendpath.router.route import Prediction, RouteRequest
 
 __all__ = ["Router"]
 

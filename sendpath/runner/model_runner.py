@@ -31,6 +31,7 @@ from torch.nn import functional as F
 
 from sendpath.engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
 from sendpath.model.kernels import cpu_kernels
+from sendpath.model.layer_stack import use_kernels
 from sendpath.model.llama import LlamaConfig
 from sendpath.model.loader import LoadedModel
 from sendpath.model.quant import BlockWeights, matrix_engine
@@ -268,7 +269,7 @@ class ModelRunner:
         kernels = None
         if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             kernels = cpu_kernels()
-        self.model.use_kernels(kernels)
+        use_kernels(self.model, kernels)
         self.attention = PagedAttention(self.k_cache, self.v_cache, block_size, kernels)
         self.matrix_engine = self._matrix_engine()
         self.tokenizer = loaded.tokenizer

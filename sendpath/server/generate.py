@@ -31,14 +31,9 @@ from sendpath.errors import (
 from sendpath.request import Request as EngineRequest
 from sendpath.request import TokenLogprobs
 from sendpath.server.protocol import ParsedRequest
-from sendpath.server.responses import (
-    Chunker,
-    LogprobRenderer,
-    server_timing,
-    sse,
-    timings_ms,
-)
+from sendpath.server.responses import Chunker, LogprobRenderer, sse, timings_ms
 from sendpath.server.tool_calls import CallParser, parser_for
+from sendpath.trace import server_timing
 
 if TYPE_CHECKING:
     from sendpath.server.app import Replica

@@ -12,7 +12,7 @@ from sendpath.request import Request, TokenLogprobs
 from sendpath.server.tool_calls import CallParser, merge
 from sendpath.trace import Stage
 
-__all__ = ["Chunker", "LogprobRenderer", "server_timing", "sse", "timings_ms", "usage"]
+__all__ = ["Chunker", "LogprobRenderer", "sse", "timings_ms", "usage"]
 
 IMPOSSIBLE = -9999.0  # OpenAI's logprob for a token that cannot come (JSON has no -inf)
 
@@ -43,11 +43,6 @@ def timings_ms(request: Request) -> dict[str, float]:
     if tl.events and tl.end is not None:
         out["total"] = round((tl.end - tl.events[0].time) * 1000, 3)
     return out
-
-
-def server_timing(timings: dict[str, float]) -> str:
-    """The W3C Server-Timing header value for a timings object."""
-    return ", ".join(f"{name};dur={ms}" for name, ms in timings.items())
 
 
 class LogprobRenderer:

@@ -47,9 +47,10 @@ from sendpath.errors import QueueFullError
 from sendpath.gateway.ratelimit import Limits, MemoryLimiter
 from sendpath.kvcache.manager import KVCacheManager
 from sendpath.request import Request, RequestStatus, SamplingParams
-from sendpath.router.policy import RouteRequest, RoutingPolicy, make_policy
+from sendpath.router.policy import RoutingPolicy, make_policy
 from sendpath.router.pool import ReplicaPool
 from sendpath.router.prefix_aware import PrefixAware
+from sendpath.router.route import RouteRequest
 from sendpath.sim.config import ITL_SAMPLE, MODES, SimConfig, SimResult
 from sendpath.sim.cost_model import CostModel
 from sendpath.sim.decode_lane import DecodeLane, beside

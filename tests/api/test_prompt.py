@@ -7,8 +7,8 @@ import math
 
 from sendpath.api.prompt import message_texts, prompt_text, route_text
 from sendpath.api.schema import ChatBody, CompletionBody
+from sendpath.gateway.proxy import route_request
 from sendpath.gateway.tokens import TEMPLATE_ALLOWANCE, byte_bound, estimate_prompt_tokens
-from sendpath.router.policy import route_request
 
 PARTS = [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo ☃"}]
 CHAT = ChatBody.model_validate(

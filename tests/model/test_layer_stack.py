@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from sendpath.engine.core import EngineCore
-from sendpath.model.layer_stack import layer_stack
+from sendpath.model.layer_stack import layer_stack, use_kernels
 from sendpath.model.llama import DecoderLayer, RMSNorm
 from sendpath.model.loader import LoadedModel, load_model
 from sendpath.model.quant import block_kernels
@@ -90,7 +90,7 @@ def test_a_qkv_bias_rides_along(quantized: LoadedModel) -> None:
         bias = torch.randn(size, dtype=quantized.model.dtype) * 0.1
         layer.self_attn.qkv_bias = nn.Parameter(bias)
     try:
-        model.use_kernels(kernels)
+        use_kernels(model, kernels)
         core = make_core(quantized)
         core.add_request(list(range(30, 70)), SamplingParams(max_tokens=4, ignore_eos=True))
         fast, slow = forward_both(core)
@@ -98,7 +98,7 @@ def test_a_qkv_bias_rides_along(quantized: LoadedModel) -> None:
     finally:
         for layer in layers(quantized):
             layer.self_attn.qkv_bias = None
-        model.use_kernels(kernels)
+        use_kernels(model, kernels)
 
 
 def test_the_engine_answers_the_same_with_and_without_it(quantized: LoadedModel) -> None:

@@ -7,9 +7,9 @@ from sendpath.clock import SettableClock
 from sendpath.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from sendpath.kvcache.hashing import block_hashes
 from sendpath.router.kv_index import GUESS_TTL_S, KVIndex
-from sendpath.router.policy import RouteRequest
 from sendpath.router.pool import Endpoint
 from sendpath.router.prefix_aware import PrefixAware
+from sendpath.router.route import RouteRequest
 
 BS = 4
 PROMPT = tuple(range(100, 121))  # 21 tokens: 5 full blocks a replica could serve

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from sendpath.router import prefix_aware
-from sendpath.router.policy import LeastLoad, RoundRobin, RouteRequest, make_policy
+from sendpath.router.policy import LeastLoad, RoundRobin, make_policy
 from sendpath.router.pool import Endpoint
 from sendpath.router.prefix_aware import BLOCK_CHARS, PrefixAware
+from sendpath.router.route import RouteRequest
 
 SYSTEM = "system\nYou are a helpful assistant who answers in one short sentence.\n" * 4
 
