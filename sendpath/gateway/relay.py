@@ -244,7 +244,7 @@ class StreamRelay:
             self.ctx.streamed_chunks += 1
             released = self._release(guard, text) if guard is not None else text
             if guard is not None and guard.blocked is not None:
-                self._block(chunk)
+                self._block(chunk, released)
                 return None
             if released == text and reason is None:
                 out.append(chunk)
@@ -314,9 +314,13 @@ class StreamRelay:
                 out.append(arguments_chunk(chunk, choice, call, rest))
         return out
 
-    def _block(self, chunk: dict[str, Any]) -> None:
-        """End the answer with ``content_filter`` (and usage, estimated, if asked for)."""
-        self.tail[:] = [finished(chunk, "content_filter")]
+    def _block(self, chunk: dict[str, Any], released: str = "") -> None:
+        """End the answer with ``content_filter`` (and usage, estimated, if asked for),
+        after ``released``: the text before where the phrase could start, which the push
+        that blocked it gave back."""
+        head = [with_text(chunk, released)] if released else []
+        self._mark_relayed(head, True)
+        self.tail[:] = [*head, finished(chunk, "content_filter")]
         if self.wants_usage and self.ctx.usage is None:
             self.tail.append(self._estimated_usage(chunk))
 

@@ -152,14 +152,18 @@ class OutputGuard:
     blocked: str | None = None
 
     def push(self, delta: str) -> str:
-        """Add generated text; return what can be sent now ("" once blocked)."""
+        """Add generated text; return what can be sent now. The push that blocks returns
+        the held text before where the phrase could start (``safe_part``), so a whole
+        text pushed at once and the same text pushed in pieces release the same; every
+        push after it returns ""."""
         if self.blocked is not None:
             return ""
         self._pending += delta
         text = self._seen + self._pending
         if (category := self.check.check(text)) is not None:
+            out = self._safe_part()
             self.blocked, self._pending = category, ""
-            return ""
+            return out
         # a match cannot start in released text (it would have been a partial match there,
         # and held back), so only the pending text is searched and the released is context;
         # unless the window forced text out: from then on all of it is searched
@@ -170,6 +174,22 @@ class OutputGuard:
         out, self._pending = self._pending[:cut], self._pending[cut:]
         self._seen = (self._seen + out)[-self.window :]
         return out
+
+    def _safe_part(self) -> str:
+        """Of the pending text (which, after the released text, is blocked): the longest
+        start that passes the check (found by halving), less what could still become a
+        phrase in it (``hold_from``)."""
+        seen, pending = self._seen, self._pending
+        low, high = 0, len(pending)  # seen + pending[:low] passes, + pending[:high] not
+        while high - low > 1:
+            mid = (low + high) // 2
+            if self.check.check(seen + pending[:mid]) is None:
+                low = mid
+            else:
+                high = mid
+        passing = seen + pending[:low]
+        held = self.check.hold_from(passing, 0 if self._forced else len(seen))
+        return pending[: max(0, min(low, held - len(seen)))]
 
     def push_each(self, deltas: Sequence[str]) -> list[str] | None:
         """Several deltas that arrived together, judged as one text (one check and one

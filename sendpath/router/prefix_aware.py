@@ -69,6 +69,7 @@ class PrefixAware:
     def __init__(self, index: KVIndex | None = None) -> None:
         self.trees: dict[int, OrderedDict[int, None]] = {}  # the approximate copies
         self.index = index  # what publishing replicas hold (None: the gateway follows none)
+        self._chosen_for: tuple[RouteRequest | None, list[int]] = (None, [])  # the last choice
 
     def match(self, hashes: list[int], endpoint: Endpoint) -> int:
         """How many leading blocks ``endpoint`` has seen (the approximate copy)."""
@@ -103,7 +104,10 @@ class PrefixAware:
         return self.match(text_hashes, endpoint), len(text_hashes), False
 
     def predicted(self, request: RouteRequest, endpoint: Endpoint) -> Prediction:
-        matched, total, precise = self.matched(request, endpoint)
+        last, hashes = self._chosen_for
+        matched, total, precise = self.matched(
+            request, endpoint, hashes if last is request else None
+        )
         size = self._block_size(request, endpoint) if precise else None
         return Prediction(matched, total, precise, size)
 
@@ -114,6 +118,7 @@ class PrefixAware:
             return least
         best, best_key = least, (0.0, -least.load)
         text_hashes = block_hashes(request)
+        self._chosen_for = (request, text_hashes)  # ``predicted`` asks about it next
         for e in candidates:
             matched, total, _ = self.matched(request, e, text_hashes)
             key = (matched / total if total else 0.0, -e.load)

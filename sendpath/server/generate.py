@@ -1,4 +1,6 @@
-"""Answering a generation request: queue it in the engine, then one JSON body or SSE.
+"""Answering a generation request: queue it in the engine (its ``n`` choices, each an
+engine request: ``fanout.py``), then one JSON body or SSE. One representation serves both:
+the stream of OpenAI chunks with n choices; a whole answer is those choices collected.
 
 A client that goes away aborts its request wherever it is (queued, prefilling, decoding),
 which frees its slot and KV blocks; a client that stops reading a stream is dropped by the
@@ -21,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sendpath.api.disconnect import wait_disconnect
 from sendpath.api.errors import error_body
-from sendpath.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from sendpath.engine.async_engine import AsyncEngine, EngineDeadError
 from sendpath.engine.outputs import EngineOutput, FinishReason
 from sendpath.errors import (
     RequestFailedError,
@@ -30,6 +32,7 @@ from sendpath.errors import (
 )
 from sendpath.request import Request as EngineRequest
 from sendpath.request import TokenLogprobs
+from sendpath.server.fanout import Fanout
 from sendpath.server.protocol import ParsedRequest
 from sendpath.server.responses import Chunker, LogprobRenderer, sse, timings_ms
 from sendpath.server.tool_calls import CallParser, parser_for
@@ -38,13 +41,7 @@ from sendpath.trace import server_timing
 if TYPE_CHECKING:
     from sendpath.server.app import Replica
 
-__all__ = [
-    "ENGINE_STOPPED",
-    "answer_setup",
-    "collect_unless_gone",
-    "raise_unfinished",
-    "serve_generation",
-]
+__all__ = ["ENGINE_STOPPED", "answer_setup", "collect_unless_gone", "serve_generation"]
 
 logger = logging.getLogger("sendpath.replica")
 
@@ -55,37 +52,33 @@ T = TypeVar("T")
 async def serve_generation(
     replica: Replica, engine: AsyncEngine, parsed: ParsedRequest, request: Request
 ) -> Response:
-    """Queue ``parsed`` (for this replica's model) and answer it (streamed or whole)."""
-    stream = await engine.add(
-        parsed.prompt,
-        parsed.params,
-        priority=parsed.priority,
-        cache_salt=parsed.cache_salt,
-        strict_max_tokens=parsed.max_tokens_given,
-    )
-    chunker, renderer, headers = answer_setup(replica, engine, parsed, stream.request)
-    tools = parser_for(parsed.tools, engine.core.tokenizer)
+    """Queue ``parsed`` (for this replica's model, ``n`` choices) and answer it, streamed
+    or whole: a whole answer is the stream's choices collected."""
+    fanout = Fanout(engine, parsed)
+    await fanout.add(0)  # a bad request is refused here, before anything is sent
+    chunker, renderer, headers = answer_setup(replica, engine, parsed, fanout.streams[0].request)
+    tools = [parser_for(parsed.tools, engine.core.tokenizer) for _ in range(parsed.n)]
     if parsed.stream:
-        events = _events(replica, stream, chunker, parsed.include_usage, renderer, tools)
+        events = _events(replica, fanout, chunker, parsed.include_usage, renderer, tools)
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-    result = await collect_unless_gone(
-        replica, chunker.id, _collect(stream, chunker.id), request, stream.abort
+    choices = await collect_unless_gone(
+        replica, chunker.id, _collect(fanout, chunker, renderer, tools), request, fanout.abort
     )
-    if isinstance(result, Response):
-        return result
-    text, last, logprobs = result
-    replica.finished(chunker.id, stream.request, str(last.finish_reason))
-    rendered = None
-    if renderer is not None:
-        ids = stream.request.output_token_ids
-        rendered = (
-            renderer.chat(ids, logprobs)
-            if chunker.kind == "chat"
-            else renderer.completion(ids, logprobs)
-        )
-    body = chunker.body(text, last, stream.request, rendered, tools)
+    fanout.abort()  # nothing is left running: the pumps end
+    if isinstance(choices, Response):
+        return choices
+    _finished(replica, fanout, chunker, [c["finish_reason"] for c in choices])
+    body = chunker.whole(choices, [s.request for s in fanout.streams])
     headers["Server-Timing"] = server_timing(body["timings"])
     return JSONResponse(body, headers=headers)
+
+
+def _finished(replica: Replica, fanout: Fanout, chunker: Chunker, reasons: list[str]) -> None:
+    """Each choice's request recorded (metrics, trace) under the response's id (``-i``
+    after it for choice i > 0)."""
+    for i, stream in enumerate(fanout.streams):
+        response_id = chunker.id if i == 0 else f"{chunker.id}-{i}"
+        replica.finished(response_id, stream.request, reasons[i])
 
 
 def answer_setup(
@@ -144,84 +137,119 @@ def raise_unfinished(out: EngineOutput, response_id: str) -> None:
         raise ServiceUnavailableError(ENGINE_STOPPED)
 
 
+def _rendered(
+    renderer: LogprobRenderer | None,
+    chunker: Chunker,
+    ids: list[int],
+    logprobs: list[TokenLogprobs],
+    offset: int = 0,
+) -> dict[str, Any] | None:
+    """OpenAI's logprobs object for these tokens (``offset``: the completion text's
+    characters before them), or ``None`` where none were asked for."""
+    if renderer is None or not logprobs:
+        return None
+    if chunker.kind == "chat":
+        return renderer.chat(ids, logprobs)
+    return renderer.completion(ids, logprobs, offset)
+
+
+def _engine_stopped(response_id: str, exc: EngineDeadError) -> ServiceUnavailableError:
+    logger.error("request %s: %s", response_id, exc)
+    return ServiceUnavailableError(ENGINE_STOPPED)
+
+
 async def _collect(
-    stream: RequestStream, response_id: str
-) -> tuple[str, EngineOutput, list[TokenLogprobs]]:
-    """The whole text, the last output, and every token's logprobs (where asked for)."""
-    text, last, logprobs = "", None, []
+    fanout: Fanout,
+    chunker: Chunker,
+    renderer: LogprobRenderer | None,
+    tools: list[CallParser | None],
+) -> list[dict[str, Any]]:
+    """Every choice whole, in index order (raises if one cannot finish)."""
+    n = fanout.n
+    texts = [""] * n
+    lasts: list[EngineOutput | None] = [None] * n
+    ids: list[list[int]] = [[] for _ in range(n)]
+    logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]
     try:
-        async for out in stream:
-            text, last = text + out.text, out
-            logprobs += out.logprobs or []
+        async for index, out in fanout.outputs():
+            texts[index] += out.text
+            ids[index] += out.new_token_ids
+            logprobs[index] += out.logprobs or []
+            lasts[index] = out
     except EngineDeadError as exc:
-        logger.error("request %s: %s", response_id, exc)
-        raise ServiceUnavailableError(ENGINE_STOPPED) from exc
-    if last is None:
-        raise ServiceUnavailableError(ENGINE_STOPPED)
-    raise_unfinished(last, response_id)
-    return text, last, logprobs
+        raise _engine_stopped(chunker.id, exc) from exc
+    choices: list[dict[str, Any]] = []
+    for i in range(n):
+        last = lasts[i]
+        if last is None:
+            raise ServiceUnavailableError(ENGINE_STOPPED)
+        raise_unfinished(last, chunker.id)
+        rendered = _rendered(renderer, chunker, ids[i], logprobs[i])
+        choices.append(chunker.choice(i, texts[i], str(last.finish_reason), rendered, tools[i]))
+    return choices
 
 
 async def _events(
     replica: Replica,
-    stream: RequestStream,
+    fanout: Fanout,
     chunker: Chunker,
     include_usage: bool,
-    renderer: LogprobRenderer | None = None,
-    tools: CallParser | None = None,
+    renderer: LogprobRenderer | None,
+    tools: list[CallParser | None],
 ) -> AsyncIterator[str]:
-    """SSE: a role chunk, one chunk per text delta (or per token, with its logprobs, when
-    asked for; or as ``tools`` parses calls out of the text), the finish chunk, usage,
-    [DONE]; or an error event (and no [DONE]) if the request cannot finish. Leaving early
-    (the client went away, or was dropped for not reading) aborts the request."""
+    """SSE: a role chunk per choice, then each choice's deltas as they come (one per text
+    delta; per token, with its logprobs, when asked for; or as its tool-call parser cuts
+    calls out of the text), its finish chunk, then usage and [DONE]; or an error event
+    (and no [DONE]) if a choice cannot finish. Leaving early (the client went away, or
+    was dropped for not reading) aborts every choice."""
+    n = fanout.n
+    sent = [0] * n  # characters of text streamed so far, per choice (completions' offsets)
+    reasons = [""] * n
+    finals: list[dict[str, Any]] = []
     ended = False  # finished or failed: anything else that ends this is an abort
-    sent = 0  # characters of text streamed so far (completions' text_offset)
     try:
         if chunker.kind == "chat":
-            yield sse(chunker.chunk("", role=True))
-        async for out in stream:
-            rendered = None
-            if renderer is not None and out.logprobs:
-                ids = out.new_token_ids
-                rendered = (
-                    renderer.chat(ids, out.logprobs)
-                    if chunker.kind == "chat"
-                    else renderer.completion(ids, out.logprobs, sent)
-                )
-            if tools is not None:
-                for chunk in chunker.delta_chunks(tools.step(out.text, out.finished), rendered):
+            for i in range(n):
+                yield sse(chunker.chunk("", role=True, index=i))
+        async for index, out in fanout.outputs():
+            rendered = _rendered(
+                renderer, chunker, out.new_token_ids, out.logprobs or [], sent[index]
+            )
+            parser = tools[index]
+            if parser is not None:
+                deltas = parser.step(out.text, out.finished)
+                for chunk in chunker.delta_chunks(deltas, rendered, index):
                     yield sse(chunk)
             elif rendered is not None:
-                yield sse(chunker.chunk(out.text, logprobs=rendered))
-                sent += len(out.text)
+                yield sse(chunker.chunk(out.text, logprobs=rendered, index=index))
             elif out.text:
-                yield chunker.delta_sse(out.text)
-            if not out.finished:
-                continue
-            raise_unfinished(out, chunker.id)
-            ended = True
-            reason = str(out.finish_reason)
-            replica.finished(chunker.id, stream.request, reason)
-            final: dict[str, Any] = chunker.chunk(
-                None, reason if tools is None else tools.finish_reason(reason)
-            )
-            timings = timings_ms(stream.request)
-            if include_usage:
-                yield sse(final)
-                final = chunker.usage_chunk(stream.request)
-            final["timings"] = timings
+                yield chunker.delta_sse(out.text, index)
+            sent[index] += len(out.text)
+            if out.finished:
+                raise_unfinished(out, chunker.id)
+                reasons[index] = str(out.finish_reason)
+                reason = reasons[index] if parser is None else parser.finish_reason(reasons[index])
+                finals.append(chunker.chunk(None, reason, index=index))
+        ended = True
+        _finished(replica, fanout, chunker, reasons)
+        requests = [s.request for s in fanout.streams]
+        last = finals.pop()
+        for final in finals:
             yield sse(final)
-            yield "data: [DONE]\n\n"
+        if include_usage:
+            yield sse(last)
+            last = chunker.usage_chunk(*requests)
+        last["timings"] = timings_ms(requests[0])
+        yield sse(last)
+        yield "data: [DONE]\n\n"
     except (EngineDeadError, SendpathError) as exc:
         ended = True
         replica.metrics.ended.labels("error").inc()
         if isinstance(exc, EngineDeadError):
-            logger.error("request %s: %s", chunker.id, exc)
-            exc = ServiceUnavailableError(ENGINE_STOPPED)
+            exc = _engine_stopped(chunker.id, exc)
         yield sse(error_body(exc))  # an explicit error event, and no [DONE]
     finally:
         replica.active.pop(chunker.id)
-        if not stream.finished:
-            stream.abort()
+        fanout.abort()
         if not ended:
             replica.metrics.ended.labels("abort").inc()

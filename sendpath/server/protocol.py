@@ -91,7 +91,7 @@ class ParsedRequest:
     prompt: str | list[int] | Chat
     params: SamplingParams
     max_tokens_given: bool  # False: max_tokens defaults to "until the context is full"
-    n: int  # answers to give (each its own engine request: server/choices.py)
+    n: int  # answers to give (each its own engine request: server/fanout.py)
     stream: bool
     include_usage: bool
     priority: int

@@ -100,12 +100,16 @@ class Chunker:
         head = json.dumps(self._base(True), ensure_ascii=False, separators=(",", ":"))[:-1]
         field = '"delta":{"content":' if kind == "chat" else '"text":'
         close = "}" if kind == "chat" else ""
-        self._delta_head = f'data: {head},"choices":[{{"index":0,{field}'
+        self._delta_head = f'data: {head},"choices":[{{"index":'
+        self._delta_field = f",{field}"
         self._delta_tail = f'{close},"logprobs":null,"finish_reason":null}}]}}\n\n'
 
-    def delta_sse(self, text: str) -> str:
-        """The SSE event for one text delta."""
-        return self._delta_head + json.dumps(text, ensure_ascii=False) + self._delta_tail
+    def delta_sse(self, text: str, index: int = 0) -> str:
+        """The SSE event for one text delta of choice ``index``."""
+        return (
+            f"{self._delta_head}{index}{self._delta_field}"
+            f"{json.dumps(text, ensure_ascii=False)}{self._delta_tail}"
+        )
 
     def _base(self, streaming: bool) -> dict[str, Any]:
         if self.kind == "chat":

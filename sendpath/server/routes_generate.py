@@ -2,7 +2,7 @@
 
 A body is read within ``max_body_bytes`` (413 past it), checked by ``protocol.py`` (the
 shared schema; a large one on a worker thread, not on the event loop) and answered by
-``generate.py`` (one answer) or ``choices.py`` (``n`` of them).
+``generate.py`` (any ``n``: one choice is a fan-out of one).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from fastapi.responses import Response
 from sendpath.api.json_body import read_body
 from sendpath.api.schema import DEFAULT_CAP_HEADER
 from sendpath.errors import ModelNotFoundError
-from sendpath.server.choices import serve_choices
 from sendpath.server.generate import serve_generation
 from sendpath.server.protocol import parse_chat, parse_completion
 from sendpath.server.routes_status import replica_of
@@ -42,8 +41,6 @@ async def _generation(request: Request, parse: Callable[[bytes, int], Any]) -> R
         raise ModelNotFoundError(parsed.model, replica.model_name)
     if request.headers.get(DEFAULT_CAP_HEADER) == "default":
         parsed.max_tokens_given = False  # a gateway's cap: stop at the context's end
-    if parsed.n > 1:
-        return await serve_choices(replica, engine, parsed, request)
     return await serve_generation(replica, engine, parsed, request)
 
 

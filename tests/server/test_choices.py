@@ -1,6 +1,7 @@
-"""n answers to one prompt (``server/choices.py``) through the official openai client: each
-choice sampled on its own (seed + i), the same n again for the same seed, whole and
-streamed alike, usage counting the prompt once, the prompt's blocks computed once."""
+"""n answers to one prompt (``server/fanout.py``, answered by ``server/generate.py``)
+through the official openai client: each choice sampled on its own (seed + i), the same n
+again for the same seed, whole and streamed alike, usage counting the prompt once, the
+prompt's blocks computed once."""
 
 from __future__ import annotations
 
