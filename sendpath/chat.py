@@ -22,7 +22,19 @@ from sendpath.bench.client import RequestResult, stream_chat
 from sendpath.bench.report import NOT_STAGES
 from sendpath.waterfall import draw, with_network
 
-__all__ = ["add_chat_args", "run_chat"]
+__all__ = ["add_chat_args", "register", "run_chat"]
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], help: str) -> None:
+    """The `chat` subcommand: its flags, and ``run_chat`` as its handler."""
+    chat = sub.add_parser(
+        "chat",
+        help=help,
+        description="Send one chat message to an OpenAI-compatible server (sendpath serve by "
+        "default), stream the answer, then draw each stage of its path (network included).",
+    )
+    add_chat_args(chat)
+    chat.set_defaults(handler=run_chat)
 
 
 def add_chat_args(p: argparse.ArgumentParser) -> None:

@@ -1,45 +1,100 @@
-"""The ``sendpath`` command: one entry point, one subcommand per face of the project."""
+"""The ``sendpath`` command: one entry point, one subcommand per face of the project.
+
+Each command's module registers its own subparser and handler (``register(sub, help)``,
+the handler as ``args.handler``) and imports what the command needs only when it runs.
+``main`` builds only the subcommand it is given (the others are a name and a help line),
+so `sendpath --version`, `sendpath --help` and `sendpath keys list` load neither torch nor
+the simulator.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from sendpath import __version__
-from sendpath.bench.command import add_bench_args, run_bench
-from sendpath.chat import add_chat_args, run_chat
-from sendpath.cluster.command import add_ray_gateway_arg, add_ray_serve_args, run_ray_serve
-from sendpath.engine.args import MODEL_HELP, add_engine_args
 from sendpath.errors import SendpathError
-from sendpath.launch import add_gateway_args, run_gateway, run_serve
-from sendpath.server.command import add_connection_args, add_kv_events_arg, run_replica
-from sendpath.sim.command import add_sim_args, run_sim
-from sendpath.sim.profile_command import DESCRIPTION as PROFILE_DESCRIPTION
-from sendpath.sim.profile_command import add_profile_args, run_profile
 
-if TYPE_CHECKING:
-    pass
-
-__all__ = ["build_parser", "main"]
+__all__ = ["COMMANDS", "build_parser", "main"]
 
 DEFAULT_MESSAGE = "What happens after I press send on a chat message?"
 
+Register = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]", str], None]
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser for every subcommand."""
+# name -> (the module whose ``register`` adds it, or "" for one here; its help line)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "version": ("", "print the version and exit"),
+    "generate": ("", "answer one message in this process (no server) and stream the answer"),
+    "replica": (
+        "sendpath.server.command",
+        "serve one model replica over an OpenAI-compatible HTTP API",
+    ),
+    "chat": (
+        "sendpath.chat",
+        "send one message to a server, stream the answer, draw where the time went",
+    ),
+    "bench": (
+        "sendpath.bench.command",
+        "load any OpenAI-compatible server and report like `vllm bench serve`",
+    ),
+    "sim": (
+        "sendpath.sim.command",
+        "simulate the serving stack on GPUs you do not have: latency, stages, cost",
+    ),
+    "profile": (
+        "sendpath.sim.profile_command",
+        "time the real engine's steps and fit a cost model for `sendpath sim --cost-model`",
+    ),
+    "serve": (
+        "sendpath.launch",
+        "the whole stack: gateway + N local replicas on the built-in model (make serve)",
+    ),
+    "gateway": (
+        "sendpath.gateway.command",
+        "the gateway alone, in front of replicas that already run (--replica URL)",
+    ),
+    "keys": ("", "create, list, revoke API keys and show their usage"),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser: every subcommand whole, or (``only``) that one whole and the
+    others by name and help line alone (``""``: none whole, for `--help` and `--version`)."""
     parser = argparse.ArgumentParser(
         prog="sendpath",
         description="An LLM serving stack that shows what happens after a user presses send.",
     )
     parser.add_argument("--version", action="version", version=f"sendpath {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.add_parser("version", help="print the version and exit")
+    here: dict[str, Register] = {"version": _register_version, "generate": _register_generate,
+                                 "keys": _register_keys}  # fmt: skip
+    for name, (module, help) in COMMANDS.items():
+        if only is not None and name != only:
+            sub.add_parser(name, help=help)
+            continue
+        register: Register = here[name] if not module else importlib.import_module(module).register
+        register(sub, help)
+    return parser
+
+
+def _register_version(sub: argparse._SubParsersAction[argparse.ArgumentParser], help: str) -> None:
+    sub.add_parser("version", help=help).set_defaults(handler=_version)
+
+
+def _version(args: argparse.Namespace) -> int:
+    print(f"sendpath {__version__}")
+    return 0
+
+
+def _register_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser], help: str) -> None:
+    from sendpath.engine.args import MODEL_HELP
+
     gen = sub.add_parser(
         "generate",
-        help="answer one message in this process (no server) and stream the answer",
+        help=help,
         description="Load the model in this process, answer one message and stream the answer.",
     )
     gen.add_argument("message", nargs="?", default=DEFAULT_MESSAGE, help="the user message")
@@ -60,105 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--raw", action="store_true", help="complete the text as is, without the chat template"
     )
-    rep = sub.add_parser(
-        "replica",
-        help="serve one model replica over an OpenAI-compatible HTTP API",
-        description="Serve one model replica: /v1/chat/completions, /v1/completions, "
-        "/v1/models, /tokenize, /detokenize, /health (alive), /ready (takes requests), "
-        "/load and /metrics.",
-    )
-    rep.add_argument("--host", default="127.0.0.1")
-    rep.add_argument("--port", type=int, default=8001)
-    rep.add_argument(
-        "--api-key",
-        default=None,
-        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
-        "(also read from $SENDPATH_API_KEY; default: none)",
-    )
-    add_connection_args(rep)
-    add_engine_args(rep)
-    add_kv_events_arg(rep, "")
-    chat = sub.add_parser(
-        "chat",
-        help="send one message to a server, stream the answer, draw where the time went",
-        description="Send one chat message to an OpenAI-compatible server (sendpath serve by "
-        "default), stream the answer, then draw each stage of its path (network included).",
-    )
-    add_chat_args(chat)
-    bench = sub.add_parser(
-        "bench",
-        help="load any OpenAI-compatible server and report like `vllm bench serve`",
-        description="A load generator for any OpenAI-compatible server (sendpath, vLLM, "
-        "llama.cpp): TTFT, TPOT, ITL, E2EL, throughput, goodput, and the stage breakdown "
-        "when the server reports one. --scenario runs the seed's three situations.",
-    )
-    add_bench_args(bench)
-    sim = sub.add_parser(
-        "sim",
-        help="simulate the serving stack on GPUs you do not have: latency, stages, cost",
-        description="Run our scheduler, KV cache and router on a virtual clock with a "
-        "roofline cost model, or with step times measured on this machine (--cost-model, "
-        "from `sendpath profile`): the seed's scenarios (--scenario), or any traffic on any "
-        "number of replicas. Reports what `sendpath bench` reports, plus utilisation and cost.",
-    )
-    add_sim_args(sim)
-    prof = sub.add_parser(
-        "profile",
-        help="time the real engine's steps and fit a cost model for `sendpath sim --cost-model`",
-        description=PROFILE_DESCRIPTION,
-    )
-    add_profile_args(prof)
-    srv = sub.add_parser(
-        "serve",
-        help="the whole stack: gateway + N local replicas on the built-in model (make serve)",
-        description="Start N local replica processes (and/or use --replica URLs), wait until "
-        "they are healthy, and serve the gateway in front of them. Ctrl-C or SIGTERM stops "
-        "everything cleanly.",
-    )
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--replicas", type=int, default=1, help="local replica processes (1)")
-    srv.add_argument(
-        "--replica",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="also route to this OpenAI-compatible server (vLLM, llama.cpp; repeatable)",
-    )
-    srv.add_argument(
-        "--startup-timeout", type=float, default=300.0, help="seconds to wait for replicas"
-    )
-    add_kv_events_arg(
-        srv,
-        "; each local replica gets its own ports (replica i: the ports + i; a '*' port: "
-        "one the OS picks)",
-    )
-    add_ray_serve_args(srv)
-    add_gateway_args(srv)
-    add_engine_args(srv)
-    gw = sub.add_parser(
-        "gateway",
-        help="the gateway alone, in front of replicas that already run (--replica URL)",
-        description="API keys, rate limits, quotas, safety filter and admission in front of "
-        "OpenAI-compatible replicas (ours, vLLM, llama.cpp).",
-    )
-    gw.add_argument("--host", default="127.0.0.1")
-    gw.add_argument("--port", type=int, default=8000)
-    gw.add_argument(
-        "--replica",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeat for several; or --ray)",
-    )
-    add_ray_gateway_arg(gw)
-    gw.add_argument(
-        "--workers", type=int, default=1, help="gateway processes on this port (use --redis)"
-    )
-    add_gateway_args(gw)
+    gen.set_defaults(handler=_generate)
+
+
+def _register_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser], help: str) -> None:
     keys = sub.add_parser(
         "keys",
-        help="create, list, revoke API keys and show their usage",
+        help=help,
         description="API keys for the gateway, stored hashed in SQLite under the data directory.",
     )
     data_help = "where keys live (default: $SENDPATH_DATA_DIR or ~/.local/share/sendpath)"
@@ -193,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         "usage", parents=[data_dir], help="today's tokens and requests per key (UTC)"
     )
     ku.add_argument("name", nargs="?", default=None)
-    return parser
+    keys.set_defaults(handler=_keys)
 
 
 def _keys(args: argparse.Namespace) -> int:
@@ -267,35 +230,20 @@ def _generate(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    first = next((a for a in given if not a.startswith("-")), None)
+    parser = build_parser(first if first in COMMANDS else "")
+    args = parser.parse_args(given)
+    handler = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help()
+        return 0
     try:
-        if args.command == "version":
-            print(f"sendpath {__version__}")
-            return 0
-        if args.command == "generate":
-            return _generate(args)
-        if args.command == "replica":
-            return run_replica(args)
-        if args.command == "keys":
-            return _keys(args)
-        if args.command == "gateway":
-            return run_gateway(args)
-        if args.command == "serve":  # with --ray: on a Ray cluster
-            return run_ray_serve(args) if args.ray is not None else run_serve(args)
-        if args.command == "chat":
-            return run_chat(args)
-        if args.command == "bench":
-            return run_bench(args)
-        if args.command == "sim":
-            return run_sim(args)
-        if args.command == "profile":
-            return run_profile(args)
+        code: int = handler(args)
+        return code
     except SendpathError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
-    parser.print_help()
-    return 0
 
 
 if __name__ == "__main__":

@@ -71,3 +71,21 @@ def test_replica_refuses_a_missing_model_path() -> None:
     assert "model path '/does/not/exist.gguf' does not exist" in res.stderr
     bad = run("replica", "--max-num-seqs", "0")
     assert bad.returncode == 2 and "max_num_seqs must be >= 1" in bad.stderr
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["keys", "--help"]])
+def test_help_and_version_load_neither_torch_nor_the_simulator(argv: list[str]) -> None:
+    code = (
+        "import sys\n"
+        "from sendpath.cli import main\n"
+        "try:\n"
+        f"    main({argv!r})\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "heavy = ('torch', 'scipy', 'fastapi', 'sendpath.sim', 'sendpath.engine.core')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy or m in heavy\n"
+        "             or m.startswith('sendpath.sim')), file=sys.stderr)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stderr.strip() == "[]"
+    assert "sendpath" in done.stdout

@@ -11,7 +11,7 @@ import httpx
 
 from sendpath.cli import build_parser
 from sendpath.fleet import LocalFleet, ReplicaStartError
-from sendpath.launch import gateway_config
+from sendpath.gateway.command import gateway_config
 from tests.conftest import child_pids, start_serve
 
 

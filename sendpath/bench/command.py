@@ -29,7 +29,7 @@ from sendpath.bench.runner import Load, run
 from sendpath.bench.workload import DATASETS, LengthSpec, build
 from sendpath.extras import require
 
-__all__ = ["SCENARIOS", "add_bench_args", "print_report", "run_bench", "served_model"]
+__all__ = ["SCENARIOS", "add_bench_args", "print_report", "register", "run_bench", "served_model"]
 
 SCENARIOS: dict[str, dict[str, Any]] = {
     "quiet": {"dataset": "random", "concurrency": 1, "num_requests": 6,
@@ -41,6 +41,19 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 DEFAULTS: dict[str, Any] = {
     "dataset": "random", "num_requests": 100, "input_len": "128", "output_len": "128",
 }  # fmt: skip
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], help: str) -> None:
+    """The `bench` subcommand: its flags, and ``run_bench`` as its handler."""
+    bench = sub.add_parser(
+        "bench",
+        help=help,
+        description="A load generator for any OpenAI-compatible server (sendpath, vLLM, "
+        "llama.cpp): TTFT, TPOT, ITL, E2EL, throughput, goodput, and the stage breakdown "
+        "when the server reports one. --scenario runs the seed's three situations.",
+    )
+    add_bench_args(bench)
+    bench.set_defaults(handler=run_bench)
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:

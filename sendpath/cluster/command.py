@@ -1,4 +1,5 @@
-"""`sendpath serve --ray` and `sendpath gateway --ray`: the flags and the run.
+"""`sendpath serve --ray`: its flags and its run (`gateway --ray` is the gateway's own
+flag, ``gateway/command.py``).
 
 `serve --ray ADDRESS` deploys the replicas on the Ray cluster (``fleet.py``) and serves the
 gateway in front of them in this process; `gateway --ray ADDRESS` is one more gateway (on
@@ -18,18 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_ray_gateway_arg", "add_ray_serve_args", "run_ray_serve"]
-
-
-def add_ray_gateway_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--ray",
-        default=None,
-        metavar="ADDRESS",
-        help="route to the sendpath replicas of this Ray cluster (host:port of its head; "
-        "auto: the one running on this machine) as they come and go; needs the ray extra: "
-        "pip install 'sendpath[ray]'",
-    )
+__all__ = ["add_ray_serve_args", "run_ray_serve"]
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -86,15 +76,16 @@ def add_ray_serve_args(p: argparse.ArgumentParser) -> None:
 def run_ray_serve(args: argparse.Namespace) -> int:
     """`serve --ray`: deploy, serve the gateway until Ctrl-C or SIGTERM, delete."""
     from sendpath.api import http_server
+    from sendpath.api.cli_args import connection_limits, ignore, interrupt, log_setup
     from sendpath.cluster.fleet import RayFleet, RayPlacement, RayScaling, connect
     from sendpath.config import ReplicaConfig
     from sendpath.engine.args import engine_config
     from sendpath.extras import require
     from sendpath.gateway.app import create_gateway_app, settle_heap
+    from sendpath.gateway.command import announce_first_key, gateway_config
+    from sendpath.gateway.command import replica_api_key as given_key
     from sendpath.gateway.safety import SafetyRulesError
-    from sendpath.launch import _ignore, _interrupt, announce_first_key, gateway_config
-    from sendpath.launch import replica_api_key as given_key
-    from sendpath.server.command import connection_limits, kv_events_config, log_setup
+    from sendpath.server.command import kv_events_config
 
     require("ray")
     if args.redis:
@@ -132,7 +123,7 @@ def run_ray_serve(args: argparse.Namespace) -> int:
         return 2
     config = replace(config, ray_address=args.ray, replica_api_key=key)
     log_setup()
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     try:
         print(f"sendpath serve: {connect(args.ray)}", flush=True)
         try:
@@ -164,7 +155,7 @@ def run_ray_serve(args: argparse.Namespace) -> int:
             )
 
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, _ignore)
+            signal.signal(sig, ignore)
         settle_heap()
         http_server.run(app, args.host, args.port, config.connection, listening)
     except KeyboardInterrupt:

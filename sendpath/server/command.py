@@ -1,6 +1,6 @@
-"""`sendpath replica` from the command line: its flags and its run.
+"""`sendpath replica` from the command line: its parser (``register``) and its run.
 
-The connection limits are every server command's (the gateway takes them too); the KV
+The connection limits are every server command's (``api/cli_args.py``); the KV
 events flag is the replica's (``--kv-events-config``, with vLLM's keys; `serve` passes it
 on to its local replicas). ``run_replica`` turns the flags into a ``ReplicaConfig`` and
 serves it with uvicorn until stopped, or until its engine fails (then it exits 1, so
@@ -10,55 +10,38 @@ serves it with uvicorn until stopped, or until its engine fails (then it exits 1
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
-from sendpath.config import ConnectionLimits, KVEventsConfig
-from sendpath.engine.args import engine_config
+from sendpath.api.cli_args import add_connection_args, connection_limits, log_setup
+from sendpath.config import KVEventsConfig
+from sendpath.engine.args import add_engine_args, engine_config
 from sendpath.extras import require
 
-__all__ = [
-    "API_KEY_ENV",
-    "add_connection_args",
-    "add_kv_events_arg",
-    "connection_limits",
-    "kv_events_config",
-    "log_setup",
-    "run_replica",
-]
+__all__ = ["API_KEY_ENV", "add_kv_events_arg", "kv_events_config", "register", "run_replica"]
 
 
-def log_setup() -> None:
-    """Log lines as ``name: message`` at INFO (httpx's per-request lines left out)."""
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request
-
-
-def add_connection_args(p: argparse.ArgumentParser) -> None:
-    """How long a client may take (the gateway's and the replica's, each its own)."""
-    p.add_argument(
-        "--request-timeout",
-        type=float,
-        default=30.0,
-        metavar="S",
-        help="a client must send its whole request (head and body) within S seconds (30)",
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], help: str) -> None:
+    """The `replica` subcommand: its flags, and ``run_replica`` as its handler."""
+    rep = sub.add_parser(
+        "replica",
+        help=help,
+        description="Serve one model replica: /v1/chat/completions, /v1/completions, "
+        "/v1/models, /tokenize, /detokenize, /health (alive), /ready (takes requests), "
+        "/load and /metrics.",
     )
-    p.add_argument(
-        "--write-timeout",
-        type=float,
-        default=30.0,
-        metavar="S",
-        help="a client that reads nothing of its answer for S seconds is dropped and its "
-        "request aborted (30)",
+    rep.add_argument("--host", default="127.0.0.1")
+    rep.add_argument("--port", type=int, default=8001)
+    rep.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
+        "(also read from $SENDPATH_API_KEY; default: none)",
     )
-    p.add_argument(
-        "--keep-alive-timeout",
-        type=float,
-        default=5.0,
-        metavar="S",
-        help="an idle kept-alive connection is closed after S seconds (5)",
-    )
+    add_connection_args(rep)
+    add_engine_args(rep)
+    add_kv_events_arg(rep, "")
+    rep.set_defaults(handler=run_replica)
 
 
 def _kv_events(text: str) -> KVEventsConfig:
@@ -87,14 +70,6 @@ def kv_events_config(args: argparse.Namespace) -> KVEventsConfig:
     if config.publishes:
         require("kv-events")
     return config
-
-
-def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
-    return ConnectionLimits(
-        request_timeout_s=args.request_timeout,
-        write_timeout_s=args.write_timeout,
-        keep_alive_s=args.keep_alive_timeout,
-    )
 
 
 API_KEY_ENV = "SENDPATH_API_KEY"  # a replica's key, from `serve` (not on its command line)

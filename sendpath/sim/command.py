@@ -25,13 +25,27 @@ from sendpath.sim.scenarios import SCENARIOS, Run, simulate
 from sendpath.sim.simulator import MODES
 from sendpath.sim.traffic import PATTERNS
 
-__all__ = ["add_sim_args", "run_sim"]
+__all__ = ["add_sim_args", "register", "run_sim"]
 
 
 def _any_case(names: Iterable[str]) -> Callable[[str], str]:
     """An argparse type that takes a choice in any case (``h100`` is ``H100``)."""
     by_lower = {name.lower(): name for name in names}
     return lambda value: by_lower.get(value.lower(), value)
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], help: str) -> None:
+    """The `sim` subcommand: its flags, and ``run_sim`` as its handler."""
+    sim = sub.add_parser(
+        "sim",
+        help=help,
+        description="Run our scheduler, KV cache and router on a virtual clock with a "
+        "roofline cost model, or with step times measured on this machine (--cost-model, "
+        "from `sendpath profile`): the seed's scenarios (--scenario), or any traffic on any "
+        "number of replicas. Reports what `sendpath bench` reports, plus utilisation and cost.",
+    )
+    add_sim_args(sim)
+    sim.set_defaults(handler=run_sim)
 
 
 def add_sim_args(p: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ from sendpath.engine.args import add_engine_args, engine_config
 from sendpath.sim.calibrated import Calibrated, PointKind, ProfilePoint
 from sendpath.sim.profile import DEFAULT_GRID, QUICK_GRID, profile, profile_served
 
-__all__ = ["DEFAULT_OUT", "DESCRIPTION", "add_profile_args", "print_fit", "run_profile"]
+__all__ = ["DEFAULT_OUT", "DESCRIPTION", "add_profile_args", "print_fit", "register", "run_profile"]
 
 DEFAULT_OUT = Path("sendpath-profile.json")
 DESCRIPTION = (
@@ -24,6 +24,13 @@ DESCRIPTION = (
     "processes, and one that shares the cores slows every step it overlaps, which the fit "
     "then takes for the engine's own cost."
 )
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], help: str) -> None:
+    """The `profile` subcommand: its flags, and ``run_profile`` as its handler."""
+    prof = sub.add_parser("profile", help=help, description=DESCRIPTION)
+    add_profile_args(prof)
+    prof.set_defaults(handler=run_profile)
 
 
 def add_profile_args(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,64 @@
+"""What every server command's flags share: how long a client may take (the gateway's
+and the replica's, each its own), the log's format, and the signal handlers `serve`
+switches between while it starts and while it serves."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from types import FrameType
+
+from sendpath.config import ConnectionLimits
+
+__all__ = ["add_connection_args", "connection_limits", "ignore", "interrupt", "log_setup"]
+
+DEFAULTS = ConnectionLimits()  # the flags' defaults are the config's own
+
+
+def log_setup() -> None:
+    """Log lines as ``name: message`` at INFO (httpx's per-request lines left out)."""
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request
+
+
+def add_connection_args(p: argparse.ArgumentParser) -> None:
+    """How long a client may take (the gateway's and the replica's, each its own)."""
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=DEFAULTS.request_timeout_s,
+        metavar="S",
+        help="a client must send its whole request (head and body) within S seconds (%(default)g)",
+    )
+    p.add_argument(
+        "--write-timeout",
+        type=float,
+        default=DEFAULTS.write_timeout_s,
+        metavar="S",
+        help="a client that reads nothing of its answer for S seconds is dropped and its "
+        "request aborted (%(default)g)",
+    )
+    p.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=DEFAULTS.keep_alive_s,
+        metavar="S",
+        help="an idle kept-alive connection is closed after S seconds (%(default)g)",
+    )
+
+
+def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    return ConnectionLimits(
+        request_timeout_s=args.request_timeout,
+        write_timeout_s=args.write_timeout,
+        keep_alive_s=args.keep_alive_timeout,
+    )
+
+
+def interrupt(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM as Ctrl-C (while starting: everything started so far is stopped)."""
+    raise KeyboardInterrupt
+
+
+def ignore(signum: int, frame: FrameType | None) -> None:
+    """While uvicorn serves: it handles the signal itself, and re-raises it after."""
