@@ -26,6 +26,7 @@ from sendpath.gateway.chunks import Event, SSELines, answer_text, read_head_even
 from sendpath.gateway.context import GatewayContext
 from sendpath.gateway.relay import StreamRelay
 from sendpath.gateway.upstream import ConnectTimeout, UpstreamConnectionError, UpstreamResponse
+from sendpath.gateway.verdict import event_status
 from sendpath.router.pool import Endpoint
 from sendpath.router.route import RouteRequest
 
@@ -214,14 +215,7 @@ def _error_event(head: list[Event]) -> tuple[int, bytes] | None:
     error = last.get("error")
     if not isinstance(error, dict):
         return None
-    code = error.get("code")
-    if isinstance(code, int) and 400 <= code < 600:  # vLLM puts the status here
-        status = code
-    else:
-        status = {"request_failed": 500, "queue_full": 503, "service_unavailable": 503}.get(
-            str(code), 502
-        )
-    return status, json.dumps({"error": error}).encode()
+    return event_status(error), json.dumps({"error": error}).encode()
 
 
 def _timeout_response(ctx: GatewayContext, endpoint: Endpoint, why: str) -> Response:

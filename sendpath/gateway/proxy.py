@@ -48,6 +48,7 @@ from sendpath.gateway.chunks import numbers
 from sendpath.gateway.context import GatewayContext, context
 from sendpath.gateway.safety import OutputGuard
 from sendpath.gateway.upstream import UpstreamClient
+from sendpath.gateway.verdict import Verdict, error_code, verdict
 from sendpath.router.pool import Endpoint
 from sendpath.router.route import RouteRequest
 from sendpath.router.router import Router
@@ -195,12 +196,10 @@ class Proxy:
         raw: bytes,
         headers: dict[str, str],
     ) -> Response | Retry:
-        """A replica's error answer: the client's fault is final; busy or broken, retry."""
-        try:
-            code = json.loads(raw)["error"]["code"]
-        except (ValueError, KeyError, TypeError):
-            code = None
-        if status in (401, 403):  # the replica refused the gateway's key: ours to fix
+        """A replica's error answer: final, or a retry elsewhere (``verdict.py``)."""
+        code = error_code(raw)
+        judged = verdict(status, code)
+        if judged is Verdict.KEY:  # the replica refused the gateway's key: ours to fix
             logger.warning("replica %s refused the gateway's key (HTTP %d)", endpoint.url, status)
             self.router.failed(endpoint, f"HTTP {status}: the gateway's key was refused")
             error = UpstreamError(
@@ -208,9 +207,7 @@ class Proxy:
                 f"the operator should check --replica-api-key (request id {ctx.request_id})."
             )
             return Retry(JSONResponse(error_body(error), status_code=error.status_code))
-        if status < 500 and status != 429:
-            return Response(raw, status, headers, media_type="application/json")
-        if code == "request_failed":  # the request's own failure: the replica is fine
+        if judged is Verdict.FINAL:
             return Response(raw, status, headers, media_type="application/json")
         if status >= 500 and code not in _KNOWN_CODES:
             logger.warning("replica %s answered HTTP %d: %.200r", endpoint.url, status, raw)
@@ -220,7 +217,7 @@ class Proxy:
             )
             raw = json.dumps(error_body(error)).encode()
             status = error.status_code
-        if status >= 500 and code != "queue_full":
+        if judged is Verdict.BROKEN:
             self.router.failed(endpoint, f"HTTP {status}")
         return Retry(Response(raw, status, headers, media_type="application/json"))
 

@@ -50,6 +50,7 @@ from sendpath.gateway.chunks import (
 from sendpath.gateway.context import GatewayContext
 from sendpath.gateway.safety import OutputGuard
 from sendpath.gateway.upstream import UpstreamConnectionError, UpstreamResponse
+from sendpath.gateway.verdict import Verdict, event_status, verdict
 from sendpath.router.pool import Endpoint
 from sendpath.router.route import RouteRequest
 from sendpath.router.router import Router
@@ -194,7 +195,11 @@ class StreamRelay:
             return True
         if "error" in chunk:  # the replica's own error event: pass it on, no [DONE]
             error = chunk["error"] if isinstance(chunk["error"], dict) else {}
-            if error.get("code") != "request_failed":  # else the request's own fault
+            code = error.get("code")
+            # too late to retry: whatever is not the request's own fault counts against it
+            if verdict(event_status(error), code if isinstance(code, str) else None) is not (
+                Verdict.FINAL
+            ):
                 self.router.failed(self.endpoint, "an error event mid-stream")
             out.append(event(chunk))
             return True
