@@ -76,9 +76,13 @@ def test_serve_restarts_a_replica_that_dies(tiny_llama_dir: Path, tmp_path: Path
         body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         assert httpx.post(url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
         assert child_pids(proc.pid) != [first]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        out = proc.communicate(timeout=30)[0]
+    except BaseException:  # in the report: serve's exit code (None: alive) and its output
+        print(f"serve's exit code when the test failed: {proc.poll()}")
+        proc.kill()
+        print("".join(lines) + proc.communicate(timeout=30)[0])
+        raise
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=30)[0]
     assert "exited with code -9; starting it again in 1 s (restart 1)" in "".join(lines) + out
 
 
