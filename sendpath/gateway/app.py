@@ -170,16 +170,16 @@ def settle_heap() -> None:
     """Set the cyclic collector up for serving, once the app is built (a request's objects
     are freed by their reference counts; the collector only finds cycles):
 
-    - the objects alive now (modules, the app: some 100,000) leave its sight for good
-      (``gc.freeze``), after one collection of what starting left. Under load, requests in
-      flight were promoted to the oldest generation, and each of its passes (about one a
-      second) walked all of those objects again: 70 ms a pass, 9% of the gateway's CPU,
-      and a pause for every request in flight. A frozen object that becomes garbage is
-      still freed by its reference count; only a cycle among them would stay;
+    - the objects alive now (modules, the app) leave its sight for good (``gc.freeze``),
+      after one collection of what starting left, so its passes over the oldest
+      generation no longer walk them, nor every request in flight promoted there. A
+      frozen object that becomes garbage is still freed by its reference count; only a
+      cycle among them would stay;
     - the youngest generation is collected after ``YOUNG_THRESHOLD`` more allocations
-      than frees, not 700: the objects of 16 requests in flight crossed 700 over and
-      over (a pass every 6 requests, 5% of the CPU, each promoting what was in flight),
-      while 10,000 is crossed a few times a minute."""
+      than frees, not 700, which the objects of a few requests in flight cross over and
+      over (each pass promoting what was in flight).
+
+    What each cost before is measured in benchmarks/README.md (gateway_overhead.py)."""
     gc.collect()
     gc.freeze()
     _, middle, oldest = gc.get_threshold()
