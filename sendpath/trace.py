@@ -21,17 +21,17 @@ T = TypeVar("T")
 class Stage(StrEnum):
     """The stages of a message's path, in order (docs/architecture.md's stage table)."""
 
-    NETWORK = "network"
     GATEWAY_AUTH = "gateway.auth"
     GATEWAY_RATELIMIT = "gateway.ratelimit"
     GATEWAY_SAFETY = "gateway.safety"
     GATEWAY_QUEUE = "gateway.queue"
     ROUTE = "route"
-    ENGINE_QUEUE = "engine.queue"
     TOKENIZE = "tokenize"
+    ENGINE_QUEUE = "engine.queue"
     PREFILL = "prefill"
     DECODE = "decode"
     STREAM = "stream"
+    NETWORK = "network"  # the client's own measure, beyond the server's total
 
 
 class EventType(StrEnum):

@@ -65,7 +65,7 @@ def test_chat_against_a_server_without_traces(replica: Server) -> None:
     out = json.loads(res.stdout)
     assert out["trace"] is None and out["network_ms"] > 0
     stages = [s["stage"] for s in out["stages"]]
-    assert stages == ["engine.queue", "tokenize", "prefill", "decode", "network"]
+    assert stages == ["tokenize", "engine.queue", "prefill", "decode", "network"]
 
 
 def test_the_routing_line_says_why_the_replica_was_chosen() -> None:

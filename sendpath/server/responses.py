@@ -16,7 +16,7 @@ __all__ = ["Chunker", "LogprobRenderer", "sse", "timings_ms", "usage"]
 
 IMPOSSIBLE = -9999.0  # OpenAI's logprob for a token that cannot come (JSON has no -inf)
 
-_ENGINE_STAGES = (Stage.ENGINE_QUEUE, Stage.TOKENIZE, Stage.PREFILL, Stage.DECODE)
+_ENGINE_STAGES = (Stage.TOKENIZE, Stage.ENGINE_QUEUE, Stage.PREFILL, Stage.DECODE)  # in path order
 
 
 def usage(*requests: Request) -> dict[str, Any]:
