@@ -189,7 +189,7 @@ def test_a_request_is_tokenized_off_the_engine_thread_and_queues_behind_the_step
     assert tl.first(EventType.QUEUED) < released < tl.first(EventType.SCHEDULED)
     stages = tl.stages()
     assert stages[Stage.ENGINE_QUEUE] >= released - tl.first(EventType.QUEUED)
-    assert stages[Stage.TOKENIZE] < stages[Stage.ENGINE_QUEUE]
+    # (not compared with tokenize's duration: which is longer depends on the host's speed)
 
 
 def test_build_makes_the_core_on_the_engines_own_thread(tiny: LoadedModel) -> None:
