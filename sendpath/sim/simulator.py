@@ -35,7 +35,6 @@ import heapq
 import itertools
 import random
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from sendpath.bench.client import RequestResult
@@ -54,6 +53,7 @@ from sendpath.router.route import RouteRequest
 from sendpath.sim.config import ITL_SAMPLE, MODES, SimConfig, SimResult
 from sendpath.sim.cost_model import CostModel
 from sendpath.sim.decode_lane import DecodeLane, beside
+from sendpath.sim.replica_state import Bulk, SimReplica
 from sendpath.sim.results import client_view, token_times
 from sendpath.sim.traffic import SimRequest, Traffic
 from sendpath.trace import EventType
@@ -61,28 +61,6 @@ from sendpath.trace import EventType
 __all__ = ["ITL_SAMPLE", "MODES", "SimConfig", "SimResult", "Simulator"]
 
 TOKEN_BASE = 10_000_000  # above any prompt token id and any context length
-
-
-@dataclass
-class _Bulk:
-    """Decode steps priced ahead: they end at ``ends``; not applied until committed."""
-
-    start: float
-    ends: list[float]
-    epoch: int  # the replica's bulk counter when scheduled: a cut bulk's old event is stale
-
-
-@dataclass
-class _Replica:
-    clock: SettableClock
-    kv: KVCacheManager
-    scheduler: Scheduler
-    busy: bool = False
-    busy_s: float = 0.0
-    kv_peak: float = 0.0
-    bulk: _Bulk | None = None
-    epoch: int = 0
-    lane: DecodeLane | None = None  # the fleet mode's parked decodes
 
 
 def _text(ids: list[int]) -> str:
@@ -100,7 +78,7 @@ class Simulator:
             kv = KVCacheManager(config.num_blocks, config.block_size)
             lane = DecodeLane(kv) if config.mode == "fleet" else None
             self.replicas.append(
-                _Replica(clock, kv, Scheduler(config.scheduler, kv, clock), lane=lane)
+                SimReplica(clock, kv, Scheduler(config.scheduler, kv, clock), lane=lane)
             )
         self.pool = ReplicaPool(
             [f"sim://replica-{i}" for i in range(config.replicas)], 1 << 30, VirtualClock()
@@ -259,7 +237,7 @@ class Simulator:
         self._price(rep, index, t, plan, StepShape.of(plan))
 
     def _price(
-        self, rep: _Replica, index: int, t: float, plan: SchedulerOutput, shape: StepShape
+        self, rep: SimReplica, index: int, t: float, plan: SchedulerOutput, shape: StepShape
     ) -> None:
         seconds = self.cost.step_seconds(shape)
         rep.busy_s += seconds
@@ -288,7 +266,7 @@ class Simulator:
             lane.park(sched)
         self._after_step(rep, index)
 
-    def _after_step(self, rep: _Replica, index: int) -> None:
+    def _after_step(self, rep: SimReplica, index: int) -> None:
         usage = rep.kv.usage
         if usage > rep.kv_peak:
             rep.kv_peak = usage
@@ -299,7 +277,7 @@ class Simulator:
 
     # ---------------------------------------------------------------- fleet mode
 
-    def _lane_step(self, rep: _Replica, lane: DecodeLane, index: int, t: float) -> bool:
+    def _lane_step(self, rep: SimReplica, lane: DecodeLane, index: int, t: float) -> bool:
         """A step beside parked decodes, when it cannot preempt: only they (a bulk up to
         the next finish), or they and the scheduler's plan for the rest."""
         sched = rep.scheduler
@@ -314,7 +292,7 @@ class Simulator:
                 now += dt
                 ends.append(now)
             rep.epoch += 1
-            rep.bulk = _Bulk(t, ends, rep.epoch)
+            rep.bulk = Bulk(t, ends, rep.epoch)
             self._push(now, "bulk", (index, rep.epoch))
             return True
         if not lane.can_schedule_beside(sched):
@@ -326,11 +304,11 @@ class Simulator:
         self._price(rep, index, t, plan, beside(StepShape.of(plan), lane.batch, lane.context()))
         return True
 
-    def _unpark(self, rep: _Replica, lane: DecodeLane) -> None:
+    def _unpark(self, rep: SimReplica, lane: DecodeLane) -> None:
         for request_id, times in lane.unpark(self._base, rep.scheduler).items():
             self._bulk_tokens.setdefault(request_id, []).append(times)
 
-    def _finish_parked(self, rep: _Replica, lane: DecodeLane, index: int) -> None:
+    def _finish_parked(self, rep: SimReplica, lane: DecodeLane, index: int) -> None:
         for request, times in lane.finishing(self._base, rep.scheduler, self._continued):
             self._bulk_tokens.setdefault(request.request_id, []).append(times)
             rep.scheduler.finish_request(request.request_id, RequestStatus.FINISHED)
@@ -340,7 +318,7 @@ class Simulator:
         """Whether a later turn of the conversation will send this answer back."""
         return bool(self._inflight[request_id][0].followups)
 
-    def _cut(self, rep: _Replica, index: int, t: float) -> None:
+    def _cut(self, rep: SimReplica, index: int, t: float) -> None:
         """A request reached the replica at ``t``: the bulk stops after the step in flight."""
         bulk = rep.bulk
         assert bulk is not None
