@@ -104,3 +104,15 @@ def test_the_layers_import_downwards() -> None:
     assert (
         below("sendpath.kvcache", ("sendpath.gateway", "sendpath.server", "sendpath.engine")) == []
     )
+
+
+def test_the_gateway_forward_path_runs_one_way() -> None:
+    """The proxy uses the attempt and the relay; they report to the outcome and return
+    plain data, and none of them imports the proxy (not even for a type)."""
+    forward = ("attempt", "relay", "outcome", "output_filter", "verdict", "chunks")
+    for name in forward:
+        source = (ROOT / "gateway" / f"{name}.py").read_text()
+        assert "gateway.proxy" not in source, name
+    graph = imports()
+    assert "sendpath.gateway.relay" not in graph["sendpath.gateway.attempt"]
+    assert "sendpath.router.router" not in graph["sendpath.gateway.attempt"]  # no feedback

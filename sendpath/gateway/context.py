@@ -1,8 +1,10 @@
 """One request's state as it passes through the gateway, and small ASGI helpers.
 
-The outermost middleware puts a ``GatewayContext`` in the ASGI scope; each middleware
-fills in its part (the key, the parsed body, the reservation) and times its stage on it,
-and the proxy reports the usage it saw, so the rate limiter can settle with real numbers.
+The outermost middleware puts a ``GatewayContext`` in the ASGI scope. Each field has one
+writer: the request side, each middleware its own part (the key, the parsed body, the
+reservation, its stage's mark); the answer side (from ``replica`` on), only
+``outcome.Outcome``, where the forward path records what the replica sent, so the rate
+limiter can settle with real numbers and the trace can be drawn.
 """
 
 from __future__ import annotations
@@ -50,7 +52,6 @@ class GatewayContext:
     start: float
     request_id: str = ""  # the gateway's id for it (x-request-id; errors name it)
     status: int | None = None  # the status code sent to the client, once sent
-    reached_replica: bool = False  # a replica answered it (any status): it cost something
     marks: dict[Stage, float] = field(default_factory=dict)  # when each stage ended
     key: ApiKey | None = None  # None: keys are not required and none was sent
     cache_salt: str | None = None  # set under per-key prefix-cache isolation
@@ -58,20 +59,22 @@ class GatewayContext:
     request: GenerationBody | None = None  # the same body, checked against its schema
     prompt_tokens: int = 0  # the estimate reserved at admission
     default_max_tokens: int | None = None  # the cap sent upstream for a request without one
+    client_id: str | None = None  # the client's own name for it (x-sendpath-client-id)
+    # The answer side, written by ``outcome.Outcome`` alone.
+    replica: str | None = None  # the URL it went to (internal: never shown to clients)
+    replica_name: str | None = None  # the name clients see ("replica-0")
+    # why it went there: the route's prediction and where the replica runs (operator view)
+    routing: dict[str, Any] | None = None
+    reached_replica: bool = False  # a replica answered it (any status): it cost something
+    replica_request_id: str | None = None  # the replica's id for it (its x-request-id)
+    replica_arrival: float | None = None  # on this clock (exact on one host, else estimated)
     usage: tuple[int, int] | None = None  # (prompt, completion) as the replica reported it
     cached_tokens: int | None = None  # of the prompt, from its cache, as the replica reported
     streamed_chunks: int = 0  # text chunks relayed (the usage estimate if none is reported)
     first_token_at: float | None = None
     first_token_held: int | None = None  # text chunks the output filter held the first for
     relayed: list[float] = field(default_factory=list)  # when each text chunk went out
-    client_id: str | None = None  # the client's own name for it (x-sendpath-client-id)
-    replica: str | None = None  # the URL it went to (internal: never shown to clients)
-    replica_name: str | None = None  # the name clients see ("replica-0")
-    # why it went there: the route's prediction and where the replica runs (operator view)
-    routing: dict[str, Any] | None = None
-    replica_request_id: str | None = None  # the replica's id for it (its x-request-id)
     response_id: str | None = None
-    replica_arrival: float | None = None  # on this clock (exact on one host, else estimated)
     replica_timings: dict[str, float] = field(default_factory=dict)  # the replica's, in ms
     end: float | None = None  # the last event written
     # (stages, timings) as ``finish`` computed them: the answer's, the trace's, the metrics'
@@ -116,13 +119,6 @@ class GatewayContext:
         end = self.end if self.end is not None else self.clock.now()
         out.append((Stage.STREAM, t - self.start, max(0.0, end - t)))
         return out
-
-    def reported_usage(self, usage: dict[str, Any]) -> None:
-        """The replica's ``usage`` object: token counts, and the prompt's cached tokens."""
-        self.usage = (int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)))
-        details = usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        self.cached_tokens = cached if isinstance(cached, int) else None
 
     def timings_ms(
         self, stages: list[tuple[Stage, float, float]] | None = None

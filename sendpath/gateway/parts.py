@@ -7,6 +7,7 @@ gets the ones it needs when the app is made (``app.py``).
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,11 +24,12 @@ from sendpath.gateway.keys import KeyStore, default_data_dir
 from sendpath.gateway.kv_events import KVEventFollower
 from sendpath.gateway.ledger import UsageLedger
 from sendpath.gateway.metrics import GatewayMetrics
-from sendpath.gateway.proxy import Proxy, ProxyTimeouts
+from sendpath.gateway.proxy import KEEPALIVE_S, Proxy, ProxyTimeouts
 from sendpath.gateway.ratelimit import RateLimiter, make_limiter
 from sendpath.gateway.safety import DEFAULT_RULES, OutputGuard, RulesFilter, SafetyCheck
 from sendpath.gateway.tokens import ReplicaText
 from sendpath.gateway.tracing import GatewayTrace, record
+from sendpath.gateway.upstream import UpstreamClient
 from sendpath.router.kv_index import KVIndex
 from sendpath.router.policy import make_policy
 from sendpath.router.pool import ReplicaPool
@@ -70,18 +72,21 @@ class GatewayParts:
     client: httpx.AsyncClient
     fleet_status: FleetStatus | None
     members: DirectoryFollower | None  # a cluster engine's replicas (None: a fixed pool)
-    traces: TraceStore[GatewayTrace] = field(default_factory=TraceStore)
+    traces: TraceStore[GatewayTrace]  # finished requests', by answer id
     live: TraceStore[GatewayContext] = field(  # in flight, by key and client id
         default_factory=lambda: TraceStore(1024)
     )
     whatif_slot: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
 
-    def done(self, ctx: GatewayContext) -> None:
-        """A request finished: its metrics, and its trace if it has an id."""
-        stages, timings = ctx.final or (ctx.stage_seconds(), None)
-        self.metrics.finished(ctx, stages)
-        if ctx.response_id is not None:
-            self.traces.put(ctx.response_id, record(ctx, stages, timings))
+
+def finished(
+    metrics: GatewayMetrics, traces: TraceStore[GatewayTrace], ctx: GatewayContext
+) -> None:
+    """A request finished: its metrics, and its trace if it has an id."""
+    stages, timings = ctx.final or (ctx.stage_seconds(), None)
+    metrics.finished(ctx, stages)
+    if ctx.response_id is not None:
+        traces.put(ctx.response_id, record(ctx, stages, timings))
 
 
 def build_parts(
@@ -132,11 +137,12 @@ def build_parts(
     )
     checker = safety
     guard = (lambda: OutputGuard(checker)) if checker is not None else None
-    proxy = Proxy(router, guard, timeouts)
-    text = ReplicaText(pool, proxy.client)
-    if precise:
-        proxy.tokenize = text.tokens
-    parts = GatewayParts(
+    client = UpstreamClient(timeouts.connect_s, KEEPALIVE_S)
+    text = ReplicaText(pool, client)
+    traces: TraceStore[GatewayTrace] = TraceStore()
+    done = functools.partial(finished, metrics, traces)
+    proxy = Proxy(router, client, guard, timeouts, done, text.tokens if precise else None)
+    return GatewayParts(
         config=config,
         clock=clock,
         keys=keys,
@@ -153,9 +159,8 @@ def build_parts(
         client=httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=config.connect_timeout_s)),
         fleet_status=fleet_status,
         members=members(router, queue) if members is not None else None,
+        traces=traces,
     )
-    proxy.on_done = parts.done
-    return parts
 
 
 def parts_of(request: Request) -> GatewayParts:

@@ -16,8 +16,11 @@ token within ``first_token_s``, or its health check says its engine is stuck (50
 replica answers). After a timeout or a stuck replica the next replica is tried even past
 the retry window (the wait was the replica's, and each is tried once). A failure the
 request itself caused is never retried: any 4xx, and ``request_failed`` (the engine
-stopped that request alone). One try is ``attempt.Attempt``; after the first token,
-``relay.StreamRelay`` takes over.
+stopped that request alone). One try is ``attempt.Attempt``, which returns what it got
+as plain data; the proxy decides (``verdict``), and after a stream's first token hands it
+to ``relay.StreamRelay``. What the answer brings is recorded in one place,
+``outcome.Outcome``; whole and streamed answers pass the same output filter
+(``output_filter.ChoiceFilter``).
 
 If the client leaves while its request is at a replica (a stream before its first token,
 or a whole answer at any time: a replica sends a whole answer's headers only when it is
@@ -43,18 +46,19 @@ from sendpath.api.prompt import GenerationBody, route_text
 from sendpath.api.schema import DEFAULT_CAP_HEADER, ChatBody, CompletionBody
 from sendpath.api.sse import EventStreamResponse
 from sendpath.errors import SendpathError, ServiceUnavailableError
-from sendpath.gateway.attempt import Attempt, Retry, UpstreamTimeoutError
-from sendpath.gateway.chunks import numbers
+from sendpath.gateway.attempt import Attempt, Exchange, Failed, Gone, Head, Refused, Whole
 from sendpath.gateway.context import GatewayContext, context
+from sendpath.gateway.outcome import Outcome
+from sendpath.gateway.output_filter import ChoiceFilter
+from sendpath.gateway.relay import StreamRelay
 from sendpath.gateway.safety import OutputGuard
 from sendpath.gateway.upstream import UpstreamClient
 from sendpath.gateway.verdict import Verdict, error_code, verdict
-from sendpath.router.pool import Endpoint
 from sendpath.router.route import RouteRequest
 from sendpath.router.router import Router
 from sendpath.trace import server_timing
 
-__all__ = ["Proxy", "ProxyTimeouts", "UpstreamTimeoutError", "route_request"]
+__all__ = ["Proxy", "ProxyTimeouts", "Retry", "UpstreamTimeoutError", "route_request"]
 
 logger = logging.getLogger("sendpath.gateway")
 
@@ -65,12 +69,29 @@ _KNOWN_CODES = frozenset(
 )
 
 
+class UpstreamTimeoutError(SendpathError):
+    """No replica produced a first token in time (HTTP 504)."""
+
+    type = "timeout"
+    code = "upstream_timeout"
+    status_code = 504
+
+
 class UpstreamError(SendpathError):
     """A replica answered with a server error we do not know (HTTP 502)."""
 
     type = "server_error"
     code = "upstream_error"
     status_code = 502
+
+
+@dataclass
+class Retry:
+    """An attempt that did not answer: try another replica, else hand back ``response``
+    (``late``: the replica timed out or got stuck, so try another even past the window)."""
+
+    response: Response | None = None
+    late: bool = False
 
 
 @dataclass(frozen=True)
@@ -117,18 +138,19 @@ class Proxy:
     def __init__(
         self,
         router: Router,
+        client: UpstreamClient,
         guard: Callable[[], OutputGuard] | None,
         timeouts: ProxyTimeouts,
-        on_done: Callable[[GatewayContext], None] = lambda ctx: None,
+        done: Callable[[GatewayContext], None],
+        tokenize: Callable[[GenerationBody], Awaitable[list[int] | None]] | None = None,
     ) -> None:
         self.router = router
-        self.on_done = on_done  # a request finished: record its trace and metrics
-        # a prompt's token ids from a replica, for precise prefix routing (None: not asked)
-        self.tokenize: Callable[[GenerationBody], Awaitable[list[int] | None]] | None = None
+        self.client = client  # pooled (each replica's key goes per request); closed here
         self.guard = guard
         self.timeouts = timeouts
-        # the pooled client (each replica's key goes per request)
-        self.client = UpstreamClient(timeouts.connect_s, KEEPALIVE_S)
+        self.done = done  # a request finished: record its trace and metrics
+        # a prompt's token ids from a replica, for precise prefix routing (None: not asked)
+        self.tokenize = tokenize
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -156,7 +178,13 @@ class Proxy:
             ids = await self.tokenize(ctx.request)  # one /tokenize round trip
             if ids is not None:
                 route = replace(route, token_ids=tuple(ids))
-        deadline = ctx.clock.now() + self.timeouts.retry_deadline_s
+        outcome = Outcome(ctx, self.router, route, self.done)
+        streaming = body.get("stream") is True
+        timeouts = self.timeouts
+        limit = timeouts.first_token_s if streaming else timeouts.whole_answer_s
+        raw = json.dumps(body).encode()
+        path = request.scope["path"]
+        deadline = ctx.clock.now() + timeouts.retry_deadline_s
         tried: set[int] = set()
         fallback: Response | None = None
         late = False
@@ -166,16 +194,11 @@ class Proxy:
                 break
             endpoint, prediction = chosen
             tried.add(endpoint.index)
-            ctx.replica, ctx.replica_name = endpoint.url, endpoint.name
-            ctx.routing = {
-                "policy": self.router.policy.name,
-                **(prediction.to_dict() if prediction is not None else {}),
-                "runs_on": endpoint.where or None,
-            }
+            outcome.tried(endpoint, prediction)
             attempt = Attempt(
-                self, ctx, request, endpoint, body, headers, wants_usage, route, watch
+                self.client, outcome, endpoint, path, raw, headers, streaming, limit, watch
             )
-            answer = await attempt.run()
+            answer = self._answer(outcome, await attempt.run(), watch, wants_usage)
             if not isinstance(answer, Retry):
                 answer.headers["x-sendpath-replica"] = endpoint.name
                 return answer
@@ -188,20 +211,47 @@ class Proxy:
             + "; retry in a moment."
         )
 
-    def refused(
-        self,
-        ctx: GatewayContext,
-        endpoint: Endpoint,
-        status: int,
-        raw: bytes,
-        headers: dict[str, str],
+    def _answer(
+        self, outcome: Outcome, exchange: Exchange, watch: ClientWatch, wants_usage: bool
     ) -> Response | Retry:
+        """What one attempt's exchange means for the request: the client's response, or
+        a retry elsewhere."""
+        match exchange:
+            case Gone():
+                return Response(status_code=499)
+            case Failed(why=why, late=late):
+                outcome.failed(why)
+                return Retry(self._timed_out(outcome, why) if late else None, late)
+            case Refused():
+                return self._refused(outcome, exchange)
+            case Whole(data=data, headers=headers):
+                outcome.started()
+                return self._whole(outcome, data, headers)
+            case Head():
+                outcome.started()
+                ctx = outcome.ctx
+                assert ctx.request is not None
+                relay = StreamRelay(
+                    outcome,
+                    exchange,
+                    ChoiceFilter(self.guard) if self.guard is not None else None,
+                    ctx.request.n,
+                    wants_usage,
+                    self.timeouts.between_tokens_s,
+                )
+                return EventStreamResponse(relay.events(), watch, exchange.headers)
+        raise AssertionError(exchange)
+
+    def _refused(self, outcome: Outcome, refused: Refused) -> Response | Retry:
         """A replica's error answer: final, or a retry elsewhere (``verdict.py``)."""
+        ctx, endpoint = outcome.ctx, outcome.endpoint
+        assert endpoint is not None
+        status, raw, headers = refused.status, refused.raw, refused.headers
         code = error_code(raw)
         judged = verdict(status, code)
         if judged is Verdict.KEY:  # the replica refused the gateway's key: ours to fix
             logger.warning("replica %s refused the gateway's key (HTTP %d)", endpoint.url, status)
-            self.router.failed(endpoint, f"HTTP {status}: the gateway's key was refused")
+            outcome.failed(f"HTTP {status}: the gateway's key was refused")
             error = UpstreamError(
                 f"{endpoint.name} could not be used (it refused the gateway's credentials); "
                 f"the operator should check --replica-api-key (request id {ctx.request_id})."
@@ -218,54 +268,33 @@ class Proxy:
             raw = json.dumps(error_body(error)).encode()
             status = error.status_code
         if judged is Verdict.BROKEN:
-            self.router.failed(endpoint, f"HTTP {status}")
+            outcome.failed(f"HTTP {status}")
         return Retry(Response(raw, status, headers, media_type="application/json"))
 
-    @staticmethod
-    def _check(choice: dict[str, Any], new_guard: Callable[[], OutputGuard]) -> None:
-        """The output filter over one whole choice: its text, and each tool call's
-        arguments on their own. Blocked: the text released before the phrase, no calls,
-        finish_reason ``content_filter``."""
-        message = choice.get("message")
-        text = message.get("content") if isinstance(message, dict) else choice.get("text")
-        released, blocked = "", False
-        if isinstance(text, str):
-            guard = new_guard()
-            released = guard.push(text) + guard.flush()
-            blocked = guard.blocked is not None
-        calls = message.get("tool_calls") if isinstance(message, dict) else None
-        for call in calls if isinstance(calls, list) else []:
-            function = call.get("function") if isinstance(call, dict) else None
-            arguments = function.get("arguments") if isinstance(function, dict) else None
-            if isinstance(arguments, str) and not blocked:
-                guard = new_guard()
-                guard.push(arguments)
-                guard.flush()
-                blocked = guard.blocked is not None
-        if not blocked:
-            return
-        if isinstance(message, dict):
-            message["content"] = released
-            message.pop("tool_calls", None)
-        else:
-            choice["text"] = released
-        choice["finish_reason"] = "content_filter"
-        choice["logprobs"] = None  # they spell out the blocked text
-
-    def answer(
-        self, ctx: GatewayContext, data: dict[str, Any], headers: dict[str, str]
+    def _whole(
+        self, outcome: Outcome, data: dict[str, Any], headers: dict[str, str]
     ) -> JSONResponse:
-        """A whole (non-streamed) answer: usage, the output check, merged timings."""
-        ctx.reported_usage(data.get("usage") or {})
-        for choice in data.get("choices") or []:  # n answers: each checked on its own
-            if self.guard is not None:
-                self._check(choice, self.guard)
-        ctx.response_id = data.get("id")
-        ctx.replica_timings = numbers(data.get("timings"))
-        data["timings"] = ctx.finish()
+        """A whole (non-streamed) answer: recorded, each choice through the output
+        filter, with the stitched timings."""
+        outcome.whole(data)
+        if self.guard is not None:
+            judge = ChoiceFilter(self.guard)
+            for choice in data.get("choices") or []:  # n answers: each judged on its own
+                judge.whole_choice(choice)
+        data["timings"] = outcome.ended()
         headers["Server-Timing"] = server_timing(data["timings"])
-        self.on_done(ctx)
-        return JSONResponse(data, headers=headers)
+        response = JSONResponse(data, headers=headers)
+        outcome.recorded(whole=True)
+        return response
+
+    @staticmethod
+    def _timed_out(outcome: Outcome, why: str) -> Response:
+        assert outcome.endpoint is not None
+        error = UpstreamTimeoutError(
+            f"{outcome.endpoint.name} produced {why}; the fleet may be overloaded. Retry the "
+            f"request (request id {outcome.ctx.request_id})."
+        )
+        return JSONResponse(error_body(error), status_code=error.status_code)
 
 
 def route_request(request: ChatBody | CompletionBody, salt: str | None) -> RouteRequest:

@@ -4,11 +4,13 @@ Events go on as they arrive: what one network read from the replica brought beco
 write to the client (a token at a time when the replica streams them one by one; a burst
 in one write when several are already there; the last write also ends the body).
 
-Text goes through the output guard, which holds back only what could still become a
-blocked phrase; a blocked stream ends with finish_reason ``content_filter`` (the replica
-is disconnected, which aborts the request there). Each choice of an ``n > 1`` answer has
-its own guard (their chunks interleave; a phrase is looked for within one choice), and so
-has each tool call's arguments (the piece that names the function goes on at once).
+Text goes through the output filter (``output_filter.ChoiceFilter``, the one a whole
+answer goes through), which holds back only what could still become a blocked phrase.
+Each choice of an ``n > 1`` answer has its own guard (their chunks interleave; a phrase
+is looked for within one choice), and so has each tool call's arguments (the piece that
+names the function goes on at once). A blocked choice finishes with ``content_filter``
+and the rest of it is dropped; the others go on, as in a whole answer. Once every choice
+is blocked the stream ends (the replica is disconnected, which aborts the request there).
 Several text chunks of a one-choice answer that one read brought are judged as one text
 (one check instead of one per token; they go out in one write anyway), unless that text
 would be blocked: then chunk by chunk, so what came before the phrase still goes out. The
@@ -27,33 +29,29 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from sendpath.api.errors import error_body
 from sendpath.api.sse import data_of, event
 from sendpath.errors import ServiceUnavailableError
+from sendpath.gateway.attempt import Head
 from sendpath.gateway.chunks import (
     Event,
-    SSELines,
     arguments_chunk,
     call_part,
     event_of,
     finished,
-    numbers,
     text_of,
     tool_calls_of,
     with_arguments,
     with_text,
 )
-from sendpath.gateway.context import GatewayContext
-from sendpath.gateway.safety import OutputGuard
-from sendpath.gateway.upstream import UpstreamConnectionError, UpstreamResponse
+from sendpath.gateway.outcome import Outcome
+from sendpath.gateway.output_filter import ChoiceFilter
+from sendpath.gateway.upstream import UpstreamConnectionError
 from sendpath.gateway.verdict import Verdict, event_status, verdict
-from sendpath.router.pool import Endpoint
-from sendpath.router.route import RouteRequest
-from sendpath.router.router import Router
 
 __all__ = ["StreamRelay"]
 
@@ -66,28 +64,25 @@ DRAIN_S = 0.5  # after [DONE], how long the end of the replica's HTTP body may t
 class StreamRelay:
     """One stream's relay; ``events()`` is the body the client reads."""
 
-    ctx: GatewayContext
-    router: Router
-    endpoint: Endpoint
-    route: RouteRequest
-    upstream: UpstreamResponse
-    lines: SSELines
-    head: list[Event]  # up to the first token (``chunks.read_head_events``)
-    # one guard per choice's text and per tool call's arguments, made on its first piece
-    new_guard: Callable[[], OutputGuard] | None
+    outcome: Outcome  # where what the stream brings is recorded
+    head: Head  # the attempt's, up to the first token
+    filter: ChoiceFilter | None  # None: no output filter
+    choices: int  # how many the answer has (``n``)
     wants_usage: bool
     between_tokens_s: float
-    release: Callable[[], None]  # gives the endpoint's in-flight slot back
-    on_done: Callable[[GatewayContext], None]
 
     def __post_init__(self) -> None:
+        self.ctx = self.outcome.ctx
+        self.upstream, self.lines = self.head.upstream, self.head.lines
         self.tail: list[dict[str, Any]] = []  # the finish and usage chunks, held for timings
-        self.guards: dict[tuple[int, int], OutputGuard] = {}  # (choice, call or -1: text)
         self.planned: deque[str] = deque()  # a read's text chunks' parts (``_plan``)
-        self.upstream_timings: dict[str, Any] | None = None
-        self.answer: list[str] = []  # what the replica generated (and now has cached)
         self.done = False  # the replica sent [DONE]
         self.finished = False  # the answer ended (done or blocked): ``_recorded`` records it
+
+    @property
+    def name(self) -> str:
+        endpoint = self.outcome.endpoint
+        return endpoint.name if endpoint is not None else "the replica"
 
     async def events(self) -> AsyncGenerator[tuple[str, bool], None]:
         """The client's body: what each network read from the replica brought, as one
@@ -96,7 +91,7 @@ class StreamRelay:
         out: list[str] = []
         try:
             async for events, bad in self._batches():
-                if self.new_guard is not None:
+                if self.filter is not None:
                     self._plan(events)
                 for payload, chunk in events:
                     if self._on_event(payload, chunk, out):
@@ -105,7 +100,8 @@ class StreamRelay:
                         try:
                             yield last, False
                         finally:  # once it is written: the answer does not wait for this
-                            self._recorded()
+                            if self.finished:
+                                self.outcome.recorded(whole=self.done)
                         # the whole answer: its connection can be reused once the
                         # end of the body is read (nearly always it came with [DONE])
                         if self.done and not self.upstream.content.at_eof():
@@ -124,9 +120,9 @@ class StreamRelay:
             why = "it sent an event that is not JSON"
         finally:
             self.upstream.release()  # to the pool if read whole, else closed (aborts it there)
-            self.release()
-        logger.warning("replica %s broke a stream: %s", self.endpoint.url, why)
-        self.router.failed(self.endpoint, why)
+            self.head.release()
+        logger.warning("%s broke a stream: %s", self.name, why)
+        self.outcome.failed(why)
         # what came before the break, then why
         yield "".join(out) + event(self._broken(why)), False
 
@@ -134,7 +130,7 @@ class StreamRelay:
         """The head with the rest of the read that brought its first token, then the
         events of each further read, each within ``between_tokens_s`` (``_read``)."""
         events, bad = self._read(self.lines.received())
-        yield self.head + events, bad
+        yield self.head.events + events, bad
         while True:
             async with asyncio.timeout(self.between_tokens_s):
                 lines = await self.lines.batch()
@@ -162,9 +158,9 @@ class StreamRelay:
     def _plan(self, events: list[Event]) -> None:
         """One guard's work for a read's text chunks: when everything up to the read's end
         (or ``[DONE]``, or an error event) is one answer's plain text chunks (no other
-        choice, no tool calls), its guard judges their text once (``push_each``) and each
-        chunk takes its part. Else, or when the text would be blocked, each chunk is
-        pushed on its own. The chunks go out in one write either way."""
+        choice, no tool calls), its guard judges their text once (``ChoiceFilter.texts``)
+        and each chunk takes its part. Else, or when the text would be blocked, each
+        chunk is pushed on its own. The chunks go out in one write either way."""
         texts: list[str] = []
         for _, chunk in events:
             if chunk is None or "error" in chunk:
@@ -178,14 +174,8 @@ class StreamRelay:
             text = text_of(choice)
             if text:
                 texts.append(text)
-        if len(texts) > 1:
-            guard = self._guard(0)
-            assert guard is not None
-            self.planned.extend(guard.push_each(texts) or ())
-
-    def _release(self, guard: OutputGuard, text: str) -> str:
-        """What goes out of ``text`` now: its part of the read's plan, else ``push``."""
-        return self.planned.popleft() if self.planned else guard.push(text)
+        if len(texts) > 1 and self.filter is not None and 0 not in self.filter.blocked:
+            self.planned.extend(self.filter.texts(0, texts) or ())
 
     def _on_event(self, payload: str, chunk: dict[str, Any] | None, out: list[str]) -> bool:
         """Add what one upstream event becomes to ``out``; ``True``: the stream ends."""
@@ -200,39 +190,27 @@ class StreamRelay:
             if verdict(event_status(error), code if isinstance(code, str) else None) is not (
                 Verdict.FINAL
             ):
-                self.router.failed(self.endpoint, "an error event mid-stream")
+                self.outcome.failed("an error event mid-stream")
             out.append(event(chunk))
             return True
-        timings = self._note(chunk)
+        timings = self.outcome.noted(chunk)
         choices = chunk.get("choices") or []
         if not choices:  # the usage chunk: held for the end
             self.tail.append(chunk)
             return False
         sent = self._on_choice(chunk, choices[0])
-        if sent is None:  # blocked by the output filter
-            out.extend(self._finish())
-            return True
         for c in sent:  # a chunk that goes on unchanged goes as it came (not re-encoded)
             out.append(f"data: {payload}\n\n" if c is chunk and timings is None else event(c))
+        if self.filter is not None and len(self.filter.blocked) >= self.choices:
+            out.extend(self._finish())  # every choice blocked: nothing more to wait for
+            return True
         return False
 
-    def _note(self, chunk: dict[str, Any]) -> Any:
-        """What the context keeps of a chunk: the answer's id, usage, the replica's
-        timings (taken off the chunk, and returned: the last event carries the stitched
-        ones)."""
-        ctx = self.ctx
-        ctx.response_id = ctx.response_id or chunk.get("id")
-        timings = chunk.pop("timings", None)
-        self.upstream_timings = timings or self.upstream_timings
-        if chunk.get("usage"):
-            ctx.reported_usage(chunk["usage"])
-        return timings
-
-    def _on_choice(
-        self, chunk: dict[str, Any], choice: dict[str, Any]
-    ) -> list[dict[str, Any]] | None:
-        """The chunks to send for one with a choice (``None``: the output filter blocked
-        it, and the tail now says so); its finish is held in the tail."""
+    def _on_choice(self, chunk: dict[str, Any], choice: dict[str, Any]) -> list[dict[str, Any]]:
+        """The chunks to send for one with a choice; its finish is held in the tail."""
+        index = _index(choice)
+        if self.filter is not None and index in self.filter.blocked:
+            return []  # the rest of a blocked choice
         calls = tool_calls_of(choice)
         if calls is not None:
             if len(calls) > 1:
@@ -241,44 +219,43 @@ class StreamRelay:
             if call is not None:
                 return self._on_call(chunk, choice, *call)
         text, reason = text_of(choice), choice.get("finish_reason")
-        guard = self._guard(choice.get("index", 0))
+        judge = self.filter
         out: list[dict[str, Any]] = []
         if text:
-            if choice.get("index", 0) == 0:  # what the router's prefix cache learns
-                self.answer.append(text)
-            self.ctx.streamed_chunks += 1
-            released = self._release(guard, text) if guard is not None else text
-            if guard is not None and guard.blocked is not None:
-                self._block(chunk, released)
-                return None
+            self.outcome.generated(index, text)
+            released = self._release(judge, index, text) if judge is not None else text
+            if judge is not None and index in judge.blocked:
+                return self._block(chunk, released)
             if released == text and reason is None:
                 out.append(chunk)
             elif released:
                 out.append(with_text(chunk, released))
         if reason is not None:
-            rest = guard.flush() if guard is not None else ""
+            rest = judge.rest(index) if judge is not None else ""
             if rest:
                 out.append(with_text(chunk, rest))
-            out += self._flush_calls(chunk, choice.get("index", 0))
+            out += self._flush_calls(chunk, index)
             self.tail.append(finished(chunk, reason) if text else chunk)
         elif not text:
             out.append(chunk)  # the role chunk
-        self._mark_relayed(out, guard is not None)
+        self._mark_relayed(out, judge is not None)
         return out
+
+    def _release(self, judge: ChoiceFilter, index: int, text: str) -> str:
+        """What goes out of ``text`` now: its part of the read's plan, else ``text``."""
+        return self.planned.popleft() if self.planned else judge.text(index, text)
 
     def _on_call(
         self, chunk: dict[str, Any], choice: dict[str, Any], call: int, arguments: str
-    ) -> list[dict[str, Any]] | None:
+    ) -> list[dict[str, Any]]:
         """A piece of a tool call: its arguments go through their own guard (a phrase
         is looked for within one call); the piece that names the function goes on even
         while its arguments are held."""
-        index = choice.get("index", 0)
-        guard = self._guard(index, call)
-        self.ctx.streamed_chunks += 1
-        released = guard.push(arguments) if guard is not None else arguments
-        if guard is not None and guard.blocked is not None:
-            self._block(chunk)
-            return None
+        index, judge = _index(choice), self.filter
+        self.outcome.generated(index, None)
+        released = judge.arguments(index, call, arguments) if judge is not None else arguments
+        if judge is not None and index in judge.blocked:
+            return self._block(chunk)
         named = "id" in choice["delta"]["tool_calls"][0]
         out = []
         if released == arguments:
@@ -288,12 +265,12 @@ class StreamRelay:
         if choice.get("finish_reason") is not None:
             out += self._flush_calls(chunk, index)
             self.tail.append(finished(chunk, choice["finish_reason"]))
-        self._mark_relayed(out, guard is not None)
+        self._mark_relayed(out, judge is not None)
         return out
 
     def _one_call_at_a_time(
         self, chunk: dict[str, Any], choice: dict[str, Any], calls: list[Any]
-    ) -> list[dict[str, Any]] | None:
+    ) -> list[dict[str, Any]]:
         """A delta with several calls (some servers send them so), taken apart so each
         call's arguments pass their own guard: its text, each call, then its finish."""
         text = {"content": choice["delta"]["content"]} if text_of(choice) else None
@@ -304,70 +281,50 @@ class StreamRelay:
             last = i == len(parts) - 1
             part = {**choice, "delta": delta}
             part["finish_reason"] = choice.get("finish_reason") if last else None
-            sent = self._on_choice({**chunk, "choices": [part]}, part)
-            if sent is None:
-                return None
-            out += sent
+            out += self._on_choice({**chunk, "choices": [part]}, part)
         return out
 
-    def _flush_calls(self, chunk: dict[str, Any], index: Any) -> list[dict[str, Any]]:
+    def _flush_calls(self, chunk: dict[str, Any], index: int) -> list[dict[str, Any]]:
         """What the guards of a finishing choice's tool calls still hold."""
-        out = []
-        for (choice, call), guard in self.guards.items():
-            rest = guard.flush() if choice == index and call >= 0 else ""
-            if rest:
-                out.append(arguments_chunk(chunk, choice, call, rest))
-        return out
+        if self.filter is None:
+            return []
+        return [
+            arguments_chunk(chunk, index, call, rest)
+            for call, rest in self.filter.call_rests(index)
+        ]
 
-    def _block(self, chunk: dict[str, Any], released: str = "") -> None:
-        """End the answer with ``content_filter`` (and usage, estimated, if asked for),
-        after ``released``: the text before where the phrase could start, which the push
-        that blocked it gave back."""
-        head = [with_text(chunk, released)] if released else []
-        self._mark_relayed(head, True)
-        self.tail[:] = [*head, finished(chunk, "content_filter")]
-        if self.wants_usage and self.ctx.usage is None:
+    def _block(self, chunk: dict[str, Any], released: str = "") -> list[dict[str, Any]]:
+        """The choice is blocked: ``released`` (the text before where the phrase could
+        start, which the push that blocked it gave back) goes out now, its finish
+        (``content_filter``) is held with the others; the last choice blocked, the usage
+        too (estimated, if the client asked for it and the replica has not sent it)."""
+        out = [with_text(chunk, released)] if released else []
+        self._mark_relayed(out, True)
+        self.tail.append(finished(chunk, "content_filter"))
+        assert self.filter is not None
+        if (
+            len(self.filter.blocked) >= self.choices
+            and self.wants_usage
+            and not any("usage" in c for c in self.tail)
+        ):
             self.tail.append(self._estimated_usage(chunk))
+        return out
 
     def _mark_relayed(self, sent: list[dict[str, Any]], guarded: bool) -> None:
         """When each text chunk goes out (the first: the client's first token)."""
-        ctx = self.ctx
         for c in sent:
             if text_of(c["choices"][0]) or call_part(c["choices"][0]) is not None:
-                ctx.relayed.append(ctx.clock.now())
-                if ctx.first_token_at is None:
-                    ctx.first_token_at = ctx.relayed[-1]
-                    if guarded:
-                        ctx.first_token_held = ctx.streamed_chunks - 1
-
-    def _guard(self, index: Any, call: int = -1) -> OutputGuard | None:
-        """The guard of choice ``index``'s text (``call`` -1) or of one of its calls."""
-        if self.new_guard is None:
-            return None
-        key = (index if isinstance(index, int) else 0, call)
-        if key not in self.guards:
-            self.guards[key] = self.new_guard()
-        return self.guards[key]
+                self.outcome.relayed(guarded)
 
     def _finish(self) -> list[str]:
-        ctx = self.ctx
         events = [c for c in self.tail if c.get("choices") or self.wants_usage]
-        ctx.replica_timings = numbers(self.upstream_timings)
-        timings = ctx.finish()
+        timings = self.outcome.ended()
         if events:
             events[-1]["timings"] = timings
-            if ctx.first_token_held is not None:
-                events[-1]["first_token_held"] = ctx.first_token_held
+            if self.ctx.first_token_held is not None:
+                events[-1]["first_token_held"] = self.ctx.first_token_held
         self.finished = True
         return [event(c) for c in events] + ["data: [DONE]\n\n"]
-
-    def _recorded(self) -> None:
-        """After the last write of an answer that ended: the router learns the answer (now
-        in the replica's prefix cache too), and its metrics and trace are recorded."""
-        if self.done:
-            self.router.answered(self.route, self.endpoint, "".join(self.answer))
-        if self.finished:
-            self.on_done(self.ctx)
 
     def _estimated_usage(self, chunk: dict[str, Any]) -> dict[str, Any]:
         prompt, completion = self.ctx.prompt_tokens, self.ctx.streamed_chunks
@@ -381,7 +338,12 @@ class StreamRelay:
     def _broken(self, why: str) -> dict[str, Any]:
         return error_body(
             ServiceUnavailableError(
-                f"{self.endpoint.name} failed mid-stream ({why}); the answer is incomplete. "
+                f"{self.name} failed mid-stream ({why}); the answer is incomplete. "
                 f"Retry the request (request id {self.ctx.request_id})."
             )
         )
+
+
+def _index(choice: dict[str, Any]) -> int:
+    index = choice.get("index", 0)
+    return index if isinstance(index, int) else 0

@@ -132,3 +132,23 @@ def test_the_output_filter_blocks_both_shapes_alike(replica: Server, tmp_path: P
     assert a["choices"] == b["choices"]  # the same text kept, to the character
     # usage differs for now: the whole answer's is the replica's (every token it made),
     # the blocked stream's the gateway's estimate at the cut (its replica request aborted)
+
+
+def test_a_blocked_choice_of_several_is_cut_alike_in_both_shapes(
+    replica: Server, tmp_path: Path
+) -> None:
+    body = {**CHAT, "max_tokens": 12, "n": 2, "seed": 5, "temperature": 1.0}
+    with gateway(replica, tmp_path / "open", safety=RulesFilter({})) as gw:
+        texts = [c["content"] for c in whole(gw, gw.key("a"), body)["choices"]]
+    phrase = next(
+        texts[1][i : i + 4] for i in range(len(texts[1]) - 4) if texts[1][i : i + 4] not in texts[0]
+    )  # in the second answer only
+    rules = RulesFilter({"test_phrase": [regex.escape(phrase)]})
+    with gateway(replica, tmp_path / "guarded", safety=rules) as gw:
+        secret = gw.key("a")
+        a, b = whole(gw, secret, body), streamed(gw, secret, body)
+    for shape in (a, b):
+        first, second = shape["choices"]
+        assert first["content"] == texts[0] and first["finish_reason"] == "length"
+        assert second["finish_reason"] == "content_filter" and phrase not in second["content"]
+    assert a == b  # the other choice goes on to its end; usage is the replica's in both

@@ -9,8 +9,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from sendpath.clock import SettableClock
+from sendpath.gateway.attempt import Head
 from sendpath.gateway.chunks import SSELines, read_head_events
 from sendpath.gateway.context import GatewayContext
+from sendpath.gateway.outcome import Outcome
+from sendpath.gateway.output_filter import ChoiceFilter
 from sendpath.gateway.relay import StreamRelay
 from sendpath.gateway.safety import OutputGuard, RulesFilter
 
@@ -62,12 +65,11 @@ def relay(*reads: str) -> list[tuple[str, bool]]:
                 yield part.encode()
 
         lines = SSELines(parts())
-        head = await read_head_events(lines)
+        head = Head(await read_head_events(lines), Upstream(), lines, {}, lambda: None)  # type: ignore[arg-type]
         router = Router()
-        r = StreamRelay(
-            GatewayContext(SettableClock(), 0.0), router, Endpoint(), None, Upstream(),  # type: ignore[arg-type]
-            lines, head, lambda: OutputGuard(RULES), False, 60.0, lambda: None, lambda ctx: None,
-        )  # fmt: skip
+        outcome = Outcome(GatewayContext(SettableClock(), 0.0), router, None, lambda ctx: None)  # type: ignore[arg-type]
+        outcome.endpoint = Endpoint()  # type: ignore[assignment]
+        r = StreamRelay(outcome, head, ChoiceFilter(lambda: OutputGuard(RULES)), 1, False, 60.0)
         out = [write async for write in r.events()]
         assert router.failures == []
         return out
