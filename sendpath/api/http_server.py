@@ -214,6 +214,7 @@ def run(
     ``listening`` runs once the port is bound: a connection made after it waits in the
     backlog until the app is up, never refused."""
     config = uvicorn_config(app, host, port, limits, **options)
-    sock = config.bind_socket()
+    sock = config.bind_socket()  # bound only: a connection now would be refused
+    sock.listen(config.backlog)  # (uvicorn listens once the app is up; this is earlier)
     listening()
     uvicorn.Server(config).run(sockets=[sock])

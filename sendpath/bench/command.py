@@ -65,7 +65,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--model", default=None, help="default: the first of GET /v1/models")
     p.add_argument("--scenario", choices=list(SCENARIOS), default=None)
-    p.add_argument("--dataset", choices=DATASETS, default=None, help="default: random")
+    p.add_argument(
+        "--dataset", choices=DATASETS, default=None, help=f"default: {DEFAULTS['dataset']}"
+    )
     p.add_argument("--concurrency", type=int, default=None, help="requests in flight (cap)")
     p.add_argument(
         "--rate",
@@ -77,10 +79,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "--num-requests",
         type=int,
         default=None,
-        help="default: 100 (--scenario overloaded: sized from the probe)",
+        help=f"default: {DEFAULTS['num_requests']} (--scenario overloaded: sized from the probe)",
     )
-    p.add_argument("--input-len", default=None, help="tokens: N or LOW-HIGH (default 128)")
-    p.add_argument("--output-len", default=None, help="tokens: N or LOW-HIGH (default 128)")
+    for side in ("input", "output"):
+        default = DEFAULTS[f"{side}_len"]
+        p.add_argument(f"--{side}-len", default=None, help=f"tokens: N or LOW-HIGH ({default})")
     p.add_argument("--turns", type=int, default=4, help="turns per shared-prefix conversation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

@@ -75,16 +75,20 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
         "--pattern",
         choices=PATTERNS,
         default=None,
-        help="arrivals: poisson (default), bursty, or diurnal (a day's rise and fall)",
+        help="arrivals: poisson, bursty, or diurnal (a day's rise and fall); default: the "
+        f"scenario's ({QUIET.pattern})",
     )
     p.add_argument(
-        "--period", type=float, default=None, help="diurnal: seconds in one day (default 86400)"
+        "--period",
+        type=float,
+        default=None,
+        help=f"diurnal: seconds in one day (default {QUIET.period_s:g})",
     )
     p.add_argument(
         "--peak-ratio",
         type=float,
         default=None,
-        help="diurnal: busiest rate / quietest rate (default 4)",
+        help=f"diurnal: busiest rate / quietest rate (default {QUIET.peak_ratio:g})",
     )
     p.add_argument("--tenants", type=int, default=None, help="API keys sharing the traffic")
     p.add_argument(
@@ -142,6 +146,9 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
         metavar="FILE.png",
         help="stage chart (needs the plot extra: pip install 'sendpath[plot]')",
     )
+
+
+QUIET = SCENARIOS["quiet"].traffic  # what a run without --scenario starts from
 
 
 def build_run(args: argparse.Namespace) -> Run:
