@@ -219,6 +219,7 @@ class ReplicaConfig:
     connection: ConnectionLimits = ConnectionLimits()
     stuck_step_s: float = 120.0
     kv_events: KVEventsConfig = KVEventsConfig()
+    otlp_traces_endpoint: str | None = None  # spans' collector (also the OTEL_* environment)
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -280,6 +281,7 @@ class GatewayConfig:
     # a Ray cluster whose sendpath replicas join the pool as they come and go (`--ray`;
     # "auto": the one on this machine); they get ``replica_api_key``
     ray_address: str | None = None
+    otlp_traces_endpoint: str | None = None  # spans' collector (also the OTEL_* environment)
 
     def __post_init__(self) -> None:
         if len(self.replica_keys) > len(self.replicas):

@@ -31,6 +31,12 @@ EXTRAS: dict[str, Extra] = {
     "redis": Extra("redis", ("redis",), "--redis"),
     "kv-events": Extra("kv-events", ("zmq", "msgpack"), "--kv-events-config", "pyzmq and msgpack"),
     "ray": Extra("ray", ("ray.serve",), "--ray", "Ray Serve"),
+    "otel": Extra(
+        "otel",
+        ("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.http.trace_exporter"),
+        "--otlp-traces-endpoint",
+        "the OpenTelemetry SDK and its OTLP/HTTP exporter",
+    ),
 }
 
 

@@ -89,13 +89,18 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     if args.redis:
         require("redis")
+    if args.otlp_traces_endpoint is not None:
+        require("otel")
     log_setup()
     # only this gateway can use the local replicas: their key is given, or made here
     replica_key = replica_api_key(args) or secrets.token_urlsafe(32)
     try:
         events = kv_events_config(args)
-        fleet = LocalFleet(args.replicas, engine_argv(args), replica_key, events)
         gateway_config(args, ["http://placeholder"])  # check the flags before starting anything
+        argv = engine_argv(args)
+        if args.otlp_traces_endpoint is not None:  # the replicas' spans go there too
+            argv += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
+        fleet = LocalFleet(args.replicas, argv, replica_key, events)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

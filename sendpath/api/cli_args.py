@@ -10,7 +10,14 @@ from types import FrameType
 
 from sendpath.config import ConnectionLimits
 
-__all__ = ["add_connection_args", "connection_limits", "ignore", "interrupt", "log_setup"]
+__all__ = [
+    "add_connection_args",
+    "add_tracing_args",
+    "connection_limits",
+    "ignore",
+    "interrupt",
+    "log_setup",
+]
 
 DEFAULTS = ConnectionLimits()  # the flags' defaults are the config's own
 
@@ -19,6 +26,18 @@ def log_setup() -> None:
     """Log lines as ``name: message`` at INFO (httpx's per-request lines left out)."""
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request
+
+
+def add_tracing_args(p: argparse.ArgumentParser) -> None:
+    """Where the server's OpenTelemetry spans go (vLLM's flag; docs/observability.md)."""
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="send each request's spans to this OTLP/HTTP collector, e.g. "
+        "http://127.0.0.1:4318/v1/traces (default: off, unless OTEL_EXPORTER_OTLP_"
+        "[TRACES_]ENDPOINT is set; needs the otel extra: pip install 'sendpath[otel]')",
+    )
 
 
 def add_connection_args(p: argparse.ArgumentParser) -> None:

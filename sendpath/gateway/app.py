@@ -49,6 +49,7 @@ from sendpath.gateway.middleware import (
 from sendpath.gateway.parts import FleetStatus, GatewayParts, Members, build_parts, key_store
 from sendpath.gateway.ratelimit import RateLimiter
 from sendpath.gateway.safety import SafetyCheck
+from sendpath.telemetry.export import Tracing
 
 __all__ = [
     "CONFIG_ENV",
@@ -99,10 +100,13 @@ def create_gateway_app(
     safety: SafetyCheck | None = None,
     fleet_status: FleetStatus | None = None,
     members: Members | None = None,
+    tracing: Tracing | None = None,
 ) -> GatewayApp:
-    """The gateway app; ``limiter``, ``safety`` and ``members`` override what the config
-    would build."""
-    parts = build_parts(config, clock or RealClock(), limiter, safety, fleet_status, members)
+    """The gateway app; ``limiter``, ``safety``, ``members`` and ``tracing`` override what
+    the config would build."""
+    parts = build_parts(
+        config, clock or RealClock(), limiter, safety, fleet_status, members, tracing
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -121,6 +125,8 @@ def create_gateway_app(
             await parts.ledger.flush()
             await parts.proxy.aclose()
             await parts.client.aclose()
+            if parts.tracing is not None:
+                await asyncio.to_thread(parts.tracing.shutdown)
 
     app = GatewayApp(title="sendpath gateway", lifespan=lifespan)
     app.state.parts = parts
@@ -161,7 +167,8 @@ def middleware_stack(inner: ASGIApp, parts: GatewayParts) -> ASGIApp:
         per_key_salt=config.prefix_cache_isolation == "per-key",
         live=parts.live,
     )
-    app = TraceMiddleware(app, clock=parts.clock, on_status=parts.metrics.responded)
+    traced = parts.tracing is not None
+    app = TraceMiddleware(app, parts.clock, parts.metrics.responded, parts.ended, traced)
     app = RequestIdMiddleware(app)
     return InternalErrorMiddleware(app)
 

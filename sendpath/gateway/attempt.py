@@ -186,7 +186,9 @@ class Attempt:
         headers = {**self.headers, **endpoint.headers, "content-type": "application/json"}
         url = endpoint.url + self.path
         self.upstream = upstream = await self.client.post(url, self.body, headers, written)
-        self.outcome.reached(upstream.headers, _arrival(upstream.headers, t0, clock.now(), sent))
+        self.outcome.reached(
+            upstream.status, upstream.headers, _arrival(upstream.headers, t0, clock.now(), sent)
+        )
         passed = {k: v for k, v in upstream.headers.items() if k in PASS_HEADERS}
         if upstream.status != 200:
             return Refused(upstream.status, await upstream.read(), passed)

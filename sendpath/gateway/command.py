@@ -11,9 +11,15 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from sendpath.api.cli_args import add_connection_args, connection_limits, log_setup
+from sendpath.api.cli_args import (
+    add_connection_args,
+    add_tracing_args,
+    connection_limits,
+    log_setup,
+)
 from sendpath.config import GatewayConfig
 from sendpath.extras import require
+from sendpath.telemetry.export import traces_endpoint
 
 DEFAULTS = GatewayConfig()  # every flag's default is the config's own (one place for each)
 
@@ -162,6 +168,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         help="seconds a replica may take to a whole non-streamed answer (%(default)g)",
     )  # fmt: skip
     add_connection_args(p)
+    add_tracing_args(p)
 
 
 def replica_api_key(args: argparse.Namespace) -> str | None:
@@ -202,6 +209,7 @@ def gateway_config(
         replica_api_key=outside,
         replica_keys=keys,
         connection=connection_limits(args),
+        otlp_traces_endpoint=traces_endpoint(args.otlp_traces_endpoint),
     )
 
 
@@ -238,6 +246,8 @@ def run_gateway(args: argparse.Namespace) -> int:
 
     if args.redis:
         require("redis")
+    if args.otlp_traces_endpoint is not None:
+        require("otel")
     if args.ray is not None:
         require("ray")
     elif not args.replica:

@@ -17,9 +17,11 @@ from sendpath.api.prompt import GenerationBody
 from sendpath.api.schema import ChatBody
 from sendpath.clock import Clock
 from sendpath.gateway.keys import ApiKey
+from sendpath.telemetry.trace_context import TraceParent
 from sendpath.trace import Stage
 
 __all__ = [
+    "AttemptRecord",
     "GatewayContext",
     "GenerationBody",
     "context",
@@ -36,6 +38,19 @@ GATEWAY_STAGES = (
 )
 # The replica's stages in the order they happen there (it tokenizes before queueing).
 REPLICA_STAGES = (Stage.TOKENIZE, Stage.ENGINE_QUEUE, Stage.PREFILL, Stage.DECODE)
+
+
+@dataclass
+class AttemptRecord:
+    """One try on one replica, as the trace shows it."""
+
+    replica: str  # its name
+    url: str  # internal: operators see it, clients never do
+    start: float
+    span_id: int  # the traceparent it was sent (0: tracing off)
+    end: float | None = None
+    status: int | None = None  # the replica's HTTP status
+    error: str | None = None  # why it counted against the replica
 
 
 @dataclass
@@ -60,6 +75,8 @@ class GatewayContext:
     prompt_tokens: int = 0  # the estimate reserved at admission
     default_max_tokens: int | None = None  # the cap sent upstream for a request without one
     client_id: str | None = None  # the client's own name for it (x-sendpath-client-id)
+    trace: TraceParent | None = None  # its span in the caller's trace (None: tracing off)
+    parent_span_id: int | None = None  # the caller's span, from its traceparent
     # The answer side, written by ``outcome.Outcome`` alone.
     replica: str | None = None  # the URL it went to (internal: never shown to clients)
     replica_name: str | None = None  # the name clients see ("replica-0")
@@ -68,6 +85,7 @@ class GatewayContext:
     reached_replica: bool = False  # a replica answered it (any status): it cost something
     replica_request_id: str | None = None  # the replica's id for it (its x-request-id)
     replica_arrival: float | None = None  # on this clock (exact on one host, else estimated)
+    attempts: list[AttemptRecord] = field(default_factory=list)
     usage: tuple[int, int] | None = None  # (prompt, completion) as the replica reported it
     cached_tokens: int | None = None  # of the prompt, from its cache, as the replica reported
     streamed_chunks: int = 0  # text chunks relayed (the usage estimate if none is reported)
@@ -75,6 +93,8 @@ class GatewayContext:
     first_token_held: int | None = None  # text chunks the output filter held the first for
     relayed: list[float] = field(default_factory=list)  # when each text chunk went out
     response_id: str | None = None
+    finish_reasons: list[str] = field(default_factory=list)  # each choice's, as sent on
+    error_type: str | None = None  # why an answer that had started did not end well
     replica_timings: dict[str, float] = field(default_factory=dict)  # the replica's, in ms
     end: float | None = None  # the last event written
     # (stages, timings) as ``finish`` computed them: the answer's, the trace's, the metrics'

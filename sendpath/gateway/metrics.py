@@ -11,6 +11,7 @@ from prometheus_client.registry import Collector
 
 from sendpath.gateway.context import GatewayContext
 from sendpath.router.pool import ReplicaPool
+from sendpath.telemetry.genai_metrics import GenAIMetrics
 from sendpath.trace import Stage
 
 __all__ = ["GatewayMetrics"]
@@ -75,6 +76,7 @@ class GatewayMetrics:
             "Calls to the shared rate-limit store (Redis) that failed.",
             registry=self.registry,
         )
+        self.genai = GenAIMetrics(self.registry)  # the GenAI conventions' server metrics
         self.registry.register(_PoolCollector(pool))
         self._by_stage: dict[Stage, Histogram] = {}  # each label's child, looked up once
         self._by_code: dict[int, Counter] = {}

@@ -31,6 +31,8 @@ from sendpath.errors import AuthenticationError, RequestTooLargeError, SendpathE
 from sendpath.gateway.admission import AdmissionQueue
 from sendpath.gateway.context import SCOPE_KEY, GatewayContext, GenerationBody, context
 from sendpath.gateway.keys import PREFIX, KeyStore
+from sendpath.telemetry.genai import operation_of
+from sendpath.telemetry.trace_context import TraceParent
 from sendpath.trace import Stage, TraceStore
 
 __all__ = [
@@ -83,15 +85,21 @@ async def shielded(coro: Any) -> None:
 
 class TraceMiddleware:
     """Gives every HTTP request a ``GatewayContext`` with its arrival time, and reports
-    each response's status code (``on_status``) for the metrics and the context."""
+    each response's status code (``on_status``) for the metrics and the context. A
+    generation request is reported again once its response has ended (``on_end``, with
+    its GenAI operation); with ``traced``, it continues the caller's ``traceparent`` (or
+    starts a trace) first."""
 
     def __init__(
         self,
         app: ASGIApp,
         clock: Clock,
         on_status: Callable[[int], None] = lambda code: None,
+        on_end: Callable[[GatewayContext, str], None] = lambda ctx, operation: None,
+        traced: bool = False,
     ) -> None:
         self.app, self.clock, self.on_status = app, clock, on_status
+        self.on_end, self.traced = on_end, traced
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -99,6 +107,12 @@ class TraceMiddleware:
             return
         ctx = GatewayContext(self.clock, self.clock.now(), request_id=request_id(scope))
         scope.setdefault("state", {})[SCOPE_KEY] = ctx
+        operation = operation_of(scope["path"])
+        if operation is not None and self.traced:
+            given = dict(scope["headers"]).get(b"traceparent")
+            parent = TraceParent.parse(given.decode("latin-1") if given else None)
+            ctx.trace = TraceParent.child_of(parent)
+            ctx.parent_span_id = parent.span_id if parent is not None else None
 
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -106,7 +120,11 @@ class TraceMiddleware:
                 self.on_status(ctx.status)
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            if operation is not None:
+                self.on_end(ctx, operation)
 
 
 class AuthMiddleware:

@@ -15,10 +15,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from sendpath.gateway.chunks import answer_text, numbers
-from sendpath.gateway.context import GatewayContext
+from sendpath.gateway.context import AttemptRecord, GatewayContext
 from sendpath.router.pool import Endpoint
 from sendpath.router.route import Prediction, RouteRequest
 from sendpath.router.router import Router
+from sendpath.telemetry.trace_context import TraceParent
 
 __all__ = ["Outcome"]
 
@@ -38,9 +39,17 @@ class Outcome:
         self.answer: list[str] = []  # choice 0's text: what the router's prefix cache learns
         self._replica_timings: Any = None  # the replica's, off the last chunk that had them
 
-    def tried(self, endpoint: Endpoint, prediction: Prediction | None) -> None:
-        """The router chose ``endpoint`` for the next attempt."""
+    def tried(self, endpoint: Endpoint, prediction: Prediction | None) -> dict[str, str]:
+        """The router chose ``endpoint`` for the next attempt; the headers that carry the
+        attempt's place in the trace (a ``traceparent``, if the request is traced)."""
         ctx = self.ctx
+        now = ctx.clock.now()
+        if ctx.attempts and ctx.attempts[-1].end is None:
+            ctx.attempts[-1].end = now
+        traced = TraceParent.child_of(ctx.trace) if ctx.trace is not None else None
+        ctx.attempts.append(
+            AttemptRecord(endpoint.name, endpoint.url, now, traced.span_id if traced else 0)
+        )
         self.endpoint = endpoint
         ctx.replica, ctx.replica_name = endpoint.url, endpoint.name
         ctx.routing = {
@@ -48,11 +57,14 @@ class Outcome:
             **(prediction.to_dict() if prediction is not None else {}),
             "runs_on": endpoint.where or None,
         }
+        return {"traceparent": traced.header()} if traced is not None else {}
 
-    def reached(self, headers: Mapping[str, str], arrival: float) -> None:
-        """The replica answered (any status) with ``headers``; it got the request at
+    def reached(self, status: int, headers: Mapping[str, str], arrival: float) -> None:
+        """The replica answered (``status``) with ``headers``; it got the request at
         ``arrival`` on the context's clock."""
         ctx = self.ctx
+        if ctx.attempts:
+            ctx.attempts[-1].status = status
         ctx.reached_replica = True
         ctx.replica_arrival = arrival
         ctx.replica_request_id = headers.get("x-request-id")
@@ -60,7 +72,17 @@ class Outcome:
     def failed(self, why: str) -> None:
         """The replica let this request down, in a way that counts against it."""
         assert self.endpoint is not None
+        attempts = self.ctx.attempts
+        if attempts and attempts[-1].error is None:
+            attempts[-1].error = why
         self.router.failed(self.endpoint, why)
+
+    def cut(self, error_type: str, why: str | None) -> None:
+        """A stream that had started ended without its answer (``error_type``); ``why``:
+        it counts against the replica (``None``: the request's own fault)."""
+        self.ctx.error_type = error_type
+        if why is not None:
+            self.failed(why)
 
     def started(self) -> None:
         """The replica answered: its first token, or its whole answer, is here."""
@@ -108,10 +130,16 @@ class Outcome:
             if guarded:
                 ctx.first_token_held = ctx.streamed_chunks - 1
 
-    def ended(self) -> dict[str, float]:
-        """The answer ends now: the stitched timings it carries."""
-        self.ctx.replica_timings = numbers(self._replica_timings)
-        return self.ctx.finish()
+    def ended(self, finish_reasons: list[str]) -> dict[str, float]:
+        """The answer ends now, its choices finished so (as sent on): the stitched
+        timings it carries."""
+        ctx = self.ctx
+        ctx.finish_reasons = finish_reasons
+        ctx.replica_timings = numbers(self._replica_timings)
+        timings = ctx.finish()
+        if ctx.attempts:
+            ctx.attempts[-1].end = ctx.end
+        return timings
 
     def recorded(self, whole: bool) -> None:
         """After the answer's last write: the router learns it if the replica gave it

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ from sendpath.gateway.metrics import GatewayMetrics
 from sendpath.gateway.proxy import KEEPALIVE_S, Proxy, ProxyTimeouts
 from sendpath.gateway.ratelimit import RateLimiter, make_limiter
 from sendpath.gateway.safety import DEFAULT_RULES, OutputGuard, RulesFilter, SafetyCheck
+from sendpath.gateway.spans import gateway_span, span_error
 from sendpath.gateway.tokens import ReplicaText
 from sendpath.gateway.tracing import GatewayTrace, record
 from sendpath.gateway.upstream import UpstreamClient
@@ -34,12 +36,15 @@ from sendpath.router.kv_index import KVIndex
 from sendpath.router.policy import make_policy
 from sendpath.router.pool import ReplicaPool
 from sendpath.router.router import Router
+from sendpath.telemetry.export import Tracing
 from sendpath.trace import TraceStore
 
 if TYPE_CHECKING:
     from sendpath.cluster.members import DirectoryFollower
 
 __all__ = ["FleetStatus", "GatewayParts", "build_parts", "key_store", "parts_of"]
+
+logger = logging.getLogger("sendpath.gateway")
 
 # The processes behind the replicas, by URL, when `sendpath serve` started them
 FleetStatus = Callable[[], dict[str, dict[str, Any]]]
@@ -72,11 +77,44 @@ class GatewayParts:
     client: httpx.AsyncClient
     fleet_status: FleetStatus | None
     members: DirectoryFollower | None  # a cluster engine's replicas (None: a fixed pool)
+    tracing: Tracing | None  # where requests' spans go (None: tracing off)
     traces: TraceStore[GatewayTrace]  # finished requests', by answer id
     live: TraceStore[GatewayContext] = field(  # in flight, by key and client id
         default_factory=lambda: TraceStore(1024)
     )
     whatif_slot: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
+
+    def ended(self, ctx: GatewayContext, operation: str) -> None:
+        """A generation request's response ended (answered or refused): the GenAI
+        metrics, and its spans if tracing is on."""
+        end = ctx.end if ctx.end is not None else self.clock.now()
+        model = ctx.body.get("model") if ctx.body is not None and ctx.response_id else None
+        self.metrics.genai.observe(
+            operation,
+            model if isinstance(model, str) else "",  # only an answered request's: a
+            end - ctx.start,  # refused one could name anything
+            span_error(ctx),
+            _ttft(ctx),
+            ctx.usage[1] if ctx.usage is not None else ctx.streamed_chunks,
+        )
+        if self.tracing is None or ctx.trace is None:
+            return
+        try:
+            span = gateway_span(ctx, operation, end)
+            self.tracing.emit(span, ctx.trace, ctx.parent_span_id, self.clock)
+        except Exception:  # a trace is never worth a request
+            logger.exception("request %s: its spans could not be exported", ctx.request_id)
+
+
+def _ttft(ctx: GatewayContext) -> float | None:
+    """Seconds from arrival here to the first token: sent on (a stream), or made at the
+    replica (a whole answer: its arrival there plus its own time to the first token)."""
+    if ctx.first_token_at is not None:
+        return ctx.first_token_at - ctx.start
+    ttft = ctx.replica_timings.get("ttft")
+    if ttft is None or ctx.replica_arrival is None:
+        return None
+    return ctx.replica_arrival - ctx.start + ttft / 1000
 
 
 def finished(
@@ -96,10 +134,11 @@ def build_parts(
     safety: SafetyCheck | None,
     fleet_status: FleetStatus | None,
     members: Members | None = None,
+    tracing: Tracing | None = None,
 ) -> GatewayParts:
-    """The parts for ``config``; ``limiter``, ``safety`` and ``members`` override what it
-    would build (``members``: what follows a cluster's replicas; by default the Ray
-    cluster at ``config.ray_address``, if any)."""
+    """The parts for ``config``; ``limiter``, ``safety``, ``members`` and ``tracing``
+    override what it would build (``members``: what follows a cluster's replicas; by
+    default the Ray cluster at ``config.ray_address``, if any)."""
     keys = key_store(config)
     if members is None and config.ray_address is not None:
         from sendpath.cluster.members import ray_members
@@ -160,6 +199,7 @@ def build_parts(
         fleet_status=fleet_status,
         members=members(router, queue) if members is not None else None,
         traces=traces,
+        tracing=tracing or Tracing.configured(config.otlp_traces_endpoint, "sendpath-gateway"),
     )
 
 

@@ -194,9 +194,17 @@ class Proxy:
                 break
             endpoint, prediction = chosen
             tried.add(endpoint.index)
-            outcome.tried(endpoint, prediction)
+            traced = outcome.tried(endpoint, prediction)
             attempt = Attempt(
-                self.client, outcome, endpoint, path, raw, headers, streaming, limit, watch
+                self.client,
+                outcome,
+                endpoint,
+                path,
+                raw,
+                {**headers, **traced} if traced else headers,
+                streaming,
+                limit,
+                watch,
             )
             answer = self._answer(outcome, await attempt.run(), watch, wants_usage)
             if not isinstance(answer, Retry):
@@ -281,7 +289,8 @@ class Proxy:
             judge = ChoiceFilter(self.guard)
             for choice in data.get("choices") or []:  # n answers: each judged on its own
                 judge.whole_choice(choice)
-        data["timings"] = outcome.ended()
+        reasons = [c.get("finish_reason") for c in data.get("choices") or []]
+        data["timings"] = outcome.ended([r for r in reasons if isinstance(r, str)])
         headers["Server-Timing"] = server_timing(data["timings"])
         response = JSONResponse(data, headers=headers)
         outcome.recorded(whole=True)

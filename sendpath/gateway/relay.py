@@ -122,7 +122,7 @@ class StreamRelay:
             self.upstream.release()  # to the pool if read whole, else closed (aborts it there)
             self.head.release()
         logger.warning("%s broke a stream: %s", self.name, why)
-        self.outcome.failed(why)
+        self.outcome.cut("stream_broken", why)
         # what came before the break, then why
         yield "".join(out) + event(self._broken(why)), False
 
@@ -187,10 +187,9 @@ class StreamRelay:
             error = chunk["error"] if isinstance(chunk["error"], dict) else {}
             code = error.get("code")
             # too late to retry: whatever is not the request's own fault counts against it
-            if verdict(event_status(error), code if isinstance(code, str) else None) is not (
-                Verdict.FINAL
-            ):
-                self.outcome.failed("an error event mid-stream")
+            code = code if isinstance(code, str) else None
+            final = verdict(event_status(error), code) is Verdict.FINAL
+            self.outcome.cut(code or "error_event", None if final else "an error event mid-stream")
             out.append(event(chunk))
             return True
         timings = self.outcome.noted(chunk)
@@ -318,7 +317,9 @@ class StreamRelay:
 
     def _finish(self) -> list[str]:
         events = [c for c in self.tail if c.get("choices") or self.wants_usage]
-        timings = self.outcome.ended()
+        ends = sorted((c["choices"][0] for c in self.tail if c.get("choices")), key=_index)
+        reasons = [choice.get("finish_reason") for choice in ends]
+        timings = self.outcome.ended([r for r in reasons if isinstance(r, str)])
         if events:
             events[-1]["timings"] = timings
             if self.ctx.first_token_held is not None:

@@ -31,6 +31,7 @@ from sendpath.engine.async_engine import AsyncEngine
 from sendpath.errors import AuthenticationError
 from sendpath.server import routes_generate, routes_status, routes_tokens
 from sendpath.server.replica import Replica, served_name
+from sendpath.telemetry.export import Tracing
 
 __all__ = ["Replica", "create_app", "served_name"]  # the first and last from replica.py
 
@@ -63,9 +64,11 @@ def create_app(
     config: ReplicaConfig,
     engine: AsyncEngine | None = None,
     on_engine_failure: Callable[[], None] | None = None,
+    tracing: Tracing | None = None,
 ) -> FastAPI:
-    """The replica app; pass ``engine`` to serve an already built one (tests)."""
-    replica = Replica(config, engine)
+    """The replica app; pass ``engine`` to serve an already built one (tests), ``tracing``
+    to send its spans elsewhere than the config says."""
+    replica = Replica(config, engine, tracing)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -85,6 +88,8 @@ def create_app(
         if replica.engine is not None:
             await asyncio.to_thread(replica.engine.shutdown)
         replica.stop_events()
+        if replica.tracing is not None:
+            await asyncio.to_thread(replica.tracing.shutdown)
         logger.info("replica %s stopped: engine shut down", replica.model_name)
 
     app = FastAPI(title="sendpath replica", lifespan=lifespan)

@@ -13,10 +13,16 @@ import argparse
 import sys
 from pathlib import Path
 
-from sendpath.api.cli_args import add_connection_args, connection_limits, log_setup
+from sendpath.api.cli_args import (
+    add_connection_args,
+    add_tracing_args,
+    connection_limits,
+    log_setup,
+)
 from sendpath.config import KVEventsConfig
 from sendpath.engine.args import add_engine_args, engine_config
 from sendpath.extras import require
+from sendpath.telemetry.export import traces_endpoint
 
 __all__ = ["API_KEY_ENV", "add_kv_events_arg", "kv_events_config", "register", "run_replica"]
 
@@ -39,6 +45,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], help: str
         "(also read from $SENDPATH_API_KEY; default: none)",
     )
     add_connection_args(rep)
+    add_tracing_args(rep)
     add_engine_args(rep)
     add_kv_events_arg(rep, "")
     rep.set_defaults(handler=run_replica)
@@ -69,6 +76,8 @@ def kv_events_config(args: argparse.Namespace) -> KVEventsConfig:
     config: KVEventsConfig = args.kv_events_config or KVEventsConfig()
     if config.publishes:
         require("kv-events")
+    if args.otlp_traces_endpoint is not None:
+        require("otel")
     return config
 
 
@@ -94,6 +103,7 @@ def run_replica(args: argparse.Namespace) -> int:
             connection=connection_limits(args),
             stuck_step_s=args.stuck_step_timeout,
             kv_events=kv_events_config(args),
+            otlp_traces_endpoint=traces_endpoint(args.otlp_traces_endpoint),
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

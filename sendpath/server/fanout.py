@@ -37,6 +37,7 @@ class Fanout:
 
     def __init__(self, engine: AsyncEngine, parsed: ParsedRequest) -> None:
         self.engine, self.parsed, self.n = engine, parsed, parsed.n
+        self.traceparent: str | None = None  # the request's, for the replica's spans
         self.streams: list[RequestStream] = []
         self._queue: asyncio.Queue[tuple[int, EngineOutput | Exception | None]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []

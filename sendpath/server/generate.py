@@ -55,6 +55,7 @@ async def serve_generation(
     """Queue ``parsed`` (for this replica's model, ``n`` choices) and answer it, streamed
     or whole: a whole answer is the stream's choices collected."""
     fanout = Fanout(engine, parsed)
+    fanout.traceparent = request.headers.get("traceparent")  # continued in its spans
     await fanout.add(0)  # a bad request is refused here, before anything is sent
     chunker, renderer, headers = answer_setup(replica, engine, parsed, fanout.streams[0].request)
     tools = [parser_for(parsed.tools, engine.core.tokenizer) for _ in range(parsed.n)]
@@ -79,6 +80,8 @@ def _finished(replica: Replica, fanout: Fanout, chunker: Chunker, reasons: list[
     for i, stream in enumerate(fanout.streams):
         response_id = chunker.id if i == 0 else f"{chunker.id}-{i}"
         replica.finished(response_id, stream.request, reasons[i])
+    requests = [s.request for s in fanout.streams]
+    replica.answered(fanout.parsed, requests, chunker.id, reasons, fanout.traceparent)
 
 
 def answer_setup(

@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 
 from sendpath.engine.scheduler import SchedulerStats
 from sendpath.request import Request
+from sendpath.telemetry.genai_metrics import GenAIMetrics
 from sendpath.trace import Stage
 
 __all__ = ["ReplicaMetrics"]
@@ -94,6 +95,7 @@ class ReplicaMetrics:
             ["finished_reason"],
             registry=r,
         )
+        self.genai = GenAIMetrics(r)  # the GenAI conventions' server metrics
         self._engine = _EngineCollector(model_name)
         r.register(self._engine)
         self.engine_info = Info(

@@ -17,7 +17,11 @@ from sendpath.errors import ServiceUnavailableError
 from sendpath.request import Request as EngineRequest
 from sendpath.server.kv_events import KVEventPublisher
 from sendpath.server.metrics import ReplicaMetrics
+from sendpath.server.protocol import ParsedRequest
 from sendpath.server.responses import timings_ms
+from sendpath.server.spans import OPERATIONS, replica_span
+from sendpath.telemetry.export import Tracing
+from sendpath.telemetry.trace_context import TraceParent
 from sendpath.trace import TraceStore, event_log
 
 __all__ = ["Replica", "served_name"]
@@ -25,6 +29,7 @@ __all__ = ["Replica", "served_name"]
 logger = logging.getLogger("sendpath.replica")
 
 WATCH_INTERVAL_S = 0.5
+SERVICE = "sendpath-replica"  # its spans' service.name, unless OTEL_SERVICE_NAME says
 PRECISION = ("dtype", "quantization", "precision_reason", "matrix_engine", "attention")  # /load
 
 
@@ -41,8 +46,15 @@ def served_name(config: ReplicaConfig) -> str:
 class Replica:
     """The app's state: the engine once loaded, and whether it takes requests."""
 
-    def __init__(self, config: ReplicaConfig, engine: AsyncEngine | None = None) -> None:
+    def __init__(
+        self,
+        config: ReplicaConfig,
+        engine: AsyncEngine | None = None,
+        tracing: Tracing | None = None,
+    ) -> None:
         self.config = config
+        # where requests' spans go (None: tracing off)
+        self.tracing = tracing or Tracing.configured(config.otlp_traces_endpoint, SERVICE)
         self.model_name = served_name(config)
         self.engine = engine
         self.kv_events: KVEventPublisher | None = None  # publishing its cache's events
@@ -69,6 +81,41 @@ class Replica:
                 "events": event_log(request.timeline),
             },
         )
+
+    def answered(
+        self,
+        parsed: ParsedRequest,
+        requests: list[EngineRequest],
+        response_id: str,
+        reasons: list[str],
+        traceparent: str | None,
+    ) -> None:
+        """An answered request (its ``n`` engine requests): the GenAI metrics, and its
+        spans (``server/spans.py``) in the trace its ``traceparent`` names, else in a
+        trace of their own, if tracing is on."""
+        timelines = [r.timeline for r in requests]
+        starts = [t.events[0].time for t in timelines if t.events]
+        ends = [t.events[-1].time for t in timelines if t.events]
+        if starts:
+            self.metrics.genai.observe(
+                OPERATIONS[parsed.kind],
+                parsed.model,
+                max(ends) - min(starts),
+                ttft=timelines[0].ttft,
+                output_tokens=len(requests[0].output_token_ids),
+            )
+        if self.tracing is None or self.engine is None:
+            return
+        try:
+            span = replica_span(parsed, requests, response_id, reasons)
+            if span is None:
+                return
+            parent = TraceParent.parse(traceparent)
+            context = TraceParent.child_of(parent)
+            parent_id = parent.span_id if parent is not None else None
+            self.tracing.emit(span, context, parent_id, self.engine.core.clock)
+        except Exception:  # a trace is never worth a request
+            logger.exception("request %s: its spans could not be exported", response_id)
 
     @property
     def status(self) -> str:

@@ -31,6 +31,7 @@ class Gateway:
     url: str
     keys: KeyStore
     replica: Server
+    app: Any  # the gateway app, to look at its parts
 
     def key(self, name: str, **limits: int | None) -> str:
         return self.keys.create(name, **limits)[1]
@@ -73,10 +74,11 @@ def content(events: list[dict[str, Any] | str]) -> list[str]:
 @contextmanager
 def gateway(replica: Server, data_dir: Path, **options: Any) -> Iterator[Gateway]:
     limiter, safety = options.pop("limiter", None), options.pop("safety", None)
+    tracing = options.pop("tracing", None)
     config = GatewayConfig(replicas=(replica.url,), data_dir=str(data_dir), **options)
-    app = create_gateway_app(config, limiter=limiter, safety=safety)
+    app = create_gateway_app(config, limiter=limiter, safety=safety, tracing=tracing)
     with serve_app(app) as url:
-        yield Gateway(url, app.state.keys, replica)
+        yield Gateway(url, app.state.keys, replica, app)
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from sendpath.kvcache.manager import KVCacheManager
 from sendpath.model.loader import LoadedModel
 from sendpath.runner.model_runner import ModelRunner
 from sendpath.server.app import Replica, create_app
+from sendpath.telemetry.export import Tracing
 
 BLOCKS, BLOCK, MAX_LEN = 256, 16, 2048
 
@@ -66,6 +67,7 @@ def serve(
     on_engine_failure: Callable[[], None] | None = None,
     stuck_step_s: float = 120.0,
     kv_events: KVEventsConfig | None = None,
+    tracing: Tracing | None = None,
 ) -> Iterator[Server]:
     """A replica of ``loaded`` in this process (``runner``: wraps the model runner)."""
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_queued_requests)
@@ -81,7 +83,7 @@ def serve(
         stuck_step_s=stuck_step_s,
         kv_events=kv_events or KVEventsConfig(),
     )
-    app = create_app(config, AsyncEngine(core), on_engine_failure)
+    app = create_app(config, AsyncEngine(core), on_engine_failure, tracing)
     with serve_app(app, limits) as url:
         yield Server(url, app.state.replica)
 

@@ -1,0 +1,115 @@
+"""A finished request's spans on the gateway, from its context (``docs/observability.md``).
+
+One server span per generation request, ``{operation} {model}`` (the GenAI conventions'
+name), whose children are the gateway's stages as the trace counts them
+(``gateway.auth``, ``gateway.ratelimit``, ``gateway.safety``, ``gateway.queue``,
+``route``, ``stream``) and one client span per upstream attempt, siblings in the order
+they were tried. Each attempt's span id is the ``traceparent`` its replica was sent, so
+the replica's own span (``server/spans.py``) hangs under the attempt that reached it.
+"""
+
+from __future__ import annotations
+
+from sendpath.gateway.context import AttemptRecord, GatewayContext
+from sendpath.telemetry.genai import request_attributes, span_name, usage_attributes
+from sendpath.telemetry.spans import AttributeValue, SpanRecord
+from sendpath.trace import Stage
+
+__all__ = ["gateway_span", "span_error"]
+
+# the gateway's own stages, as child spans (the replica's are the replica's spans)
+_OWN = frozenset(
+    {
+        Stage.GATEWAY_AUTH,
+        Stage.GATEWAY_RATELIMIT,
+        Stage.GATEWAY_SAFETY,
+        Stage.GATEWAY_QUEUE,
+        Stage.ROUTE,
+        Stage.STREAM,
+    }
+)
+
+
+def gateway_span(ctx: GatewayContext, operation: str, end: float) -> SpanRecord:
+    """The request's span tree; ``end``: when its response ended, if it did not finish
+    an answer (a refusal, an error)."""
+    end = ctx.end if ctx.end is not None else end
+    attributes = request_attributes(operation, ctx.body)
+    attributes.update(_answer_attributes(ctx))
+    root = SpanRecord(
+        span_name(operation, _model(attributes)),
+        ctx.start,
+        end,
+        "server",
+        attributes,
+        error=span_error(ctx),
+    )
+    for stage, start, duration in ctx.stage_seconds():
+        if stage in _OWN:
+            at = ctx.start + start
+            root.children.append(SpanRecord(stage.value, at, at + duration))
+    for number, attempt in enumerate(ctx.attempts):
+        root.children.append(_attempt_span(attempt, number, end))
+    return root
+
+
+def _model(attributes: dict[str, AttributeValue]) -> str | None:
+    model = attributes.get("gen_ai.request.model")
+    return model if isinstance(model, str) else None
+
+
+def span_error(ctx: GatewayContext) -> str | None:
+    """The request's ``error.type``: why a started answer did not end well, else its
+    status code when that is an error (``None``: it succeeded)."""
+    if ctx.error_type is not None:
+        return ctx.error_type
+    if ctx.status is None:
+        return "internal_error"  # the app raised before it answered
+    return str(ctx.status) if ctx.status >= 400 else None
+
+
+def _answer_attributes(ctx: GatewayContext) -> dict[str, AttributeValue]:
+    out: dict[str, AttributeValue] = {"sendpath.request_id": ctx.request_id}
+    if ctx.status is not None:
+        out["http.response.status_code"] = ctx.status
+    if ctx.key is not None:
+        out["sendpath.key.name"] = ctx.key.name
+    if ctx.client_id is not None:
+        out["sendpath.client_id"] = ctx.client_id
+    if ctx.response_id is not None:
+        out["gen_ai.response.id"] = ctx.response_id
+    if ctx.finish_reasons:
+        out["gen_ai.response.finish_reasons"] = list(ctx.finish_reasons)
+    out.update(usage_attributes(ctx.usage, ctx.cached_tokens))
+    if ctx.first_token_at is not None:
+        out["gen_ai.response.time_to_first_chunk"] = round(ctx.first_token_at - ctx.start, 6)
+    if ctx.first_token_held is not None:
+        out["sendpath.first_token_held"] = ctx.first_token_held
+    if ctx.replica_name is not None:
+        out["sendpath.replica"] = ctx.replica_name
+    for name, value in (ctx.routing or {}).items():
+        if isinstance(value, str | int | float) and not isinstance(value, bool):
+            out[f"sendpath.routing.{name}"] = value
+    return out
+
+
+def _attempt_span(attempt: AttemptRecord, number: int, end: float) -> SpanRecord:
+    attributes: dict[str, AttributeValue] = {
+        "sendpath.replica": attempt.replica,
+        "sendpath.attempt": number,
+        "url.full": attempt.url,
+    }
+    error = attempt.error
+    if attempt.status is not None:
+        attributes["http.response.status_code"] = attempt.status
+        if error is None and attempt.status >= 400:
+            error = str(attempt.status)
+    return SpanRecord(
+        f"attempt {attempt.replica}",
+        attempt.start,
+        attempt.end if attempt.end is not None else end,
+        "client",
+        attributes,
+        span_id=attempt.span_id or None,
+        error=error,
+    )

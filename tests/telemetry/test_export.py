@@ -1,0 +1,99 @@
+"""Span trees to the SDK: parents, times, errors, sampling; and when export is on at all."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+from sendpath.clock import VirtualClock
+from sendpath.telemetry.export import Tracing, traces_endpoint
+from sendpath.telemetry.spans import SpanRecord
+from sendpath.telemetry.trace_context import TraceParent
+
+OTEL_ENV = (
+    "OTEL_SDK_DISABLED", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_SERVICE_NAME",
+)  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in OTEL_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
+def tree() -> SpanRecord:
+    root = SpanRecord("chat tiny", 10.0, 12.0, "server", {"gen_ai.operation.name": "chat"})
+    root.children = [
+        SpanRecord("gateway.auth", 10.0, 10.1),
+        SpanRecord("attempt replica-0", 10.2, 11.0, "client", span_id=0xABC, error="502"),
+        SpanRecord("attempt replica-1", 11.0, 12.0, "client", events=[("preempted", 11.5)]),
+    ]
+    return root
+
+
+def test_a_tree_becomes_spans_with_its_parents_times_and_errors() -> None:
+    exporter = InMemorySpanExporter()
+    tracing = Tracing.to(exporter, "sendpath-gateway")
+    context = TraceParent(0x1234, 0x99)
+    tracing.emit(tree(), context, 0x77, VirtualClock(10.0))
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert set(spans) == {"chat tiny", "gateway.auth", "attempt replica-0", "attempt replica-1"}
+    root = spans["chat tiny"]
+    assert root.context is not None and root.parent is not None
+    assert (root.context.trace_id, root.context.span_id) == (0x1234, 0x99)
+    assert root.parent.span_id == 0x77 and root.parent.is_remote and root.kind is SpanKind.SERVER
+    failed = spans["attempt replica-0"]
+    assert failed.context is not None and failed.context.span_id == 0xABC  # as sent on
+    assert failed.status.status_code is StatusCode.ERROR and failed.attributes is not None
+    assert failed.attributes["error.type"] == "502" and failed.kind is SpanKind.CLIENT
+    for name in ("gateway.auth", "attempt replica-0", "attempt replica-1"):
+        span = spans[name]
+        assert span.parent is not None and span.parent.span_id == 0x99
+        assert span.context is not None and span.context.trace_id == 0x1234
+    assert root.start_time is not None and root.end_time is not None
+    assert root.end_time - root.start_time == pytest.approx(2e9, abs=1e3)  # from the records
+    auth = spans["gateway.auth"]
+    assert auth.start_time == root.start_time
+    (event,) = spans["attempt replica-1"].events
+    assert event.name == "preempted" and event.timestamp - root.start_time == pytest.approx(1.5e9)
+    assert root.resource.attributes["service.name"] == "sendpath-gateway"
+
+
+def test_a_trace_the_caller_does_not_sample_is_not_exported() -> None:
+    exporter = InMemorySpanExporter()
+    Tracing.to(exporter, "s").emit(tree(), TraceParent(1, 2, flags=0), None, VirtualClock())
+    assert exporter.get_finished_spans() == ()
+
+
+def test_export_is_off_unless_a_flag_or_the_environment_names_a_collector(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert Tracing.configured(None, "s") is None
+    assert Tracing.configured("http://127.0.0.1:1/v1/traces", "s") is not None
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:1")
+    assert Tracing.configured(None, "s") is not None
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    assert Tracing.configured("http://127.0.0.1:1/v1/traces", "s") is None
+    monkeypatch.delenv("OTEL_SDK_DISABLED")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    with pytest.raises(ValueError, match="http/protobuf"):
+        Tracing.configured(None, "s")
+
+
+def test_the_service_name_is_the_environments_when_it_gives_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "edge-gateway")
+    tracing = Tracing.to(InMemorySpanExporter(), "sendpath-gateway")
+    assert tracing.resource.attributes["service.name"] == "edge-gateway"
+
+
+def test_the_endpoint_flag_is_checked_and_completed() -> None:
+    assert traces_endpoint(None) is None
+    assert traces_endpoint("http://c:4318") == "http://c:4318/v1/traces"
+    assert traces_endpoint("https://c/otlp/v1/traces") == "https://c/otlp/v1/traces"
+    for bad in ("c:4318", "ftp://c/v1/traces", "http://"):
+        with pytest.raises(ValueError, match="--otlp-traces-endpoint takes an http"):
+            traces_endpoint(bad)
