@@ -15,9 +15,14 @@ window, read from ``/proc``, gives its CPU per request and so requests/s per wor
 
     .venv/bin/python benchmarks/gateway_overhead.py            # about a minute
     .venv/bin/python benchmarks/gateway_overhead.py --seconds 20
+    .venv/bin/python benchmarks/gateway_overhead.py --otlp     # with span export on
+    .venv/bin/python benchmarks/gateway_overhead.py --otlp --sample 0.1
 
 Aims (issue 21): at most 1 ms added at p50; at least 1,000 requests/s per worker core.
-Results: ``benchmarks/results/gateway_overhead.json``.
+With ``--otlp`` the gateway exports every request's spans over OTLP/HTTP to a sink this
+script serves (it reads and discards them; its CPU is not the gateway's); aim (issue 40):
+at most 5% more gateway CPU per request.
+Results: ``benchmarks/results/gateway_overhead.json`` (``gateway_overhead_otlp_<ratio>.json``).
 """
 
 from __future__ import annotations
@@ -212,10 +217,34 @@ def wait_ready(port: int, path: str, proc: subprocess.Popen[bytes]) -> None:
     raise RuntimeError(f"nothing answered on port {port}")
 
 
+def span_sink() -> str:
+    """An OTLP/HTTP endpoint in this process that takes every export and drops it."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Sink(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=10.0, help="per measurement (10)")
     parser.add_argument("--concurrency", type=int, default=16, help="for throughput (16)")
+    parser.add_argument("--otlp", action="store_true", help="the gateway exports its spans")
+    parser.add_argument(
+        "--sample", type=float, default=1.0, help="with --otlp: the traces' head-sampling ratio"
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     from sendpath.fleet import free_port
@@ -244,6 +273,8 @@ def main() -> None:
             ],
             cwd=ROOT,
         )
+        sink = span_sink() if args.otlp else None
+        otlp = ["--otlp-traces-endpoint", sink] if sink is not None else []
         gateway = subprocess.Popen(
             [
                 str(Path(sys.executable).parent / "sendpath"),
@@ -256,10 +287,16 @@ def main() -> None:
                 data_dir,
                 "--max-inflight-per-replica",
                 "64",
+                *otlp,
             ],
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env={
+                **os.environ,
+                "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+                "OTEL_TRACES_SAMPLER_ARG": str(args.sample),
+            },
         )
         try:
             wait_ready(mock_port, "/health", mock)
@@ -293,8 +330,17 @@ def main() -> None:
         }
         for kind in secrets
     }
-    result = {"cpu_count": os.cpu_count(), "seconds": args.seconds, "summary": summary, **rows}
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    result = {
+        "cpu_count": os.cpu_count(),
+        "seconds": args.seconds,
+        "otlp": args.otlp,
+        "sample": args.sample if args.otlp else None,
+        "summary": summary,
+        **rows,
+    }
+    name = f"gateway_overhead_otlp_{args.sample:g}.json" if args.otlp else RESULTS.name
+    out = RESULTS.with_name(name)
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{'run':<18}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'gw CPU ms/req':>15}")
     for name, row in rows.items():
         cpu = row.get("gateway_cpu_ms_per_request", "")

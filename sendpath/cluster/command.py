@@ -86,6 +86,7 @@ def run_ray_serve(args: argparse.Namespace) -> int:
     from sendpath.gateway.command import replica_api_key as given_key
     from sendpath.gateway.safety import SafetyRulesError
     from sendpath.server.command import kv_events_config
+    from sendpath.telemetry.export import traces_endpoint
 
     require("ray")
     if args.redis:
@@ -106,6 +107,8 @@ def run_ray_serve(args: argparse.Namespace) -> int:
             connection=connection_limits(args),
             stuck_step_s=args.stuck_step_timeout,
             kv_events=kv_events_config(args),
+            # each replica, on whatever node, sends its spans to the same collector
+            otlp_traces_endpoint=traces_endpoint(args.otlp_traces_endpoint),
         )
         scaling = RayScaling(
             replicas=args.replicas,

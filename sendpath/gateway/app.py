@@ -167,8 +167,8 @@ def middleware_stack(inner: ASGIApp, parts: GatewayParts) -> ASGIApp:
         per_key_salt=config.prefix_cache_isolation == "per-key",
         live=parts.live,
     )
-    traced = parts.tracing is not None
-    app = TraceMiddleware(app, parts.clock, parts.metrics.responded, parts.ended, traced)
+    sampler = parts.tracing.sampler if parts.tracing is not None else None
+    app = TraceMiddleware(app, parts.clock, parts.metrics.responded, parts.ended, sampler)
     app = RequestIdMiddleware(app)
     return InternalErrorMiddleware(app)
 

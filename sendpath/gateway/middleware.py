@@ -32,6 +32,7 @@ from sendpath.gateway.admission import AdmissionQueue
 from sendpath.gateway.context import SCOPE_KEY, GatewayContext, GenerationBody, context
 from sendpath.gateway.keys import PREFIX, KeyStore
 from sendpath.telemetry.genai import operation_of
+from sendpath.telemetry.sampling import Sampler
 from sendpath.telemetry.trace_context import TraceParent
 from sendpath.trace import Stage, TraceStore
 
@@ -87,8 +88,8 @@ class TraceMiddleware:
     """Gives every HTTP request a ``GatewayContext`` with its arrival time, and reports
     each response's status code (``on_status``) for the metrics and the context. A
     generation request is reported again once its response has ended (``on_end``, with
-    its GenAI operation); with ``traced``, it continues the caller's ``traceparent`` (or
-    starts a trace) first."""
+    its GenAI operation); with a ``sampler`` (tracing on), it continues the caller's
+    ``traceparent`` (or starts a trace) first."""
 
     def __init__(
         self,
@@ -96,10 +97,10 @@ class TraceMiddleware:
         clock: Clock,
         on_status: Callable[[int], None] = lambda code: None,
         on_end: Callable[[GatewayContext, str], None] = lambda ctx, operation: None,
-        traced: bool = False,
+        sampler: Sampler | None = None,
     ) -> None:
         self.app, self.clock, self.on_status = app, clock, on_status
-        self.on_end, self.traced = on_end, traced
+        self.on_end, self.sampler = on_end, sampler
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -108,10 +109,10 @@ class TraceMiddleware:
         ctx = GatewayContext(self.clock, self.clock.now(), request_id=request_id(scope))
         scope.setdefault("state", {})[SCOPE_KEY] = ctx
         operation = operation_of(scope["path"])
-        if operation is not None and self.traced:
+        if operation is not None and self.sampler is not None:
             given = dict(scope["headers"]).get(b"traceparent")
             parent = TraceParent.parse(given.decode("latin-1") if given else None)
-            ctx.trace = TraceParent.child_of(parent)
+            ctx.trace = self.sampler.start(parent)
             ctx.parent_span_id = parent.span_id if parent is not None else None
 
         async def counting_send(message: Message) -> None:

@@ -97,7 +97,7 @@ class GatewayParts:
             _ttft(ctx),
             ctx.usage[1] if ctx.usage is not None else ctx.streamed_chunks,
         )
-        if self.tracing is None or ctx.trace is None:
+        if self.tracing is None or ctx.trace is None or not ctx.trace.sampled:
             return
         try:
             span = gateway_span(ctx, operation, end)

@@ -30,6 +30,10 @@ _OWN = frozenset(
 )
 
 
+# what the trace says of the route's choice (the page and the response say the rest)
+_ROUTING = ("policy", "match", "predicted_cached_tokens", "runs_on")
+
+
 def gateway_span(ctx: GatewayContext, operation: str, end: float) -> SpanRecord:
     """The request's span tree; ``end``: when its response ended, if it did not finish
     an answer (a refusal, an error)."""
@@ -44,12 +48,13 @@ def gateway_span(ctx: GatewayContext, operation: str, end: float) -> SpanRecord:
         attributes,
         error=span_error(ctx),
     )
-    for stage, start, duration in ctx.stage_seconds():
+    stages = ctx.final[0] if ctx.final is not None else ctx.stage_seconds()
+    for stage, start, duration in stages:
         if stage in _OWN:
             at = ctx.start + start
             root.children.append(SpanRecord(stage.value, at, at + duration))
-    for number, attempt in enumerate(ctx.attempts):
-        root.children.append(_attempt_span(attempt, number, end))
+    for attempt in ctx.attempts:
+        root.children.append(_attempt_span(attempt, end))
     return root
 
 
@@ -87,17 +92,18 @@ def _answer_attributes(ctx: GatewayContext) -> dict[str, AttributeValue]:
         out["sendpath.first_token_held"] = ctx.first_token_held
     if ctx.replica_name is not None:
         out["sendpath.replica"] = ctx.replica_name
-    for name, value in (ctx.routing or {}).items():
-        if isinstance(value, str | int | float) and not isinstance(value, bool):
+    routing = ctx.routing or {}
+    for name in _ROUTING:
+        value = routing.get(name)
+        if isinstance(value, str | int) and not isinstance(value, bool):
             out[f"sendpath.routing.{name}"] = value
     return out
 
 
-def _attempt_span(attempt: AttemptRecord, number: int, end: float) -> SpanRecord:
+def _attempt_span(attempt: AttemptRecord, end: float) -> SpanRecord:
     attributes: dict[str, AttributeValue] = {
         "sendpath.replica": attempt.replica,
-        "sendpath.attempt": number,
-        "url.full": attempt.url,
+        "url.full": attempt.url,  # the operator's view: clients never see it
     }
     error = attempt.error
     if attempt.status is not None:

@@ -107,11 +107,11 @@ class Replica:
         if self.tracing is None or self.engine is None:
             return
         try:
-            span = replica_span(parsed, requests, response_id, reasons)
+            parent = TraceParent.parse(traceparent)
+            context = self.tracing.sampler.start(parent)
+            span = replica_span(parsed, requests, response_id, reasons) if context.sampled else None
             if span is None:
                 return
-            parent = TraceParent.parse(traceparent)
-            context = TraceParent.child_of(parent)
             parent_id = parent.span_id if parent is not None else None
             self.tracing.emit(span, context, parent_id, self.engine.core.clock)
         except Exception:  # a trace is never worth a request

@@ -7,12 +7,12 @@ is given. The exporter reads the rest of the standard variables itself
 (``OTEL_EXPORTER_OTLP_HEADERS``, ``..._TIMEOUT``, ``..._COMPRESSION``, certificates), and the
 resource takes ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES``.
 
-A finished request's spans are handed to the SDK's ``BatchSpanProcessor`` as the SDK's own
-``ReadableSpan`` records, with the times the request's event list already holds (no span
-is started live, so there is no second clock and nothing to end on every path). The
-processor queues them (bounded: past ``MAX_QUEUE`` spans it drops, never blocks) and a
-thread of its own exports them in batches, so a collector that refuses or hangs costs a
-request nothing.
+A finished request's spans (a ``SpanRecord`` tree, with the times the request's event
+list already holds: no span is started live, so there is no second clock and nothing to
+end on every path) are handed to the SDK's ``BatchSpanProcessor`` as one item. It queues
+them (bounded: past ``MAX_QUEUE`` requests it drops, never blocks) and a thread of its own
+encodes them (``otlp.py``) and sends them in batches through the SDK's OTLP/HTTP exporter,
+so a collector that refuses or hangs costs a request nothing.
 """
 
 from __future__ import annotations
@@ -20,23 +20,26 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from sendpath import __version__
 from sendpath.clock import Clock
 from sendpath.extras import require
-from sendpath.telemetry.spans import SpanRecord
+from sendpath.telemetry.otlp import SpanTree, encode_request, encode_resource
+from sendpath.telemetry.sampling import Sampler
+from sendpath.telemetry.spans import AttributeValue, SpanRecord
 from sendpath.telemetry.trace_context import TraceParent, new_span_id
 
 if TYPE_CHECKING:
-    from opentelemetry.sdk.trace import SpanProcessor
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
     from opentelemetry.sdk.trace.export import SpanExporter
 
 __all__ = ["MAX_QUEUE", "Tracing", "traces_endpoint"]
 
-MAX_QUEUE = 4096  # spans waiting for export; more are dropped
+MAX_QUEUE = 4096  # requests' spans waiting for export; more are dropped
 SHUTDOWN_S = 3.0  # at exit, how long the last spans may take to go out
 
 
@@ -74,14 +77,11 @@ def _protocol() -> str:
 class Tracing:
     """Where one process's spans go: its resource (service name), and the processor."""
 
-    def __init__(self, service: str, processor: SpanProcessor) -> None:
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-
-        attributes = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": service}
-        self.resource = Resource.create(attributes)
-        self.scope = InstrumentationScope("sendpath", __version__)
-        self.processor = processor
+    def __init__(
+        self, resource: Resource, processor: SpanProcessor, sampler: Sampler | None = None
+    ) -> None:
+        self.resource, self.processor = resource, processor
+        self.sampler = sampler or Sampler.from_env()
 
     @classmethod
     def configured(cls, endpoint: str | None, service: str) -> Tracing | None:
@@ -98,62 +98,32 @@ class Tracing:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        exporter = OTLPSpanExporter(endpoint=endpoint)  # None: the environment's
-        return cls(service, BatchSpanProcessor(exporter, max_queue_size=MAX_QUEUE))
+        resource = _resource(service)
+        trees = _OTLPTrees(OTLPSpanExporter(endpoint=endpoint), resource)  # None: the env's
+        return cls(resource, BatchSpanProcessor(trees, max_queue_size=MAX_QUEUE))  # type: ignore[arg-type]
 
     @classmethod
     def to(cls, exporter: SpanExporter, service: str) -> Tracing:
-        """Export each span as it is emitted, synchronously (tests' in-memory exporter)."""
+        """Export each request's spans as it ends, synchronously, to any SDK exporter
+        as the SDK's own ``ReadableSpan`` records (tests' in-memory exporter)."""
         from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-        return cls(service, SimpleSpanProcessor(exporter))
+        resource = _resource(service)
+        return cls(resource, SimpleSpanProcessor(_Readable(exporter, resource)))  # type: ignore[arg-type]
 
     def emit(
         self, root: SpanRecord, context: TraceParent, parent_span_id: int | None, clock: Clock
     ) -> None:
-        """Hand ``root`` and its children to the processor: ``root`` is the span
-        ``context`` names, a child of ``parent_span_id`` (``None``: the trace's root).
-        Nothing is exported for a trace that is not sampled."""
+        """Queue ``root`` and its children for export: ``root`` is the span ``context``
+        names, a child of ``parent_span_id`` (``None``: the trace's root). Nothing is
+        queued for a trace that is not sampled."""
         if not context.sampled:
             return
-        from opentelemetry.sdk.trace import Event, ReadableSpan
-        from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
-
-        kinds = {"server": SpanKind.SERVER, "client": SpanKind.CLIENT}
-        flags = TraceFlags(context.flags & 0xFF)
         offset = time.time() - clock.now()  # this clock's readings as Unix time
-
-        def ns(t: float) -> int:
-            return int((t + offset) * 1e9)
-
-        root.span_id = context.span_id
-        parents: dict[int, SpanContext | None] = {}
-        if parent_span_id is not None:
-            parents[id(root)] = SpanContext(context.trace_id, parent_span_id, True, flags)
-        for record in root.walk():
-            span_id = record.span_id if record.span_id is not None else new_span_id()
-            own = SpanContext(context.trace_id, span_id, False, flags)
-            for child in record.children:
-                parents[id(child)] = own
-            attributes: Mapping[str, Any] = record.attributes
-            status = Status(StatusCode.UNSET)
-            if record.error is not None:
-                attributes = {**record.attributes, "error.type": record.error}
-                status = Status(StatusCode.ERROR, record.error)
-            span = ReadableSpan(
-                name=record.name,
-                context=own,
-                parent=parents.get(id(record)),
-                resource=self.resource,
-                attributes=attributes,
-                events=[Event(name, timestamp=ns(t)) for name, t in record.events],
-                kind=kinds.get(record.kind, SpanKind.INTERNAL),
-                status=status,
-                start_time=ns(record.start),
-                end_time=ns(max(record.start, record.end)),
-                instrumentation_scope=self.scope,
-            )
-            self.processor.on_end(span)
+        tree = SpanTree(
+            root, context.trace_id, context.span_id, parent_span_id, context.flags, offset
+        )
+        self.processor.on_end(tree)  # type: ignore[arg-type]  # the processor only queues it
 
     def shutdown(self) -> None:
         """Send what is queued, for at most ``SHUTDOWN_S`` (a hung collector does not hold
@@ -161,3 +131,111 @@ class Tracing:
         done = threading.Thread(target=self.processor.shutdown, daemon=True)
         done.start()
         done.join(SHUTDOWN_S)
+
+
+def _resource(service: str) -> Resource:
+    """This process's resource: ``service`` as its name unless OTEL_SERVICE_NAME says,
+    with OTEL_RESOURCE_ATTRIBUTES and the SDK's own."""
+    from opentelemetry.sdk.resources import Resource
+
+    attributes = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": service}
+    return Resource.create(attributes)
+
+
+def _resource_attributes(resource: Resource) -> dict[str, AttributeValue]:
+    out: dict[str, AttributeValue] = {}
+    for key, value in resource.attributes.items():
+        if isinstance(value, str | bool | int | float):
+            out[key] = value
+        elif isinstance(value, Sequence):
+            out[key] = [str(v) for v in value]
+    return out
+
+
+class _OTLPTrees:
+    """The SDK's OTLP/HTTP exporter, fed ``SpanTree`` batches encoded by ``otlp.py``
+    and sent over its own client (its retries, compression, headers, certificates).
+    Where that client is not there (another SDK version), the trees go as ``ReadableSpan``
+    records through the exporter's own ``export``."""
+
+    def __init__(self, otlp: Any, resource: Resource) -> None:
+        self.otlp, self.resource = otlp, resource
+        self.parts = encode_resource(_resource_attributes(resource), "sendpath", __version__)
+
+    def export(self, trees: Sequence[SpanTree]) -> Any:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        client = getattr(self.otlp, "_client", None)
+        if client is None or not hasattr(client, "export"):
+            return self.otlp.export(readable_spans(trees, self.resource))
+        result = client.export(encode_request(*self.parts, trees))
+        return SpanExportResult.SUCCESS if result.success else SpanExportResult.FAILURE
+
+    def shutdown(self) -> None:
+        self.otlp.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+class _Readable:
+    """Any SDK exporter, fed ``SpanTree`` batches as ``ReadableSpan`` records."""
+
+    def __init__(self, exporter: SpanExporter, resource: Resource) -> None:
+        self.exporter, self.resource = exporter, resource
+
+    def export(self, trees: Sequence[SpanTree]) -> Any:
+        return self.exporter.export(readable_spans(trees, self.resource))
+
+    def shutdown(self) -> None:
+        self.exporter.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.exporter.force_flush(timeout_millis)
+
+
+def readable_spans(trees: Sequence[SpanTree], resource: Resource) -> list[ReadableSpan]:
+    """The trees as the SDK's own span records (the slow, general path)."""
+    from opentelemetry.sdk.trace import Event, ReadableSpan
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+    from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
+    scope = InstrumentationScope("sendpath", __version__)
+    kinds = {"server": SpanKind.SERVER, "client": SpanKind.CLIENT}
+    out: list[ReadableSpan] = []
+    for tree in trees:
+        flags = TraceFlags(tree.flags & 0xFF)
+
+        def ns(t: float, offset: float = tree.offset) -> int:
+            return int((t + offset) * 1e9)
+
+        tree.root.span_id = tree.span_id
+        parents: dict[int, SpanContext | None] = {}
+        if tree.parent_span_id is not None:
+            parents[id(tree.root)] = SpanContext(tree.trace_id, tree.parent_span_id, True, flags)
+        for record in tree.root.walk():
+            span_id = record.span_id if record.span_id is not None else new_span_id()
+            own = SpanContext(tree.trace_id, span_id, False, flags)
+            for child in record.children:
+                parents[id(child)] = own
+            attributes: Mapping[str, Any] = record.attributes
+            status = Status(StatusCode.UNSET)
+            if record.error is not None:
+                attributes = {**record.attributes, "error.type": record.error}
+                status = Status(StatusCode.ERROR, record.error)
+            out.append(
+                ReadableSpan(
+                    name=record.name,
+                    context=own,
+                    parent=parents.get(id(record)),
+                    resource=resource,
+                    attributes=attributes,
+                    events=[Event(name, timestamp=ns(t)) for name, t in record.events],
+                    kind=kinds.get(record.kind, SpanKind.INTERNAL),
+                    status=status,
+                    start_time=ns(record.start),
+                    end_time=ns(max(record.start, record.end)),
+                    instrumentation_scope=scope,
+                )
+            )
+    return out

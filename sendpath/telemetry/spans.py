@@ -13,7 +13,7 @@ AttributeValue = str | bool | int | float | list[str]
 Kind = Literal["server", "client", "internal"]
 
 
-@dataclass
+@dataclass(slots=True)
 class SpanRecord:
     """One span: times on the server's clock (seconds), children within it."""
 

@@ -97,3 +97,32 @@ def test_the_endpoint_flag_is_checked_and_completed() -> None:
     for bad in ("c:4318", "ftp://c/v1/traces", "http://"):
         with pytest.raises(ValueError, match="--otlp-traces-endpoint takes an http"):
             traces_endpoint(bad)
+
+
+def test_the_direct_encoding_is_the_sdks_encoding_of_the_same_spans() -> None:
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+
+    from sendpath.telemetry.export import _resource, _resource_attributes, readable_spans
+    from sendpath.telemetry.otlp import SpanTree, encode_request, encode_resource
+
+    root = tree()
+    root.attributes.update(
+        {"n": -3, "ok": True, "ratio": 0.25, "reasons": ["stop", "length"], "text": "é"}
+    )
+    for number, record in enumerate(root.walk()[1:], start=1):
+        record.span_id = record.span_id or number  # the same ids on both sides
+    trees = [SpanTree(root, 0x1234, 0x99, 0x77, 1, 1_700_000_000.0)]
+    resource = _resource("sendpath-gateway")
+    parts = encode_resource(_resource_attributes(resource), "sendpath", "0.1.0")
+    ours = ExportTraceServiceRequest.FromString(encode_request(*parts, trees))
+    sdk = encode_spans(readable_spans(trees, resource))
+    (ours_rs,), (sdk_rs,) = ours.resource_spans, sdk.resource_spans
+    assert ours_rs.resource == sdk_rs.resource
+    (ours_ss,), (sdk_ss,) = ours_rs.scope_spans, sdk_rs.scope_spans
+    assert ours_ss.scope.name == sdk_ss.scope.name == "sendpath"
+    assert len(ours_ss.spans) == len(sdk_ss.spans) == 4
+    for a, b in zip(ours_ss.spans, sdk_ss.spans, strict=True):
+        assert a == b, (a, b)
