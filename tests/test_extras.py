@@ -24,7 +24,7 @@ def test_require_names_the_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(MissingExtraError) as info:
         require("plot")
     assert info.value.message == "--plot needs matplotlib: pip install 'sendpath[plot]'"
-    assert set(EXTRAS) == {"plot", "redis", "kv-events", "ray"}
+    assert set(EXTRAS) == {"plot", "redis", "kv-events", "ray", "otel"}
 
 
 @pytest.mark.parametrize(
@@ -46,6 +46,14 @@ def test_require_names_the_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> 
          "error: --ray needs Ray Serve: pip install 'sendpath[ray]'"),
         ("ray.serve", ["gateway", "--ray", "127.0.0.1:6379"],
          "error: --ray needs Ray Serve: pip install 'sendpath[ray]'"),
+        *[
+            ("opentelemetry.exporter.otlp.proto.http.trace_exporter",
+             [*command, "--otlp-traces-endpoint", "http://127.0.0.1:9/v1/traces"],
+             "error: --otlp-traces-endpoint needs the OpenTelemetry SDK and its OTLP/HTTP "
+             "exporter: pip install 'sendpath[otel]'")
+            for command in (["gateway", "--replica", "http://127.0.0.1:9"], ["replica"],
+                            ["serve", "--replicas", "1"])
+        ],
     ],
 )  # fmt: skip
 def test_cli_refuses_a_flag_whose_extra_is_missing(
