@@ -45,9 +45,10 @@ def context(clock: RealClock, i: int) -> GatewayContext:
     for n, stage in enumerate(stages, start=1):
         ctx.marks[stage] = t + 0.0001 * n
     ctx.body = {"model": "mock", "stream": True, "max_tokens": 32, "messages": []}
-    ctx.status, ctx.replica, ctx.replica_name = 200, "http://127.0.0.1:9001", "replica-0"
+    ctx.status = 200
     ctx.routing = {"policy": "prefix_aware", "match": "approximate", "predicted_cached_tokens": 0}
-    ctx.attempts.append(AttemptRecord("replica-0", ctx.replica, t + 5e-4, i + 1, t + 0.01, 200))
+    url = "http://127.0.0.1:9001"
+    ctx.attempts.append(AttemptRecord("replica-0", url, t + 5e-4, i + 1, t + 0.01, 200))
     ctx.replica_arrival = t + 6e-4
     ctx.replica_timings = {"tokenize": 0.1, "engine.queue": 0.1, "prefill": 1.0, "decode": 5.0}
     ctx.usage, ctx.response_id, ctx.finish_reasons = (20, 14), f"chatcmpl-{i}", ["length"]

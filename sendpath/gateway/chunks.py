@@ -22,6 +22,7 @@ __all__ = [
     "call_part",
     "event_of",
     "finished",
+    "index_of",
     "numbers",
     "read_head_events",
     "text_of",
@@ -97,6 +98,12 @@ class SSELines:
         out = list(self._ready)
         self._ready.clear()
         return out
+
+
+def index_of(choice: dict[str, Any]) -> int:
+    """A choice's ``index`` (0 when it has none, or not a number)."""
+    index = choice.get("index", 0)
+    return index if isinstance(index, int) else 0
 
 
 def text_of(choice: dict[str, Any]) -> str | None:

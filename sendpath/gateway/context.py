@@ -2,7 +2,7 @@
 
 The outermost middleware puts a ``GatewayContext`` in the ASGI scope. Each field has one
 writer: the request side, each middleware its own part (the key, the parsed body, the
-reservation, its stage's mark); the answer side (from ``replica`` on), only
+reservation, its stage's mark); the answer side (from ``attempts`` on), only
 ``outcome.Outcome``, where the forward path records what the replica sent, so the rate
 limiter can settle with real numbers and the trace can be drawn.
 """
@@ -78,14 +78,11 @@ class GatewayContext:
     trace: TraceParent | None = None  # its span in the caller's trace (None: tracing off)
     parent_span_id: int | None = None  # the caller's span, from its traceparent
     # The answer side, written by ``outcome.Outcome`` alone.
-    replica: str | None = None  # the URL it went to (internal: never shown to clients)
-    replica_name: str | None = None  # the name clients see ("replica-0")
+    attempts: list[AttemptRecord] = field(default_factory=list)  # each try, in order
     # why it went there: the route's prediction and where the replica runs (operator view)
     routing: dict[str, Any] | None = None
-    reached_replica: bool = False  # a replica answered it (any status): it cost something
     replica_request_id: str | None = None  # the replica's id for it (its x-request-id)
     replica_arrival: float | None = None  # on this clock (exact on one host, else estimated)
-    attempts: list[AttemptRecord] = field(default_factory=list)
     usage: tuple[int, int] | None = None  # (prompt, completion) as the replica reported it
     cached_tokens: int | None = None  # of the prompt, from its cache, as the replica reported
     streamed_chunks: int = 0  # text chunks relayed (the usage estimate if none is reported)
@@ -99,6 +96,21 @@ class GatewayContext:
     end: float | None = None  # the last event written
     # (stages, timings) as ``finish`` computed them: the answer's, the trace's, the metrics'
     final: tuple[list[tuple[Stage, float, float]], dict[str, float]] | None = None
+
+    @property
+    def replica(self) -> str | None:
+        """The URL it went to last (internal: never shown to clients)."""
+        return self.attempts[-1].url if self.attempts else None
+
+    @property
+    def replica_name(self) -> str | None:
+        """The name clients see of the replica it went to last ("replica-0")."""
+        return self.attempts[-1].replica if self.attempts else None
+
+    @property
+    def reached_replica(self) -> bool:
+        """A replica answered it (any status): it cost something."""
+        return any(a.status is not None for a in self.attempts)
 
     def span(self, stage: Stage) -> Span:
         """Run a gateway stage; it ends (its mark) when the block does."""

@@ -51,7 +51,6 @@ class Outcome:
             AttemptRecord(endpoint.name, endpoint.url, now, traced.span_id if traced else 0)
         )
         self.endpoint = endpoint
-        ctx.replica, ctx.replica_name = endpoint.url, endpoint.name
         ctx.routing = {
             "policy": self.router.policy.name,
             **(prediction.to_dict() if prediction is not None else {}),
@@ -65,7 +64,6 @@ class Outcome:
         ctx = self.ctx
         if ctx.attempts:
             ctx.attempts[-1].status = status
-        ctx.reached_replica = True
         ctx.replica_arrival = arrival
         ctx.replica_request_id = headers.get("x-request-id")
 

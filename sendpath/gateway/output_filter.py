@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from sendpath.gateway.chunks import index_of
 from sendpath.gateway.safety import OutputGuard
 
 __all__ = ["ChoiceFilter"]
@@ -78,8 +79,7 @@ class ChoiceFilter:
     def whole_choice(self, choice: dict[str, Any]) -> None:
         """Judge a whole answer's choice (a chat ``message`` or a completion's ``text``),
         and rewrite it in place if it is blocked (module docstring)."""
-        index = choice.get("index", 0)
-        index = index if isinstance(index, int) else 0
+        index = index_of(choice)
         message = choice.get("message")
         text = message.get("content") if isinstance(message, dict) else choice.get("text")
         released = ""

@@ -43,6 +43,7 @@ from sendpath.gateway.chunks import (
     call_part,
     event_of,
     finished,
+    index_of,
     text_of,
     tool_calls_of,
     with_arguments,
@@ -207,7 +208,7 @@ class StreamRelay:
 
     def _on_choice(self, chunk: dict[str, Any], choice: dict[str, Any]) -> list[dict[str, Any]]:
         """The chunks to send for one with a choice; its finish is held in the tail."""
-        index = _index(choice)
+        index = index_of(choice)
         if self.filter is not None and index in self.filter.blocked:
             return []  # the rest of a blocked choice
         calls = tool_calls_of(choice)
@@ -250,7 +251,7 @@ class StreamRelay:
         """A piece of a tool call: its arguments go through their own guard (a phrase
         is looked for within one call); the piece that names the function goes on even
         while its arguments are held."""
-        index, judge = _index(choice), self.filter
+        index, judge = index_of(choice), self.filter
         self.outcome.generated(index, None)
         released = judge.arguments(index, call, arguments) if judge is not None else arguments
         if judge is not None and index in judge.blocked:
@@ -317,7 +318,7 @@ class StreamRelay:
 
     def _finish(self) -> list[str]:
         events = [c for c in self.tail if c.get("choices") or self.wants_usage]
-        ends = sorted((c["choices"][0] for c in self.tail if c.get("choices")), key=_index)
+        ends = sorted((c["choices"][0] for c in self.tail if c.get("choices")), key=index_of)
         reasons = [choice.get("finish_reason") for choice in ends]
         timings = self.outcome.ended([r for r in reasons if isinstance(r, str)])
         if events:
@@ -343,8 +344,3 @@ class StreamRelay:
                 f"Retry the request (request id {self.ctx.request_id})."
             )
         )
-
-
-def _index(choice: dict[str, Any]) -> int:
-    index = choice.get("index", 0)
-    return index if isinstance(index, int) else 0

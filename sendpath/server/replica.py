@@ -19,7 +19,7 @@ from sendpath.server.kv_events import KVEventPublisher
 from sendpath.server.metrics import ReplicaMetrics
 from sendpath.server.protocol import ParsedRequest
 from sendpath.server.responses import timings_ms
-from sendpath.server.spans import OPERATIONS, replica_span
+from sendpath.server.spans import OPERATIONS, extent, replica_span
 from sendpath.telemetry.export import Tracing
 from sendpath.telemetry.trace_context import TraceParent
 from sendpath.trace import TraceStore, event_log
@@ -93,15 +93,13 @@ class Replica:
         """An answered request (its ``n`` engine requests): the GenAI metrics, and its
         spans (``server/spans.py``) in the trace its ``traceparent`` names, else in a
         trace of their own, if tracing is on."""
-        timelines = [r.timeline for r in requests]
-        starts = [t.events[0].time for t in timelines if t.events]
-        ends = [t.events[-1].time for t in timelines if t.events]
-        if starts:
+        lasted = extent(requests)
+        if lasted is not None:
             self.metrics.genai.observe(
                 OPERATIONS[parsed.kind],
                 parsed.model,
-                max(ends) - min(starts),
-                ttft=timelines[0].ttft,
+                lasted[1] - lasted[0],
+                ttft=requests[0].timeline.ttft,
                 output_tokens=len(requests[0].output_token_ids),
             )
         if self.tracing is None or self.engine is None:

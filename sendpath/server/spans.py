@@ -18,19 +18,25 @@ from sendpath.telemetry.genai import request_attributes, span_name, usage_attrib
 from sendpath.telemetry.spans import SpanRecord
 from sendpath.trace import EventType, Stage
 
-__all__ = ["replica_span"]
+__all__ = ["OPERATIONS", "extent", "replica_span"]
 
 OPERATIONS = {"chat": "chat", "completion": "text_completion"}
+
+
+def extent(requests: list[EngineRequest]) -> tuple[float, float] | None:
+    """From the first engine event of ``requests`` to their last (``None``: none yet)."""
+    events = [r.timeline.events for r in requests if r.timeline.events]
+    if not events:
+        return None
+    return min(e[0].time for e in events), max(e[-1].time for e in events)
 
 
 def replica_span(
     parsed: ParsedRequest, requests: list[EngineRequest], response_id: str, reasons: list[str]
 ) -> SpanRecord | None:
     """The span tree of an answered request (``None``: its engine recorded nothing)."""
-    timelines = [r.timeline for r in requests]
-    starts = [t.events[0].time for t in timelines if t.events]
-    ends = [t.events[-1].time for t in timelines if t.events]
-    if not starts:
+    lasted = extent(requests)
+    if lasted is None:
         return None
     operation = OPERATIONS[parsed.kind]
     p = parsed.params
@@ -50,10 +56,10 @@ def replica_span(
             counted["prompt_tokens_details"]["cached_tokens"],
         )
     )
-    ttft = timelines[0].ttft
+    ttft = requests[0].timeline.ttft
     if ttft is not None:
         attributes["gen_ai.response.time_to_first_chunk"] = round(ttft, 6)
-    root = SpanRecord(span_name(operation, parsed.model), min(starts), max(ends), "server")
+    root = SpanRecord(span_name(operation, parsed.model), *lasted, "server")
     root.attributes = attributes
     for index, request in enumerate(requests):
         root.children += _stages(request, index if len(requests) > 1 else None)

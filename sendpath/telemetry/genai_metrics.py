@@ -10,6 +10,8 @@ the same events their traces come from.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Histogram
 
 __all__ = ["GenAIMetrics"]
@@ -48,6 +50,19 @@ class GenAIMetrics:
             buckets=TPOT,
             registry=registry,
         )
+        # each label set's children, looked up once (``labels`` takes a lock and hashes)
+        self._children: dict[tuple[str, str, str], tuple[Any, Any, Any]] = {}
+
+    def _of(self, operation: str, model: str, error_type: str) -> tuple[Any, Any, Any]:
+        key = (operation, model, error_type)
+        children = self._children.get(key)
+        if children is None:
+            children = self._children[key] = (
+                self.duration.labels(operation, model, error_type),
+                self.ttft.labels(operation, model),
+                self.tpot.labels(operation, model),
+            )
+        return children
 
     def observe(
         self,
@@ -58,11 +73,13 @@ class GenAIMetrics:
         ttft: float | None = None,
         output_tokens: int = 0,
     ) -> None:
-        """One request that ended (``ttft`` and ``output_tokens``: if it answered)."""
-        self.duration.labels(operation, model, error_type or "").observe(duration)
+        """One request that ended (``ttft`` and ``output_tokens``: if it answered). The
+        labels' values must come from a bounded set (the servers pass a served model's
+        name, or none)."""
+        total, first, per_token = self._of(operation, model, error_type or "")
+        total.observe(duration)
         if ttft is None:
             return
-        self.ttft.labels(operation, model).observe(ttft)
+        first.observe(ttft)
         if output_tokens > 1:
-            tpot = max(0.0, duration - ttft) / (output_tokens - 1)
-            self.tpot.labels(operation, model).observe(tpot)
+            per_token.observe(max(0.0, duration - ttft) / (output_tokens - 1))

@@ -1,5 +1,5 @@
 """Who writes the gateway's per-request context: each field one module, and the answer
-side (from ``replica`` on, as ``GatewayContext`` lists it) only ``outcome.Outcome``."""
+side (from ``attempts`` on, as ``GatewayContext`` lists it) only ``outcome.Outcome``."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_each_context_field_has_one_writer() -> None:
     fields = [f.name for f in dataclasses.fields(GatewayContext)]
     assert set(found) <= set(fields)  # the finder reads real fields
     assert {name: mods for name, mods in found.items() if len(mods) > 1} == {}
-    answer_side = fields[fields.index("replica") :]
+    answer_side = fields[fields.index("attempts") :]
     computed = {"end", "final"}  # written by ``GatewayContext.finish``, which only Outcome calls
     assert {f: found[f] for f in answer_side if f in found and f not in computed} == {
         f: {"outcome"} for f in answer_side if f in found and f not in computed
