@@ -17,12 +17,19 @@ window, read from ``/proc``, gives its CPU per request and so requests/s per wor
     .venv/bin/python benchmarks/gateway_overhead.py --seconds 20
     .venv/bin/python benchmarks/gateway_overhead.py --otlp     # with span export on
     .venv/bin/python benchmarks/gateway_overhead.py --otlp --sample 0.1
+    .venv/bin/python benchmarks/gateway_overhead.py --side-by-side 4 --seconds 6
 
 Aims (issue 21): at most 1 ms added at p50; at least 1,000 requests/s per worker core.
 With ``--otlp`` the gateway exports every request's spans over OTLP/HTTP to a sink this
 script serves (it reads and discards them; its CPU is not the gateway's); aim (issue 40):
-at most 5% more gateway CPU per request.
-Results: ``benchmarks/results/gateway_overhead.json`` (``gateway_overhead_otlp_<ratio>.json``).
+at most 5% more gateway CPU per request; ``--side-by-side ROUNDS`` measures that ratio in
+one run, two gateways (without and with export) in alternating rounds, since this host's
+drift between separate runs is larger than the difference; where ``py-spy`` is installed it
+also samples the exporting gateway's stacks and reports the export path's own CPU over the
+rest (``export_extra_cpu_*``), a direct attribution that drift does not blur (it leaves out
+indirect costs such as more garbage collection).
+Results: ``benchmarks/results/gateway_overhead.json`` (``gateway_overhead_otlp_<ratio>.json``,
+``gateway_overhead_otlp_side_by_side_<ratio>_c<concurrency>.json``).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -39,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -223,6 +232,8 @@ def span_sink() -> str:
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     class Sink(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as collectors do
+
         def do_POST(self) -> None:
             self.rfile.read(int(self.headers.get("Content-Length", 0)))
             self.send_response(200)
@@ -237,6 +248,106 @@ def span_sink() -> str:
     return f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
 
 
+def start_gateway(
+    port: int, mock_port: int, data_dir: str, sink: str | None, sample: float
+) -> subprocess.Popen[bytes]:
+    """``sendpath gateway`` in front of the mock (exporting spans to ``sink`` if given)."""
+    otlp = ["--otlp-traces-endpoint", sink] if sink is not None else []
+    return subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "sendpath"),
+            "gateway",
+            "--port",
+            str(port),
+            "--replica",
+            f"http://127.0.0.1:{mock_port}",
+            "--data-dir",
+            data_dir,
+            "--max-inflight-per-replica",
+            "64",
+            *otlp,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={
+            **os.environ,
+            "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+            "OTEL_TRACES_SAMPLER_ARG": str(sample),
+        },
+    )
+
+
+def side_by_side(
+    gateways: tuple[tuple[int, int], tuple[int, int]],
+    body: bytes,
+    secrets: dict[str, str],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """Gateway CPU per request without and with export (``gateways``: their port and pid),
+    in alternating rounds at ``--concurrency``; both run at once, only the one measured
+    has load."""
+    rounds: dict[str, dict[str, list[float]]] = {
+        k: {"off": [], "on": [], "share": []} for k in secrets
+    }
+    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+    for n in range(args.side_by_side):
+        for kind, secret in secrets.items():
+            order = (("off", 0), ("on", 1)) if n % 2 == 0 else (("on", 1), ("off", 0))
+            for which, index in order:
+                port, pid = gateways[index]
+                load = Load(port, body, f"authorization: Bearer {secret}\r\n")
+                with sampled(spy if which == "on" else None, pid, args.seconds) as share:
+                    row = measure(load, args.concurrency, args.seconds, pid)
+                rounds[kind][which].append(row["gateway_cpu_ms_per_request"])
+                rounds[kind]["share"] += share
+    out: dict[str, Any] = {"concurrency": args.concurrency, "py_spy": spy is not None}
+    for kind, pair in rounds.items():
+        ratios = [on / off for off, on in zip(pair["off"], pair["on"], strict=True)]
+        out[f"{kind}_key"] = {
+            "cpu_ms_per_request_off": pair["off"],
+            "cpu_ms_per_request_on": pair["on"],
+            "ratio_per_round": [round(r, 3) for r in ratios],
+            "ratio_median": round(statistics.median(ratios), 3),
+        }
+        if pair["share"]:  # export's CPU over the rest of the exporting gateway's
+            extra = [s / (1 - s) for s in pair["share"]]
+            out[f"{kind}_key"]["export_extra_cpu_per_round"] = [round(e, 4) for e in extra]
+            out[f"{kind}_key"]["export_extra_cpu_median"] = round(statistics.median(extra), 4)
+    return out
+
+
+# frames of the export path: building, encoding, queueing and sending spans
+EXPORT_FRAMES = ("sendpath/telemetry/", "sendpath/gateway/spans.py", "opentelemetry/")
+
+
+@contextlib.contextmanager
+def sampled(spy: str | None, pid: int, seconds: float) -> Iterator[list[float]]:
+    """With ``spy`` (py-spy's path), sample ``pid``'s stacks while the block runs and
+    append the share of its CPU samples that are in the export path (``EXPORT_FRAMES``):
+    a direct attribution, steadier than two CPU totals on a drifting host."""
+    share: list[float] = []
+    if spy is None:
+        yield share
+        return
+    with tempfile.NamedTemporaryFile(suffix=".txt") as raw:
+        command = [spy, "record", "--pid", str(pid), "--rate", "250", "--format", "raw"]
+        command += ["--nonblocking", "-o", raw.name, "--duration", str(int(seconds + 3))]
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            yield share
+        finally:
+            proc.wait(seconds + 30)
+        total = export = 0
+        for line in Path(raw.name).read_text().splitlines():
+            stack, _, count = line.rpartition(" ")
+            total += int(count)
+            if any(frame in stack for frame in EXPORT_FRAMES):
+                export += int(count)
+        if total:
+            share.append(export / total)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=10.0, help="per measurement (10)")
@@ -244,6 +355,14 @@ def main() -> None:
     parser.add_argument("--otlp", action="store_true", help="the gateway exports its spans")
     parser.add_argument(
         "--sample", type=float, default=1.0, help="with --otlp: the traces' head-sampling ratio"
+    )
+    parser.add_argument(
+        "--side-by-side",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="two gateways, without and with --otlp export, measured in alternating rounds "
+        "at --concurrency: gateway CPU per request and the ratio, in one run",
     )
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -273,34 +392,27 @@ def main() -> None:
             ],
             cwd=ROOT,
         )
-        sink = span_sink() if args.otlp else None
-        otlp = ["--otlp-traces-endpoint", sink] if sink is not None else []
-        gateway = subprocess.Popen(
-            [
-                str(Path(sys.executable).parent / "sendpath"),
-                "gateway",
-                "--port",
-                str(gateway_port),
-                "--replica",
-                f"http://127.0.0.1:{mock_port}",
-                "--data-dir",
-                data_dir,
-                "--max-inflight-per-replica",
-                "64",
-                *otlp,
-            ],
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env={
-                **os.environ,
-                "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
-                "OTEL_TRACES_SAMPLER_ARG": str(args.sample),
-            },
+        sink = span_sink() if args.otlp or args.side_by_side else None
+        gateway = start_gateway(
+            gateway_port, mock_port, data_dir, sink if args.otlp else None, args.sample
         )
+        exporting = None
+        if args.side_by_side:
+            exporting_port = free_port()
+            exporting = start_gateway(exporting_port, mock_port, data_dir, sink, args.sample)
         try:
             wait_ready(mock_port, "/health", mock)
             wait_ready(gateway_port, "/health", gateway)
+            if exporting is not None:
+                wait_ready(exporting_port, "/health", exporting)
+                pair = ((gateway_port, gateway.pid), (exporting_port, exporting.pid))
+                compared = side_by_side(pair, body, secrets, args)
+                name = f"gateway_overhead_otlp_side_by_side_{args.sample:g}"
+                name += f"_c{args.concurrency}.json"
+                result = {"cpu_count": os.cpu_count(), "seconds": args.seconds, **compared}
+                RESULTS.with_name(name).write_text(json.dumps(result, indent=2) + "\n")
+                print(json.dumps(result, indent=2))
+                return
             direct = Load(mock_port, body, "")
             rows = {}
             for concurrency in (1, args.concurrency):
@@ -311,9 +423,10 @@ def main() -> None:
                         through, concurrency, args.seconds, gateway.pid
                     )
         finally:
-            for proc in (gateway, mock):
-                proc.send_signal(signal.SIGINT)
-                proc.wait(10)
+            for proc in (gateway, mock, exporting):
+                if proc is not None:
+                    proc.send_signal(signal.SIGINT)
+                    proc.wait(10)
     c = args.concurrency
     summary = {
         f"{kind}_key": {

@@ -18,16 +18,17 @@ from sendpath.trace import Stage
 __all__ = ["gateway_span", "span_error"]
 
 # the gateway's own stages, as child spans (the replica's are the replica's spans)
-_OWN = frozenset(
-    {
+_OWN = {
+    stage: stage.value
+    for stage in (
         Stage.GATEWAY_AUTH,
         Stage.GATEWAY_RATELIMIT,
         Stage.GATEWAY_SAFETY,
         Stage.GATEWAY_QUEUE,
         Stage.ROUTE,
         Stage.STREAM,
-    }
-)
+    )
+}
 
 
 # what the trace says of the route's choice (the page and the response say the rest)
@@ -50,9 +51,10 @@ def gateway_span(ctx: GatewayContext, operation: str, end: float) -> SpanRecord:
     )
     stages = ctx.final[0] if ctx.final is not None else ctx.stage_seconds()
     for stage, start, duration in stages:
-        if stage in _OWN:
+        name = _OWN.get(stage)
+        if name is not None:
             at = ctx.start + start
-            root.children.append(SpanRecord(stage.value, at, at + duration))
+            root.children.append(SpanRecord(name, at, at + duration))
     for attempt in ctx.attempts:
         root.children.append(_attempt_span(attempt, end))
     return root

@@ -9,10 +9,11 @@ resource takes ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES``.
 
 A finished request's spans (a ``SpanRecord`` tree, with the times the request's event
 list already holds: no span is started live, so there is no second clock and nothing to
-end on every path) are handed to the SDK's ``BatchSpanProcessor`` as one item. It queues
-them (bounded: past ``MAX_QUEUE`` requests it drops, never blocks) and a thread of its own
-encodes them (``otlp.py``) and sends them in batches through the SDK's OTLP/HTTP exporter,
-so a collector that refuses or hangs costs a request nothing.
+end on every path) are encoded to OTLP protobuf there and then (``otlp.py``: a few
+microseconds a span, and bytes, not objects, wait in the queue) and handed to the SDK's
+``BatchSpanProcessor`` as one item. It queues them (bounded: past ``MAX_QUEUE`` requests
+it drops, never blocks) and a thread of its own sends them in batches over the SDK's
+OTLP/HTTP exporter's client, so a collector that refuses or hangs costs a request nothing.
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ from urllib.parse import urlsplit
 from sendpath import __version__
 from sendpath.clock import Clock
 from sendpath.extras import require
-from sendpath.telemetry.otlp import SpanTree, encode_request, encode_resource
+from sendpath.telemetry.otlp import (
+    EncodedSpans,
+    SpanTree,
+    encode_request,
+    encode_resource,
+    encode_tree,
+)
 from sendpath.telemetry.sampling import Sampler
 from sendpath.telemetry.spans import AttributeValue, SpanRecord
 from sendpath.telemetry.trace_context import TraceParent, new_span_id
@@ -78,10 +85,15 @@ class Tracing:
     """Where one process's spans go: its resource (service name), and the processor."""
 
     def __init__(
-        self, resource: Resource, processor: SpanProcessor, sampler: Sampler | None = None
+        self,
+        resource: Resource,
+        processor: SpanProcessor,
+        sampler: Sampler | None = None,
+        encoded: bool = False,
     ) -> None:
         self.resource, self.processor = resource, processor
         self.sampler = sampler or Sampler.from_env()
+        self.encoded = encoded  # the processor takes EncodedSpans, not SpanTrees
 
     @classmethod
     def configured(cls, endpoint: str | None, service: str) -> Tracing | None:
@@ -99,8 +111,14 @@ class Tracing:
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
         resource = _resource(service)
-        trees = _OTLPTrees(OTLPSpanExporter(endpoint=endpoint), resource)  # None: the env's
-        return cls(resource, BatchSpanProcessor(trees, max_queue_size=MAX_QUEUE))  # type: ignore[arg-type]
+        otlp = OTLPSpanExporter(endpoint=endpoint)  # endpoint None: the environment's
+        client = getattr(otlp, "_client", None)
+        encoded = client is not None and hasattr(client, "export")
+        # where that client is not there (another SDK version), trees go through the
+        # exporter's own export as ReadableSpan records (slower, the same spans)
+        exporter = _OTLPBytes(client, otlp, resource) if encoded else _Readable(otlp, resource)
+        processor = BatchSpanProcessor(exporter, max_queue_size=MAX_QUEUE)  # type: ignore[arg-type]
+        return cls(resource, processor, encoded=encoded)
 
     @classmethod
     def to(cls, exporter: SpanExporter, service: str) -> Tracing:
@@ -123,7 +141,8 @@ class Tracing:
         tree = SpanTree(
             root, context.trace_id, context.span_id, parent_span_id, context.flags, offset
         )
-        self.processor.on_end(tree)  # type: ignore[arg-type]  # the processor only queues it
+        item = EncodedSpans(encode_tree(tree)) if self.encoded else tree
+        self.processor.on_end(item)  # type: ignore[arg-type]  # the processor only queues it
 
     def shutdown(self) -> None:
         """Send what is queued, for at most ``SHUTDOWN_S`` (a hung collector does not hold
@@ -152,23 +171,18 @@ def _resource_attributes(resource: Resource) -> dict[str, AttributeValue]:
     return out
 
 
-class _OTLPTrees:
-    """The SDK's OTLP/HTTP exporter, fed ``SpanTree`` batches encoded by ``otlp.py``
-    and sent over its own client (its retries, compression, headers, certificates).
-    Where that client is not there (another SDK version), the trees go as ``ReadableSpan``
-    records through the exporter's own ``export``."""
+class _OTLPBytes:
+    """Encoded trees (``otlp.py``), joined into one request a batch and sent over the
+    SDK's OTLP/HTTP exporter's client (its retries, compression, headers, certificates)."""
 
-    def __init__(self, otlp: Any, resource: Resource) -> None:
-        self.otlp, self.resource = otlp, resource
+    def __init__(self, client: Any, otlp: Any, resource: Resource) -> None:
+        self.client, self.otlp = client, otlp
         self.parts = encode_resource(_resource_attributes(resource), "sendpath", __version__)
 
-    def export(self, trees: Sequence[SpanTree]) -> Any:
+    def export(self, batch: Sequence[EncodedSpans]) -> Any:
         from opentelemetry.sdk.trace.export import SpanExportResult
 
-        client = getattr(self.otlp, "_client", None)
-        if client is None or not hasattr(client, "export"):
-            return self.otlp.export(readable_spans(trees, self.resource))
-        result = client.export(encode_request(*self.parts, trees))
+        result = self.client.export(encode_request(*self.parts, batch))
         return SpanExportResult.SUCCESS if result.success else SpanExportResult.FAILURE
 
     def shutdown(self) -> None:

@@ -1,12 +1,16 @@
 """OTLP's protobuf wire format for ``SpanRecord`` trees, written directly.
 
 The SDK's encoder builds a protobuf message object per span, per attribute and per value
-(about 30 microseconds a span here); a gateway request has eight spans, which made export
-cost a third of the gateway's CPU per request (``benchmarks/README.md``). This writes
-the same bytes (``ExportTraceServiceRequest`` of opentelemetry-proto; the tests decode
-them with its generated classes) from the records, with the pieces that repeat from
-request to request (attribute keys, and whole key-value pairs such as the operation or
-the routing policy) encoded once and kept.
+(about 30 microseconds a span here); a gateway request has eight spans. This writes the
+same bytes (``ExportTraceServiceRequest`` of opentelemetry-proto; the tests decode them
+with its generated classes and compare them with the SDK's) in a few microseconds a span:
+every field of a span but its name, attributes and events has a fixed size, so a span is
+a handful of byte strings joined, and what repeats from request to request (a span's name
+and kind, attribute keys, whole key-value pairs such as the operation or the routing
+policy) is encoded once and kept.
+
+``encode_tree`` runs where a request ends, so what waits in the export queue is bytes:
+no objects for the garbage collector to walk while a batch fills.
 """
 
 from __future__ import annotations
@@ -18,13 +22,16 @@ from dataclasses import dataclass
 
 from sendpath.telemetry.spans import AttributeValue, SpanRecord
 
-__all__ = ["SpanTree", "encode_request", "encode_resource"]
+__all__ = ["SpanTree", "encode_request", "encode_resource", "encode_tree"]
 
-_FIXED64 = struct.Struct("<Q").pack
+_TIMES = struct.Struct("<BQBQ").pack  # start_time_unix_nano (9), end_time_unix_nano (8)
 _DOUBLE = struct.Struct("<d").pack
-_KINDS = {"internal": b"\x01", "server": b"\x02", "client": b"\x03"}
+_FLAGS = struct.Struct("<I").pack
+_KINDS = {"internal": b"\x30\x01", "server": b"\x30\x02", "client": b"\x30\x03"}
 _HAS_IS_REMOTE, _IS_REMOTE = 0x100, 0x200  # Span.flags: whether the parent is remote
 _CACHE_LIMIT = 4096  # key-value pairs kept encoded; past it the cache starts again
+# attributes whose values differ from request to request: not worth keeping encoded
+UNCACHED = frozenset({"sendpath.request_id", "gen_ai.response.id", "sendpath.client_id"})
 
 
 class _Sampled:
@@ -35,7 +42,7 @@ class _Sampled:
         sampled = True
 
 
-@dataclass
+@dataclass(slots=True)
 class SpanTree:
     """One request's spans as queued for export: the root's place in its trace, the
     caller's span (``None``: the root starts the trace), and the offset that turns the
@@ -51,6 +58,13 @@ class SpanTree:
     @property
     def context(self) -> type[_Sampled]:
         return _Sampled
+
+
+class EncodedSpans(bytes):
+    """One tree's spans, encoded (``encode_tree``), as the batch processor queues them."""
+
+    __slots__ = ()
+    context = _Sampled
 
 
 _SMALL = [bytes((n,)) for n in range(0x80)]  # the varints of one byte
@@ -86,28 +100,37 @@ def _any_value(value: AttributeValue) -> bytes:
     return _field(b"\x2a", values)
 
 
-_pairs: dict[tuple[str, AttributeValue], bytes] = {}
+_keys: dict[str, bytes] = {}  # attribute key -> its KeyValue.key field
+# (key, value: a list as a tuple) -> its KeyValue field
+_pairs: dict[tuple[str, object], bytes] = {}
 
 
 def _key_value(tag: bytes, key: str, value: AttributeValue) -> bytes:
-    """One attribute (a ``KeyValue`` field of ``tag``); pairs of a key with a string,
-    int or bool are kept encoded (floats, and lists, vary too much to be worth it)."""
-    cacheable = not isinstance(value, float | list)
-    if cacheable:
-        encoded = _pairs.get((key, value))
+    """One attribute (a ``KeyValue`` field of ``tag``); a key's pairs with a string, an
+    int or a list of strings are kept encoded unless its values are each request's own
+    (``UNCACHED``)."""
+    pair: tuple[str, object] | None = None
+    if key not in UNCACHED:
+        cls = value.__class__
+        if cls is str or cls is int:  # not bool: (k, True) and (k, 1) are equal keys
+            pair = (key, value)
+        elif isinstance(value, list):
+            pair = (key, tuple(value))
+    if pair is not None:
+        encoded = _pairs.get(pair)
         if encoded is not None:
             return encoded
-    body = _field(b"\x0a", key.encode()) + _field(b"\x12", _any_value(value))
-    encoded = _field(tag, body)
-    if cacheable:
+    head = _keys.get(key)
+    if head is None:
+        if len(_keys) >= _CACHE_LIMIT:
+            _keys.clear()
+        head = _keys[key] = _field(b"\x0a", key.encode())
+    encoded = _field(tag, head + _field(b"\x12", _any_value(value)))
+    if pair is not None:
         if len(_pairs) >= _CACHE_LIMIT:
             _pairs.clear()
-        _pairs[key, value] = encoded
+        _pairs[pair] = encoded
     return encoded
-
-
-def _attributes(tag: bytes, attributes: Mapping[str, AttributeValue]) -> list[bytes]:
-    return [_key_value(tag, k, v) for k, v in attributes.items()]
 
 
 _heads: dict[tuple[str, str], bytes] = {}
@@ -117,68 +140,91 @@ def _head(name: str, kind: str) -> bytes:
     """A span's name and kind fields (few pairs: kept encoded)."""
     encoded = _heads.get((name, kind))
     if encoded is None:
-        encoded = _field(b"\x2a", name.encode()) + b"\x30" + _KINDS.get(kind, b"\x01")
+        encoded = _field(b"\x2a", name.encode()) + _KINDS.get(kind, b"\x30\x01")
         if len(_heads) >= _CACHE_LIMIT:
             _heads.clear()
         _heads[name, kind] = encoded
     return encoded
 
 
-def _span(
-    record: SpanRecord, trace: bytes, span_id: int, parent: bytes | None, flags: int, offset: float
-) -> bytes:
+def _span(record: SpanRecord, pre: bytes, span_id: bytes, tail: bytes, offset: float) -> bytes:
+    """One ``Span`` field of ``ScopeSpans``: ``pre``, its trace id and parent fields;
+    ``tail``, its status (unset) and flags fields."""
     start = int((record.start + offset) * 1e9)
-    end = max(start, int((record.end + offset) * 1e9))
-    parts = [
-        b"\x0a\x10", trace, b"\x12\x08", span_id.to_bytes(8, "big"),
-        b"\x22\x08" + parent if parent is not None else b"",
-        _head(record.name, record.kind), b"\x39", _FIXED64(start), b"\x41", _FIXED64(end),
-    ]  # fmt: skip
+    end = int((record.end + offset) * 1e9)
+    times = _TIMES(0x39, start, 0x41, end if end > start else start)
+    head = _head(record.name, record.kind)
+    if not (record.attributes or record.events or record.error):  # a stage: most spans
+        body = b"".join((pre, b"\x12\x08", span_id, head, times, tail))
+        n = len(body)
+        return b"\x12" + (_SMALL[n] if n < 0x80 else _varint(n)) + body
+    parts = [pre, b"\x12\x08", span_id, head, times]
     if record.attributes:
         parts += [_key_value(b"\x4a", k, v) for k, v in record.attributes.items()]
     if record.error is not None:
         parts.append(_key_value(b"\x4a", "error.type", record.error))
-    for event_name, t in record.events:
-        event = b"\x09" + _FIXED64(int((t + offset) * 1e9)) + _field(b"\x12", event_name.encode())
-        parts.append(_field(b"\x5a", event))
-    if record.error is not None:  # Status: its message, and code ERROR (2)
+    if record.events:
+        for event_name, t in record.events:
+            at = struct.pack("<BQ", 0x09, int((t + offset) * 1e9))
+            parts.append(_field(b"\x5a", at + _field(b"\x12", event_name.encode())))
+    if record.error is None:
+        parts.append(tail)
+    else:  # Status: its message, and code ERROR (2)
         parts.append(_field(b"\x7a", _field(b"\x12", record.error.encode()) + b"\x18\x02"))
-    else:
-        parts.append(b"\x7a\x00")  # UNSET, written out as the SDK's encoder does
-    parts += [b"\x85\x01", struct.pack("<I", flags)]
-    return _field(b"\x12", b"".join(parts))  # ScopeSpans.spans
+        parts.append(tail[2:])  # the flags only
+    body = b"".join(parts)
+    n = len(body)
+    return b"\x12" + (_SMALL[n] if n < 0x80 else _varint(n)) + body
 
 
-def _tree(tree: SpanTree) -> list[bytes]:
-    trace = tree.trace_id.to_bytes(16, "big")
-    flags = _HAS_IS_REMOTE  # the parent's remoteness, as the SDK's encoder writes flags
-    out: list[bytes] = []
+def _span_id(record: SpanRecord) -> bytes:
+    known = record.span_id
+    return (known or random.getrandbits(64) or 1).to_bytes(8, "big")
 
-    def walk(record: SpanRecord, span_id: int, parent: bytes | None, own_flags: int) -> None:
-        out.append(_span(record, trace, span_id, parent, own_flags, tree.offset))
-        here = span_id.to_bytes(8, "big")
-        for child in record.children:
-            child_id = child.span_id or (random.getrandbits(64) or 1)
-            walk(child, child_id, here, flags)
 
+def encode_tree(tree: SpanTree) -> bytes:
+    """A tree's spans, each a ``Span`` field of ``ScopeSpans`` (``encode_request`` puts
+    them in a request), parents before their children."""
+    trace = b"\x0a\x10" + tree.trace_id.to_bytes(16, "big")
+    # Span.flags as the SDK's encoder writes them: whether the parent is remote
+    tail = b"\x7a\x00\x85\x01" + _FLAGS(_HAS_IS_REMOTE)  # after an UNSET status
+    root_id = tree.span_id.to_bytes(8, "big")
     caller = tree.parent_span_id
-    root_flags = flags | (_IS_REMOTE if caller is not None else 0)
-    walk(tree.root, tree.span_id, caller.to_bytes(8, "big") if caller else None, root_flags)
-    return out
+    if caller is None:
+        root = _span(tree.root, trace, root_id, tail, tree.offset)
+    else:
+        remote = b"\x7a\x00\x85\x01" + _FLAGS(_HAS_IS_REMOTE | _IS_REMOTE)
+        root = _span(
+            tree.root, trace + b"\x22\x08" + caller.to_bytes(8, "big"), root_id, remote, tree.offset
+        )
+    out = [root]
+    _children(out, tree.root, trace, root_id, tail, tree.offset)
+    return b"".join(out)
+
+
+def _children(
+    out: list[bytes], record: SpanRecord, trace: bytes, own: bytes, tail: bytes, offset: float
+) -> None:
+    pre = trace + b"\x22\x08" + own
+    for child in record.children:
+        child_id = _span_id(child)
+        out.append(_span(child, pre, child_id, tail, offset))
+        if child.children:
+            _children(out, child, trace, child_id, tail, offset)
 
 
 def encode_resource(
     attributes: Mapping[str, AttributeValue], scope_name: str, scope_version: str
 ) -> tuple[bytes, bytes]:
     """A process's ``Resource`` and ``InstrumentationScope``, encoded once."""
-    resource = b"".join(_attributes(b"\x0a", attributes))
+    resource = b"".join(_key_value(b"\x0a", k, v) for k, v in attributes.items())
     scope = _field(b"\x0a", scope_name.encode()) + _field(b"\x12", scope_version.encode())
     return resource, scope
 
 
-def encode_request(resource: bytes, scope: bytes, trees: Iterable[SpanTree]) -> bytes:
-    """An ``ExportTraceServiceRequest`` of ``trees``' spans (``encode_resource``'s parts)."""
-    spans = b"".join(b"".join(_tree(tree)) for tree in trees)
-    scope_spans = _field(b"\x0a", scope) + spans
+def encode_request(resource: bytes, scope: bytes, trees: Iterable[bytes]) -> bytes:
+    """An ``ExportTraceServiceRequest`` of encoded trees (``encode_tree``), from
+    ``encode_resource``'s parts."""
+    scope_spans = _field(b"\x0a", scope) + b"".join(trees)
     resource_spans = _field(b"\x0a", resource) + _field(b"\x12", scope_spans)
     return _field(b"\x0a", resource_spans)

@@ -11,9 +11,10 @@ carried on in the ``traceparent``'s sampled flag: a replica behind a gateway kee
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, field
 
-from sendpath.telemetry.trace_context import SAMPLED, TraceParent
+from sendpath.telemetry.trace_context import SAMPLED, TraceParent, new_span_id
 
 __all__ = ["SAMPLERS", "Sampler"]
 
@@ -28,6 +29,10 @@ _BOUND = 1 << 64  # the ratio is applied to the trace id's low 64 bits
 class Sampler:
     name: str = "parentbased_always_on"
     ratio: float = 1.0
+    # decided once, not per request: a trace id whose low 64 bits are below ``_bound`` is
+    # sampled; ``_parent_based``: a caller's decision is kept
+    _bound: int = field(init=False, repr=False, compare=False)
+    _parent_based: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.name not in SAMPLERS:
@@ -36,6 +41,10 @@ class Sampler:
             )
         if not 0.0 <= self.ratio <= 1.0:
             raise ValueError(f"OTEL_TRACES_SAMPLER_ARG is a ratio from 0 to 1; got {self.ratio}")
+        rule = self.name.removeprefix("parentbased_")
+        bound = {"always_on": _BOUND, "always_off": 0}.get(rule, round(self.ratio * _BOUND))
+        object.__setattr__(self, "_bound", bound)
+        object.__setattr__(self, "_parent_based", self.name.startswith("parentbased_"))
 
     @classmethod
     def from_env(cls) -> Sampler:
@@ -52,15 +61,11 @@ class Sampler:
     def start(self, parent: TraceParent | None) -> TraceParent:
         """A server span's context: in ``parent``'s trace if there is one, sampled as
         this sampler decides."""
-        child = TraceParent.child_of(parent)
-        if parent is not None and self.name.startswith("parentbased_"):
-            return child  # the caller's decision
-        rule = self.name.removeprefix("parentbased_")
-        if rule == "always_on":
-            keep = True
-        elif rule == "always_off":
-            keep = False
+        if parent is not None:
+            if self._parent_based:
+                return TraceParent(parent.trace_id, new_span_id(), parent.flags)
+            trace_id, flags = parent.trace_id, parent.flags
         else:
-            keep = (child.trace_id & (_BOUND - 1)) < round(self.ratio * _BOUND)
-        flags = child.flags | SAMPLED if keep else child.flags & ~SAMPLED
-        return TraceParent(child.trace_id, child.span_id, flags)
+            trace_id, flags = random.getrandbits(128) or 1, 0
+        keep = (trace_id & (_BOUND - 1)) < self._bound
+        return TraceParent(trace_id, new_span_id(), flags | SAMPLED if keep else flags & ~SAMPLED)

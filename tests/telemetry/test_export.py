@@ -99,30 +99,33 @@ def test_the_endpoint_flag_is_checked_and_completed() -> None:
             traces_endpoint(bad)
 
 
-def test_the_direct_encoding_is_the_sdks_encoding_of_the_same_spans() -> None:
+@pytest.mark.parametrize("caller", [0x77, None], ids=["continued", "root"])
+def test_the_direct_encoding_is_the_sdks_encoding_of_the_same_spans(caller: int | None) -> None:
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
         ExportTraceServiceRequest,
     )
 
     from sendpath.telemetry.export import _resource, _resource_attributes, readable_spans
-    from sendpath.telemetry.otlp import SpanTree, encode_request, encode_resource
+    from sendpath.telemetry.otlp import SpanTree, encode_request, encode_resource, encode_tree
 
     root = tree()
     root.attributes.update(
         {"n": -3, "ok": True, "ratio": 0.25, "reasons": ["stop", "length"], "text": "é"}
     )
+    root.children[0].children = [SpanRecord("nested", 10.0, 10.05)]  # parents first
     for number, record in enumerate(root.walk()[1:], start=1):
         record.span_id = record.span_id or number  # the same ids on both sides
-    trees = [SpanTree(root, 0x1234, 0x99, 0x77, 1, 1_700_000_000.0)]
+    trees = [SpanTree(root, 0x1234, 0x99, caller, 1, 1_700_000_000.0)]
     resource = _resource("sendpath-gateway")
     parts = encode_resource(_resource_attributes(resource), "sendpath", "0.1.0")
-    ours = ExportTraceServiceRequest.FromString(encode_request(*parts, trees))
+    encoded = encode_request(*parts, [encode_tree(t) for t in trees])
+    ours = ExportTraceServiceRequest.FromString(encoded)
     sdk = encode_spans(readable_spans(trees, resource))
     (ours_rs,), (sdk_rs,) = ours.resource_spans, sdk.resource_spans
     assert ours_rs.resource == sdk_rs.resource
     (ours_ss,), (sdk_ss,) = ours_rs.scope_spans, sdk_rs.scope_spans
     assert ours_ss.scope.name == sdk_ss.scope.name == "sendpath"
-    assert len(ours_ss.spans) == len(sdk_ss.spans) == 4
+    assert len(ours_ss.spans) == len(sdk_ss.spans) == 5
     for a, b in zip(ours_ss.spans, sdk_ss.spans, strict=True):
         assert a == b, (a, b)
