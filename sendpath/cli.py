@@ -90,7 +90,7 @@ def _version(args: argparse.Namespace) -> int:
 
 
 def _register_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser], help: str) -> None:
-    from sendpath.engine.args import MODEL_HELP
+    from sendpath.engine.args import MODEL_HELP, SPEC_HELP
 
     gen = sub.add_parser(
         "generate",
@@ -106,6 +106,7 @@ def _register_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser],
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"])
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    gen.add_argument("--speculative-config", metavar="JSON", default=None, help=SPEC_HELP)
     gen.add_argument("--max-tokens", type=int, default=256)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -214,7 +215,17 @@ def _generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
     )
-    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, device=args.device)
+    try:
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            quantization=args.quantization,
+            device=args.device,
+            speculative_config=args.speculative_config,
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.raw:
         print(args.message, end="", flush=True)
         print(llm.generate(args.message, params)[0].outputs[0].text)

@@ -13,6 +13,7 @@ __all__ = [
     "KVEventsConfig",
     "ReplicaConfig",
     "SchedulerConfig",
+    "SpeculativeConfig",
 ]
 
 
@@ -70,6 +71,83 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's ``--speculative-config`` keys: each decode step a
+    request may propose up to ``num_speculative_tokens`` next tokens, verified in the same
+    forward pass (``engine/speculative.py``). ``method`` ``ngram``: prompt lookup, the
+    tokens that followed the longest earlier match (``prompt_lookup_min`` to
+    ``prompt_lookup_max`` tokens) of the sequence's last tokens. ``disable_by_batch_size``:
+    no proposals in a step with more decoding requests than this (there the batch already
+    keeps the machine busy and verifying costs more than it saves)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    disable_by_batch_size: int = 4
+
+    KEYS = (
+        "method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+        "disable_by_batch_size", "model",
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(
+                f'speculative method {self.method!r} is not available: use "ngram" '
+                "(prompt lookup); draft-model speculation is not built yet"
+            )
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(
+                f"num_speculative_tokens must be 1 to 16, got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 16:
+            raise ValueError(
+                "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max <= 16, "
+                f"got {self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+        if self.disable_by_batch_size < 1:
+            raise ValueError(
+                f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}"
+            )
+
+    @classmethod
+    def parse(cls, text: str | dict[str, object]) -> SpeculativeConfig:
+        """From ``--speculative-config``'s JSON (or its dict); ``ValueError`` naming what
+        is wrong: bad JSON, an unknown key, a value of the wrong type or range."""
+        if isinstance(text, str):
+            try:
+                given = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative config is not JSON: {exc}") from None
+        else:
+            given = text
+        if not isinstance(given, dict):
+            raise ValueError(
+                "speculative config must be a JSON object, e.g. "
+                '{"method": "ngram", "num_speculative_tokens": 4}'
+            )
+        unknown = sorted(set(given) - set(cls.KEYS))
+        if unknown:
+            raise ValueError(
+                f"speculative config has unknown key(s) {', '.join(unknown)}; "
+                f"known: {', '.join(cls.KEYS)}"
+            )
+        if "model" in given:
+            raise ValueError(
+                'speculative config: a draft model ("model") is not supported yet; '
+                'use {"method": "ngram"}'
+            )
+        for key, value in given.items():
+            if key != "method" and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"speculative config: {key} must be an integer, got {value!r}")
+        method = given.get("method", "ngram")
+        if not isinstance(method, str):
+            raise ValueError(f"speculative config: method must be a string, got {method!r}")
+        return cls(**given)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine (one model replica) needs."""
 
@@ -80,6 +158,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context window
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from sendpath.config import CacheConfig, EngineConfig, SchedulerConfig
+from sendpath.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from sendpath.engine.core import EngineCore, Prompt
 from sendpath.engine.outputs import CompletionOutput, RequestOutput
 from sendpath.errors import InvalidRequestError
@@ -26,7 +26,9 @@ class LLM:
     ``"bfloat16"`` or ``"float16"``; ``quantization`` is ``"auto"`` (the model's own
     four-bit weights for small steps on such a CPU), ``"none"``, ``"int8"`` or ``"int4"``.
     The engine options (``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``,
-    ``kv_cache_memory_gib``, ``num_blocks``, ``enable_prefix_caching``) are vLLM's.
+    ``kv_cache_memory_gib``, ``num_blocks``, ``enable_prefix_caching``) are vLLM's, and
+    so is ``speculative_config`` (a dict or its JSON: ``{"method": "ngram",
+    "num_speculative_tokens": 4}``, ``config.SpeculativeConfig``).
     """
 
     def __init__(
@@ -43,7 +45,11 @@ class LLM:
         kv_cache_memory_gib: float = 1.0,
         num_blocks: int | None = None,
         enable_prefix_caching: bool = True,
+        speculative_config: str | dict[str, object] | None = None,
     ) -> None:
+        speculative = (
+            None if speculative_config is None else SpeculativeConfig.parse(speculative_config)
+        )
         config = EngineConfig(
             model=None if model is None else str(model),
             dtype=dtype,
@@ -52,6 +58,7 @@ class LLM:
             max_model_len=max_model_len,
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
             cache=CacheConfig(block_size, num_blocks, kv_cache_memory_gib, enable_prefix_caching),
+            speculative=speculative,
         )
         self.engine = EngineCore.from_config(config)
         assert self.engine.loaded is not None

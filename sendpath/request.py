@@ -231,6 +231,11 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first schedule)
     num_preemptions: int = 0
+    # speculative decoding: drafts for its next step (``engine/speculative.py``), and how
+    # many it proposed and kept so far
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     timeline: Timeline = field(default_factory=Timeline)
 

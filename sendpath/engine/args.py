@@ -7,14 +7,27 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from sendpath.config import CacheConfig, EngineConfig, SchedulerConfig
+from sendpath.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 
-__all__ = ["ENGINE_FLAGS", "MODEL_HELP", "add_engine_args", "engine_argv", "engine_config"]
+__all__ = [
+    "ENGINE_FLAGS",
+    "MODEL_HELP",
+    "SPEC_HELP",
+    "add_engine_args",
+    "engine_argv",
+    "engine_config",
+]
 
 MODEL_HELP = (
     "GGUF file or Hugging Face directory of a Llama, Mistral, Qwen2/2.5 or Qwen3 model (GGUF: "
     "F32, F16, BF16, Q8_0, Q4_0/1, Q5_0/1, K-quants; byte-level BPE or SentencePiece "
     "vocabulary); default: the built-in SmolLM2-135M-Instruct"
+)
+SPEC_HELP = (
+    'speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": '
+    '4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (prompt lookup: drafts from '
+    "earlier text, verified in the same step; greedy output unchanged); "
+    '"disable_by_batch_size": no drafts in steps with more decodes than this (4)'
 )
 # The replica's engine flags: (flag, argparse options). `serve` passes them on to replicas.
 ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
@@ -59,6 +72,7 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
         {"type": float, "default": 1.0, "help": "memory for the KV cache"},
     ),
     ("--no-prefix-caching", {"action": "store_true", "help": "turn prefix caching off"}),
+    ("--speculative-config", {"metavar": "JSON", "help": SPEC_HELP}),
     (
         "--scheduling-policy",
         {"default": "fcfs", "choices": ["fcfs", "priority"], "help": "engine queue order"},
@@ -111,5 +125,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             block_size=args.block_size,
             kv_cache_memory_gib=args.kv_cache_memory_gib,
             enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        speculative=(
+            None
+            if args.speculative_config is None
+            else SpeculativeConfig.parse(args.speculative_config)
         ),
     )

@@ -20,9 +20,10 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sendpath.clock import Clock, RealClock
-from sendpath.config import EngineConfig, SchedulerConfig
+from sendpath.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from sendpath.engine.outputs import EngineOutput, OutputStream
 from sendpath.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput, SchedulerStats
+from sendpath.engine.speculative import Speculator
 from sendpath.engine.steps import StepLog, StepShape
 from sendpath.errors import InvalidRequestError, PromptTooLongError
 from sendpath.kvcache.events import AllBlocksCleared, KVEvent
@@ -73,6 +74,7 @@ class EngineCore:
         max_model_len: int,
         clock: Clock | None = None,
         model_name: str = "model",
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         if kv.capacity_tokens < max_model_len:
             raise ValueError(
@@ -92,6 +94,9 @@ class EngineCore:
         # every step's shape and time: calibration from a live server
         self.steps = StepLog()
         self._kv_sink: Callable[[list[KVEvent]], None] | None = None
+        # speculative decoding: drafts proposed after each step (``engine/speculative.py``)
+        self.speculator = None if speculative is None else Speculator(speculative, max_model_len)
+        self.scheduler.speculative = speculative is not None
 
     @classmethod
     def from_config(cls, config: EngineConfig, clock: Clock | None = None) -> EngineCore:
@@ -118,7 +123,16 @@ class EngineCore:
         )
         kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         runner = ModelRunner(loaded, num_blocks, cache.block_size)
-        core = cls(runner, loaded.tokenizer, kv, config.scheduler, max_len, clock, loaded.name)
+        core = cls(
+            runner,
+            loaded.tokenizer,
+            kv,
+            config.scheduler,
+            max_len,
+            clock,
+            loaded.name,
+            config.speculative,
+        )
         core.loaded = loaded
         return core
 
@@ -227,7 +241,7 @@ class EngineCore:
         """Stop a request wherever it is; frees its blocks. ``None`` if already gone."""
         stream = self._streams.pop(request_id, None)
         request = self.scheduler.finish_request(request_id, RequestStatus.ABORTED)
-        self.runner.remove_request(request_id)
+        self._forget(request_id)
         if stream is None or request is None:
             return None
         stream.abort()
@@ -248,10 +262,13 @@ class EngineCore:
             for request_id, why in result.failed.items()
             if (out := self._fail(request_id, why)) is not None
         ]
-        for request, token in self.scheduler.update(plan, result):
+        updated = self.scheduler.update(plan, result)
+        if self.speculator is not None:
+            self._verified(plan, updated)
+        for request, tokens in updated:
             stream = self._streams[request.request_id]
             try:
-                text = stream.append(token)
+                text, tokens = self._append(request, stream, tokens)
             except Exception as exc:
                 logger.exception("request %s: its output could not be made", request.request_id)
                 if (out := self._fail(request.request_id, repr(exc))) is not None:
@@ -259,10 +276,12 @@ class EngineCore:
                 continue
             if stream.finished:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED)
-                self.runner.remove_request(request.request_id)
+                self._forget(request.request_id)
                 del self._streams[request.request_id]
             logprobs = result.logprobs.get(request.request_id)
-            outputs.append(self._output(request, stream, [token], text, logprobs))
+            outputs.append(self._output(request, stream, tokens, text, logprobs))
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         if not plan.is_empty:
             busy = self.scheduler.has_unfinished_requests()
             shape = StepShape.of(plan)
@@ -271,6 +290,38 @@ class EngineCore:
             events, pool.events = pool.events, []
             self._kv_sink(events)
         return outputs
+
+    @staticmethod
+    def _append(request: Request, stream: OutputStream, tokens: list[int]) -> tuple[str, list[int]]:
+        """Feed a step's new tokens to the request's output stream; the text they made and
+        the tokens it took. A token that finishes the request (an end token, a stop
+        string, its length) is its last: the ones a verified draft brought after it are
+        dropped from the request."""
+        if len(tokens) == 1:
+            return stream.append(tokens[0]), tokens
+        text = ""
+        for taken, token in enumerate(tokens, 1):
+            text += stream.append(token)
+            if stream.finished and taken < len(tokens):
+                dropped = len(tokens) - taken
+                del request.output_token_ids[-dropped:], request.timeline.events[-dropped:]
+                return text, tokens[:taken]
+        return text, tokens
+
+    def _verified(self, plan: SchedulerOutput, updated: list[tuple[Request, list[int]]]) -> None:
+        """Count the drafts this step verified and how many each request kept."""
+        assert self.speculator is not None
+        drafted = {item.request_id: item.num_drafts for item in plan.requests if item.num_drafts}
+        if drafted:
+            for request, tokens in updated:
+                if num_drafts := drafted.get(request.request_id):
+                    self.speculator.verified(request, num_drafts, len(tokens) - 1)
+
+    def _forget(self, request_id: str) -> None:
+        """A request left the engine: the runner's and the speculator's state of it go."""
+        self.runner.remove_request(request_id)
+        if self.speculator is not None:
+            self.speculator.remove(request_id)
 
     def publish_kv_events(self, sink: Callable[[list[KVEvent]], None]) -> None:
         """From now on, hand ``sink`` each step's prefix-cache events (``kvcache/events.py``)
@@ -281,7 +332,10 @@ class EngineCore:
         self._kv_sink = sink
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        if self.speculator is not None:
+            stats.spec = self.speculator.stats.snapshot()
+        return stats
 
     def step_log(self, after: int = 0) -> dict[str, Any]:
         """The logged steps after step ``after`` (shape and wall time) and the engine
@@ -300,6 +354,9 @@ class EngineCore:
                 "block_size": kv.block_size,
                 "num_blocks": kv.pool.num_blocks,
                 "max_model_len": self.max_model_len,
+                "speculative": (
+                    None if self.speculator is None else asdict(self.speculator.config)
+                ),
             },
             "steps": [
                 {"seq": r.seq, "start": r.start, "seconds": r.seconds, "busy_after": r.busy_after}
@@ -345,7 +402,7 @@ class EngineCore:
         logger.error("request %s stopped with an error: %s", request_id, why)
         stream = self._streams.pop(request_id, None)
         request = self.scheduler.finish_request(request_id, RequestStatus.FAILED)
-        self.runner.remove_request(request_id)
+        self._forget(request_id)
         if stream is None or request is None:
             return None
         stream.fail()

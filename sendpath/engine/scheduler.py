@@ -13,12 +13,17 @@ fills a token budget (``max_num_batched_tokens``) and a sequence cap (``max_num_
 A prompt longer than the budget left is split over several steps (chunked prefill), so
 one long prompt never stalls the running decodes; with ``long_prefill_token_threshold``
 one prompt's chunk is capped too, so short prompts arriving meanwhile start at once.
-Torch-free; time comes from a ``Clock``.
+With speculative decoding (``speculative``) a decode that carries draft tokens
+(``Request.spec_token_ids``, ``engine/speculative.py``) is planned as one chunk of its
+decode token and its drafts, within the budget left (drafts that do not fit are dropped);
+``update`` counts only the drafts the runner kept as computed and gives back the blocks
+that only the others' slots were in. Torch-free; time comes from a ``Clock``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from sendpath.clock import Clock
 from sendpath.config import SchedulerConfig
@@ -26,6 +31,9 @@ from sendpath.errors import QueueFullError
 from sendpath.kvcache.manager import KVCacheManager
 from sendpath.request import Request, RequestStatus, TokenLogprobs
 from sendpath.trace import Event, EventType
+
+if TYPE_CHECKING:
+    from sendpath.engine.speculative import SpecStats
 
 from .queue import make_queue
 
@@ -41,6 +49,7 @@ class ScheduledRequest:
     start_pos: int
     block_ids: list[int]  # the KV manager's live table: read it before the next schedule
     sample: bool  # True when this step reaches the last known token: sample the next one
+    num_drafts: int = 0  # the last ones of ``token_ids`` are draft tokens to verify
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +76,8 @@ class RunnerOutput:
 
     sampled: dict[str, int] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
+    # a request whose plan had drafts: those it kept, which come before its sampled token
+    accepted: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # where asked for
 
 
@@ -79,6 +90,7 @@ class SchedulerStats:
     prefix_cache_hits: int
     num_preemptions: int
     num_computed_tokens: int  # all tokens run through the model so far (prefill + decode)
+    spec: SpecStats | None = None  # speculative decoding's totals, where it is on
 
 
 class Scheduler:
@@ -93,6 +105,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_computed_tokens = 0
+        self.speculative = False  # decodes may carry draft tokens (the engine sets it)
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -157,6 +170,10 @@ class Scheduler:
                 prefills.append((request, left))
             else:
                 decodes.append(request)
+        drafting: list[Request] = []
+        if self.speculative and any(r.spec_token_ids for r in decodes):
+            drafting = [r for r in decodes if r.spec_token_ids]
+            decodes = [r for r in decodes if not r.spec_token_ids]
         if len(decodes) <= budget and self.kv.grow_decodes(decodes):  # all fit: at once
             for request in decodes:
                 planned[request.request_id] = (request, 1)
@@ -165,6 +182,10 @@ class Scheduler:
             for request in decodes:
                 if budget and not (preempted and request.request_id in preempted):
                     budget = self._plan(request, 1, budget, planned, preempted, now)
+        for request in drafting:  # a decode and as many of its drafts as the budget holds
+            if budget and not (preempted and request.request_id in preempted):
+                n = min(1 + len(request.spec_token_ids), budget)
+                budget = self._plan(request, n, budget, planned, preempted, now)
         for request, left in prefills:
             if budget and not (preempted and request.request_id in preempted):
                 n = self._chunk(left, budget)
@@ -196,6 +217,12 @@ class Scheduler:
             known = len(request.prompt_token_ids) + len(request.output_token_ids)
             if n == 1 and end == known:  # a decode: the last known token
                 ids = request.output_token_ids[-1:] or request.prompt_token_ids[-1:]
+            elif end > known:  # a decode and its drafts
+                drafts = request.spec_token_ids[: end - known]
+                ids = request.token_ids(start, known) + drafts
+                table = block_ids(request_id)
+                items.append(ScheduledRequest(request_id, ids, start, table, True, len(drafts)))
+                continue
             else:
                 ids = request.token_ids(start, end)
             table = block_ids(request_id)  # the KV manager's live list
@@ -230,14 +257,18 @@ class Scheduler:
         cap = self.config.long_prefill_token_threshold
         return min(remaining, budget, cap) if cap is not None else min(remaining, budget)
 
-    def update(self, plan: SchedulerOutput, result: RunnerOutput) -> list[tuple[Request, int]]:
+    def update(
+        self, plan: SchedulerOutput, result: RunnerOutput
+    ) -> list[tuple[Request, list[int]]]:
         """Apply a finished step: advance progress, cache full blocks, append sampled tokens.
 
-        Returns (request, new token) pairs; requests aborted since ``schedule`` are skipped.
-        The caller decides whether a token finishes its request (``finish_request``).
+        Returns (request, new tokens) pairs: one token, or a verified decode's kept drafts
+        and the token after them; requests aborted since ``schedule`` are skipped. The
+        caller decides whether a token finishes its request (``finish_request``), and
+        drops the tokens after the one that does.
         """
         now = self.clock.now()
-        new_tokens: list[tuple[Request, int]] = []
+        new_tokens: list[tuple[Request, list[int]]] = []
         requests, cache_blocks, running, bs = (
             self.requests,
             self.kv.cache_computed_blocks,
@@ -249,6 +280,9 @@ class Scheduler:
         for item in plan.requests:
             request = requests.get(item.request_id)
             if request is None or request.status is not running:
+                continue
+            if item.num_drafts:
+                computed += self._verified(request, item, result, token_event, new_tokens)
                 continue
             n = len(item.token_ids)
             request.num_computed_tokens += n
@@ -264,9 +298,30 @@ class Scheduler:
                     request.record(EventType.FIRST_TOKEN, now)
                 output.append(token)
                 request.timeline.events.append(token_event)
-                new_tokens.append((request, token))
+                new_tokens.append((request, [token]))
         self.num_computed_tokens += computed
         return new_tokens
+
+    def _verified(
+        self,
+        request: Request,
+        item: ScheduledRequest,
+        result: RunnerOutput,
+        token_event: Event,
+        new_tokens: list[tuple[Request, list[int]]],
+    ) -> int:
+        """Apply a decode that verified drafts: its decode token and the kept drafts are
+        computed, the rejected drafts' slots are not (their blocks go back); returns the
+        tokens computed."""
+        tokens = [*result.accepted.get(item.request_id, ()), result.sampled[item.request_id]]
+        request.num_computed_tokens += len(tokens)  # the decode token and the kept drafts
+        request.spec_token_ids = []
+        request.output_token_ids += tokens
+        request.timeline.events += [token_event] * len(tokens)
+        self.kv.trim(request)
+        self.kv.cache_computed_blocks(request)
+        new_tokens.append((request, tokens))
+        return len(tokens)
 
     # ------------------------------------------------------------------ preemption
 
@@ -282,6 +337,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         request.record(EventType.PREEMPTED, now)

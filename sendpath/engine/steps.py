@@ -30,20 +30,25 @@ class StepShape:
     # token), and how many chunks; 0 where unknown (steps logged before they were kept)
     prompt_tokens: int = 0
     prefills: int = 0
+    # speculative decoding: draft tokens verified beside their sequences' decode tokens
+    # (rows of the matmuls as a prompt's are, in sequences that count as decodes)
+    draft_tokens: int = 0
 
     @classmethod
     def of(cls, plan: SchedulerOutput) -> StepShape:
         """The shape of the step that runs ``plan``."""
-        tokens = context = kv = prompt = prefills = 0
+        tokens = context = kv = prompt = prefills = drafts = 0
         for item in plan.requests:
             n, start = len(item.token_ids), item.start_pos
             tokens += n
             context += n * start + n * (n + 1) // 2
             kv += start + n
-            if not (n == 1 and start > 0):  # a prefill chunk, not a decode
+            if item.num_drafts:  # a decode and its drafts
+                drafts += item.num_drafts
+            elif not (n == 1 and start > 0):  # a prefill chunk, not a decode
                 prompt += n
                 prefills += 1
-        return cls(tokens, len(plan.requests), context, kv, prompt, prefills)
+        return cls(tokens, len(plan.requests), context, kv, prompt, prefills, drafts)
 
 
 @dataclass(frozen=True)

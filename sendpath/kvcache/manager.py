@@ -184,6 +184,19 @@ class KVCacheManager:
         self.pool.cache_all(record.blocks[span], record.hashes[span], record.packed[span], parent)
         record.num_cached = num_full
 
+    def trim(self, request: Request) -> None:
+        """Give back the request's blocks past its computed tokens: those only a speculative
+        step's rejected drafts were written to (never cached: only computed full blocks
+        are), last block first."""
+        record = self._requests.get(request.request_id)
+        if record is None:
+            return
+        keep = -(-request.num_computed_tokens // self.block_size)
+        if len(record.blocks) > keep:
+            extra = record.blocks[keep:]
+            del record.blocks[keep:], record.block_ids[keep:]
+            self.pool.release(reversed(extra))
+
     def free(self, request: Request) -> None:
         """Give back all of the request's blocks, last block first (its tail is evicted first)."""
         record = self._requests.pop(request.request_id, None)

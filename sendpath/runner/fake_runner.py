@@ -7,6 +7,7 @@ request runs alone, in a batch, or is recomputed after a preemption.
 from __future__ import annotations
 
 from sendpath.engine.scheduler import RunnerOutput, SchedulerOutput
+from sendpath.engine.speculative import accept
 from sendpath.request import Request
 
 __all__ = ["FakeRunner", "fake_next_token"]
@@ -37,7 +38,15 @@ class FakeRunner:
         self.executed.append(plan)
         out = RunnerOutput()
         for item in plan.requests:
-            if item.sample:
+            if item.num_drafts:  # every row's token, then the drafts kept
+                first = item.num_tokens - 1 - item.num_drafts
+                tokens = [
+                    fake_next_token(item.token_ids[i], item.start_pos + i, self.vocab_size)
+                    for i in range(first, item.num_tokens)
+                ]
+                kept, out.sampled[item.request_id] = accept(item.token_ids[first + 1 :], tokens)
+                out.accepted[item.request_id] = kept
+            elif item.sample:
                 position = item.start_pos + item.num_tokens - 1
                 out.sampled[item.request_id] = fake_next_token(
                     item.token_ids[-1], position, self.vocab_size

@@ -14,6 +14,8 @@ head ([L, Hkv, S, Dh]); a token at position p of a request lives in slot
    padded [B, Hkv, L, Dh] batch with a padding mask;
 3. computes logits only for requests whose plan says ``sample``, and samples each with its
    own parameters and generator; a row that cannot be sampled is reported in ``failed``.
+   A decode with draft tokens (speculative decoding) samples every one of its rows, and
+   keeps the drafts up to the first the model did not produce (``engine/speculative.py``).
 
 ``probe()`` runs one token through the model without touching the cache: the engine asks
 it, when a step fails for every request in it, whether the device itself still computes.
@@ -30,16 +32,20 @@ import torch
 from torch.nn import functional as F
 
 from sendpath.engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
+from sendpath.engine.speculative import accept
 from sendpath.model.kernels import cpu_kernels
 from sendpath.model.layer_stack import use_kernels
 from sendpath.model.llama import LlamaConfig
 from sendpath.model.loader import LoadedModel
 from sendpath.model.quant import BlockWeights, matrix_engine
-from sendpath.model.sampler import History, TokenCounts, make_generator, sample
+from sendpath.model.sampler import History, Sampled, TokenCounts, make_generator, sample
 from sendpath.model.structured import Matcher, grammar_compiler
 from sendpath.request import Request
 
 __all__ = ["ModelRunner", "PagedAttention", "describe_device", "kv_bytes_per_token"]
+
+
+UNSAMPLED = "its logits could not be sampled (NaN, or every token masked out)"
 
 
 def kv_bytes_per_token(config: LlamaConfig, dtype: torch.dtype) -> int:
@@ -91,13 +97,22 @@ class PagedAttention:
         self.prefills: list[_Prefill] = []
         self.decodes: _Decodes | None = None
 
+    def positions(self, item: ScheduledRequest) -> range:
+        """The positions of an item's rows, in the step's row order. A decode with drafts
+        goes last position first on the kernels: they attend consecutive positions of one
+        sequence a tile at a time (``paged_attention.cpp``'s runs), and reversed, each of
+        its rows is attended as a decode's row is, to the same numbers a plain decode
+        step gets, so greedy output with speculation is the one without."""
+        start, end = item.start_pos, item.start_pos + item.num_tokens
+        if item.num_drafts and self.kernel is not None:
+            return range(end - 1, start - 1, -1)
+        return range(start, end)
+
     def prepare(self, items: list[ScheduledRequest], device: torch.device) -> None:
         """Build slot mappings, block tables and masks for a step (not per layer)."""
         bs = self.block_size
         slots = [
-            item.block_ids[p // bs] * bs + p % bs
-            for item in items
-            for p in range(item.start_pos, item.start_pos + item.num_tokens)
+            item.block_ids[p // bs] * bs + p % bs for item in items for p in self.positions(item)
         ]
         self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
         if self.kernel is not None:
@@ -115,11 +130,7 @@ class PagedAttention:
         if any(item.num_tokens > 1 for item in items):  # a chunk's rows: one per position
             counts = torch.tensor([item.num_tokens for item in items], device=device)
             self.tables = self.tables.repeat_interleave(counts, dim=0)
-            lens = [
-                p + 1
-                for item in items
-                for p in range(item.start_pos, item.start_pos + item.num_tokens)
-            ]
+            lens = [p + 1 for item in items for p in self.positions(item)]
             self.lens = torch.tensor(lens, device=device)
 
     def _prepare_torch(self, items: list[ScheduledRequest], device: torch.device) -> None:
@@ -316,43 +327,72 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
+        owners: list[ScheduledRequest] = []  # the request of each sampled row
         for item in plan.requests:
-            ids += item.token_ids
-            positions += range(item.start_pos, item.start_pos + item.num_tokens)
-            if item.sample:
-                sample_rows.append(len(ids) - 1)
+            base, rows = len(ids), self.attention.positions(item)
+            if rows.step > 0:
+                ids += item.token_ids
+            else:  # a decode with drafts, last position first
+                ids += item.token_ids[::-1]
+            positions += rows
+            if item.sample:  # its last row; a decode with drafts: its every row
+                firsts = range(item.num_tokens - 1 - item.num_drafts, item.num_tokens)
+                top = base + item.num_tokens - 1
+                sample_rows += [base + i if rows.step > 0 else top - i for i in firsts]
+                owners += [item] * (1 + item.num_drafts)
         self.attention.prepare(plan.requests, device)
         hidden = self.model(
             torch.tensor(ids, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device),
             self.attention,
         )  # [T, D]
-        sampled = [item for item in plan.requests if item.sample]
-        if not sampled:
+        if not owners:
             return RunnerOutput()
         logits = self.model.compute_logits(hidden[sample_rows])  # [N, V]
-        requests = [self._requests[i.request_id] for i in sampled]
-        matchers = [self._matchers.get(i.request_id) for i in sampled]
+        requests = [self._requests[i.request_id] for i in owners]
+        matchers = [self._matchers.get(i.request_id) for i in owners]
         results = sample(
             logits,
             [r.sampling_params for r in requests],
-            [self._generators[i.request_id] for i in sampled],
+            [self._generators[i.request_id] for i in owners],
             [self._history(r) for r in requests],
             [None if m is None else m.allowed(logits.shape[-1]) for m in matchers],
         )
         out = RunnerOutput()
-        for item, result, matcher in zip(sampled, results, matchers, strict=True):
-            if result.token is None:
-                out.failed[item.request_id] = (
-                    "its logits could not be sampled (NaN, or every token masked out)"
-                )
-                continue
-            if matcher is not None:
-                matcher.consume(result.token)
-            out.sampled[item.request_id] = result.token
-            if result.logprobs is not None:
-                out.logprobs[item.request_id] = result.logprobs
+        row = 0
+        for item in (i for i in plan.requests if i.sample):
+            if item.num_drafts:
+                self._verify(item, results[row : row + 1 + item.num_drafts], out)
+            else:
+                self._sampled(item, results[row], matchers[row], out)
+            row += 1 + item.num_drafts
         return out
+
+    @staticmethod
+    def _sampled(
+        item: ScheduledRequest, result: Sampled, matcher: Matcher | None, out: RunnerOutput
+    ) -> None:
+        if result.token is None:
+            out.failed[item.request_id] = UNSAMPLED
+            return
+        if matcher is not None:
+            matcher.consume(result.token)
+        out.sampled[item.request_id] = result.token
+        if result.logprobs is not None:
+            out.logprobs[item.request_id] = result.logprobs
+
+    @staticmethod
+    def _verify(item: ScheduledRequest, rows: list[Sampled], out: RunnerOutput) -> None:
+        """A decode's drafts against the tokens its rows sampled: the kept ones in
+        ``accepted``, the token after them in ``sampled``."""
+        tokens = [r.token for r in rows]
+        if any(t is None for t in tokens):
+            out.failed[item.request_id] = UNSAMPLED
+            return
+        drafts = item.token_ids[-item.num_drafts :]
+        kept, token = accept(drafts, tokens)  # type: ignore[arg-type]  # no None left
+        out.accepted[item.request_id] = kept
+        out.sampled[item.request_id] = token
 
     @torch.inference_mode()
     def probe(self) -> None:

@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from sendpath.engine.scheduler import SchedulerStats
+from sendpath.engine.speculative import SpecStats
 from sendpath.request import Request
 from sendpath.telemetry.genai_metrics import GenAIMetrics
 from sendpath.trace import Stage
@@ -65,6 +66,26 @@ class _EngineCollector(Collector):
             "Requests preempted for want of KV blocks.",
             s.num_preemptions,
         )
+        if s.spec is not None:
+            yield from _spec_decode(s.spec)
+
+
+def _spec_decode(spec: SpecStats) -> Iterator[Metric]:
+    """Speculative decoding's counters, as vLLM names them."""
+    for name, doc, value in (
+        ("num_drafts", "Draft proposals verified.", spec.num_drafts),
+        ("num_draft_tokens", "Draft tokens verified.", spec.num_draft_tokens),
+        ("num_accepted_tokens", "Draft tokens kept.", spec.num_accepted_tokens),
+    ):
+        yield CounterMetricFamily(f"sendpath:spec_decode_{name}", doc, value)
+    per_pos = CounterMetricFamily(
+        "sendpath:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens kept, by their position in the proposal (0: the first).",
+        labels=["position"],
+    )
+    for position, value in enumerate(spec.accepted_per_pos):
+        per_pos.add_metric([str(position)], value)
+    yield per_pos
 
 
 class ReplicaMetrics:

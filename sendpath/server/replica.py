@@ -153,6 +153,16 @@ class Replica:
             runs.get("attention"),
             runs.get("layer_ops"),
         )
+        if (spec := config.speculative) is not None:
+            logger.info(
+                "speculative decoding: %s, up to %d draft tokens a step (n-grams of %d-%d), "
+                "off in steps with more than %d decodes",
+                spec.method,
+                spec.num_speculative_tokens,
+                spec.prompt_lookup_min,
+                spec.prompt_lookup_max,
+                spec.disable_by_batch_size,
+            )
 
     def _open_events(self) -> KVEventPublisher | None:
         """The publisher ``--kv-events-config`` asks for (``None``: it asks for none)."""

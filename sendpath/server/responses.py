@@ -30,6 +30,21 @@ def usage(*requests: Request) -> dict[str, Any]:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": first.num_cached_tokens},
+    } | _predictions(requests)
+
+
+def _predictions(requests: Sequence[Request]) -> dict[str, Any]:
+    """Speculative decoding's drafts, as OpenAI counts a predicted output's tokens: those
+    kept and those refused (nothing where no draft was proposed)."""
+    drafts = sum(r.num_draft_tokens for r in requests)
+    if not drafts:
+        return {}
+    accepted = sum(r.num_accepted_tokens for r in requests)
+    return {
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": drafts - accepted,
+        }
     }
 
 

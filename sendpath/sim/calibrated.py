@@ -42,12 +42,14 @@ __all__ = ["TERMS", "Calibrated", "CostModelFileError", "FitError", "PointKind",
 TERMS = ("step", "prompt", "context", "kv", "decode")
 FORMAT = "sendpath-profile"
 VERSION = 8  # the only one read: earlier files had other forms
+NEWER = ("draft_tokens",)  # step-shape fields a version-8 file may lack (0 there)
 
 
 def _features(shape: StepShape) -> tuple[float, ...]:
     """The step's amount of each term (``TERMS``), in order."""
     decodes = shape.num_seqs - shape.prefills
-    return (1.0, shape.prompt_tokens, shape.context_tokens, shape.kv_tokens, decodes)
+    rows = shape.prompt_tokens + shape.draft_tokens  # a draft's row costs a prompt token's
+    return (1.0, rows, shape.context_tokens, shape.kv_tokens, decodes)
 
 
 class PointKind(StrEnum):
@@ -208,7 +210,7 @@ class Calibrated:
                 ProfilePoint(
                     PointKind(p["kind"]),
                     str(p["label"]),
-                    StepShape(**{k: int(p[k]) for k in shape}),
+                    StepShape(**{k: int(p.get(k, 0) if k in NEWER else p[k]) for k in shape}),
                     float(p["measured_s"]),
                     int(p["steps"]),
                 )

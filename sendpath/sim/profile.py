@@ -155,7 +155,8 @@ def step_times(steps: list[dict[str, Any]]) -> list[tuple[StepShape, float]]:
         seconds = step["seconds"]
         if step["busy_after"] and nxt is not None and nxt["seq"] == step["seq"] + 1:
             seconds = max(seconds, nxt["start"] - step["start"])
-        out.append((StepShape(**{f.name: int(step[f.name]) for f in fields(StepShape)}), seconds))
+        known = {f.name: int(step.get(f.name, 0)) for f in fields(StepShape)}  # old logs: 0
+        out.append((StepShape(**known), seconds))
     return out
 
 

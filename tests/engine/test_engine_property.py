@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sendpath.clock import VirtualClock
-from sendpath.config import SchedulerConfig
+from sendpath.config import SchedulerConfig, SpeculativeConfig
 from sendpath.engine.core import EngineCore, Runner
 from sendpath.engine.outputs import OutputStream
 from sendpath.errors import PromptTooLongError
@@ -107,11 +107,13 @@ def make_core(
     config: SchedulerConfig,
     blocks: int,
     max_model_len: int | None = None,
+    speculative: SpeculativeConfig | None = None,
 ) -> EngineCore:
     """An engine over ``blocks`` KV blocks; max_model_len defaults to all of them."""
     kv = KVCacheManager(blocks, block_size=BLOCK)
+    max_len = max_model_len or blocks * BLOCK
     return EngineCore(
-        runner, tokenizer, kv, config, max_model_len or blocks * BLOCK, VirtualClock()
+        runner, tokenizer, kv, config, max_len, VirtualClock(), speculative=speculative
     )
 
 

@@ -22,6 +22,18 @@ def test_step_shape_counts_tokens_context_kv_and_prompt_chunks() -> None:
     assert StepShape.of(SchedulerOutput()) == StepShape(0, 0, 0, 0)
 
 
+def test_a_decode_with_drafts_is_a_decode_whose_drafts_are_counted_apart() -> None:
+    """Speculative decoding: the decode token at 50 and three drafts after it attend
+    51+52+53+54; no prompt chunk; the simulator's fit prices each draft's row as a
+    prompt token's (``sim/calibrated.py``)."""
+    from sendpath.sim.calibrated import _features
+
+    plan = SchedulerOutput([ScheduledRequest("a", [5, 6, 7, 8], 50, [0, 1, 2, 3], True, 3)])
+    shape = StepShape.of(plan)
+    assert shape == StepShape(4, 1, 210, 54, prompt_tokens=0, prefills=0, draft_tokens=3)
+    assert _features(shape) == (1.0, 3, 210, 54, 1)
+
+
 def test_step_log_keeps_the_last_steps_numbered_from_one() -> None:
     log = StepLog(capacity=2)
     assert log.last is None
