@@ -262,18 +262,22 @@ class EngineCore:
             for request_id, why in result.failed.items()
             if (out := self._fail(request_id, why)) is not None
         ]
-        updated = self.scheduler.update(plan, result)
-        if self.speculator is not None:
-            self._verified(plan, updated)
-        for request, tokens in updated:
+        drafted = {item.request_id: item.num_drafts for item in plan.requests if item.num_drafts}
+        for request, tokens in self.scheduler.update(plan, result):
             stream = self._streams[request.request_id]
             try:
-                text, tokens = self._append(request, stream, tokens)
+                text, taken = self._append(request, stream, tokens)
             except Exception as exc:
                 logger.exception("request %s: its output could not be made", request.request_id)
                 if (out := self._fail(request.request_id, repr(exc))) is not None:
                     outputs.append(out)
                 continue
+            if drafted and (num_drafts := drafted.get(request.request_id)):
+                assert self.speculator is not None
+                # the drafts kept that the request kept too (a stop may come before some)
+                kept = min(len(tokens) - 1, len(taken))
+                self.speculator.verified(request, num_drafts, kept)
+            tokens = taken
             if stream.finished:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED)
                 self._forget(request.request_id)
@@ -307,15 +311,6 @@ class EngineCore:
                 del request.output_token_ids[-dropped:], request.timeline.events[-dropped:]
                 return text, tokens[:taken]
         return text, tokens
-
-    def _verified(self, plan: SchedulerOutput, updated: list[tuple[Request, list[int]]]) -> None:
-        """Count the drafts this step verified and how many each request kept."""
-        assert self.speculator is not None
-        drafted = {item.request_id: item.num_drafts for item in plan.requests if item.num_drafts}
-        if drafted:
-            for request, tokens in updated:
-                if num_drafts := drafted.get(request.request_id):
-                    self.speculator.verified(request, num_drafts, len(tokens) - 1)
 
     def _forget(self, request_id: str) -> None:
         """A request left the engine: the runner's and the speculator's state of it go."""
@@ -387,6 +382,7 @@ class EngineCore:
                         result.sampled.update(alone.sampled)
                         result.failed.update(alone.failed)
                         result.logprobs.update(alone.logprobs)
+                        result.accepted.update(alone.accepted)
         if len(errors) == len(plan.requests):
             try:
                 self.runner.probe()

@@ -185,6 +185,8 @@ class Scheduler:
         for request in drafting:  # a decode and as many of its drafts as the budget holds
             if budget and not (preempted and request.request_id in preempted):
                 n = min(1 + len(request.spec_token_ids), budget)
+                if n > 1 and self.kv.allocate_slots(request, n) is None:
+                    n = 1  # no blocks for the drafts: never preempt anyone for them
                 budget = self._plan(request, n, budget, planned, preempted, now)
         for request, left in prefills:
             if budget and not (preempted and request.request_id in preempted):

@@ -27,7 +27,11 @@ Speculation is off where it costs more than it saves:
   twice as many steps as the last time before it proposes again (up to ``MAX_BACKOFF``);
   one that kept some proposes at once again;
 - a request whose sampling reads its own history row by row (penalties, a grammar,
-  ``min_tokens`` not yet reached) or asks for logprobs: those run without drafts.
+  ``min_tokens`` not yet reached) or asks for logprobs: those run without drafts;
+- a sampled request with a ``seed``: each verified row takes a draw from its generator,
+  and whether a step drafts depends on what else runs, so its tokens would depend on
+  its batch; seeded, it decodes without drafts and gives the same tokens whatever
+  shares its batch.
 """
 
 from __future__ import annotations
@@ -55,9 +59,10 @@ MAX_BACKOFF = 64  # steps a request waits at most, after refused drafts, to prop
 def can_speculate(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether a request's next tokens can be verified as a batch of rows: its sampling
     does not change with each token it adds (no penalties, no grammar, no held-back end
-    tokens) and it does not ask for logprobs."""
+    tokens), it does not ask for logprobs, and it is greedy or not seeded."""
     return (
-        params.structured is None
+        (params.greedy or params.seed is None)
+        and params.structured is None
         and params.repetition_penalty == 1.0
         and not params.frequency_penalty
         and not params.presence_penalty

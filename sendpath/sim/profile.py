@@ -139,8 +139,9 @@ def loads(grid: Grid, engine: dict[str, Any]) -> tuple[list[Load], list[str]]:
 
 
 def step_kind(shape: StepShape) -> PointKind:
-    """Decode (one-token steps only), prefill (prompt chunks only) or mixed."""
-    if shape.prefills == 0 and shape.num_tokens == shape.num_seqs:
+    """Decode (one-token steps only, or decodes with drafts), prefill (prompt chunks
+    only) or mixed."""
+    if shape.prefills == 0 and shape.num_tokens == shape.num_seqs + shape.draft_tokens:
         return PointKind.DECODE
     if shape.num_seqs == 1 or shape.num_seqs == shape.prefills:  # 1: logs before prefills
         return PointKind.PREFILL

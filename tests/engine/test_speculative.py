@@ -63,7 +63,7 @@ def test_accept_keeps_drafts_up_to_the_first_the_model_did_not_produce() -> None
 
 def test_requests_whose_sampling_reads_their_history_do_not_speculate() -> None:
     assert can_speculate(SamplingParams(temperature=0.0), 0)
-    assert can_speculate(SamplingParams(temperature=0.7, top_p=0.9, seed=1), 3)
+    assert can_speculate(SamplingParams(temperature=0.7, top_p=0.9), 3)
     assert not can_speculate(SamplingParams(presence_penalty=0.5), 3)
     assert not can_speculate(SamplingParams(repetition_penalty=1.2), 3)
     assert not can_speculate(SamplingParams(logprobs=2), 3)
@@ -232,25 +232,38 @@ def test_builtin_model_quoting_prompt_greedy_with_ngram_equals_without(
     assert pool.num_free_blocks == pool.num_blocks
 
 
+class Periodic(FakeRunner):
+    """Says 1, 2, 3, 1, 2, 3, ...: prompt lookup's drafts hit. ``fail_batches``: a step of
+    more than one request raises (the engine then runs each request alone)."""
+
+    def __init__(self, fail_batches: bool = False) -> None:
+        super().__init__(5000)
+        self.fail_batches = fail_batches
+
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        if self.fail_batches and len(plan.requests) > 1:
+            raise RuntimeError("this batch cannot be computed")
+        self.executed.append(plan)
+        out = RunnerOutput()
+        for item in (i for i in plan.requests if i.sample):
+            rows = range(item.start_pos + item.num_tokens - 1 - item.num_drafts,
+                         item.start_pos + item.num_tokens)  # fmt: skip
+            said = [(pos + 1) % 3 + 1 for pos in rows]
+            drafts = item.token_ids[item.num_tokens - item.num_drafts :]
+            kept, out.sampled[item.request_id] = accept(drafts, said)
+            if item.num_drafts:
+                out.accepted[item.request_id] = kept
+        return out
+
+
+PERIODIC = [1, 2, 3, 1, 2, 3, 1, 2]
+
+
 def test_fake_engine_with_drafts_finishes_at_max_tokens(smol_tokenizer: Tokenizer) -> None:
     """A request ends at its max_tokens even where a step kept several tokens."""
-
-    class Periodic(FakeRunner):  # says 1, 2, 3, 1, 2, 3, ...: prompt lookup's drafts hit
-        def execute(self, plan: SchedulerOutput) -> RunnerOutput:
-            out = RunnerOutput()
-            for item in (i for i in plan.requests if i.sample):
-                rows = range(item.start_pos + item.num_tokens - 1 - item.num_drafts,
-                             item.start_pos + item.num_tokens)  # fmt: skip
-                said = [(pos + 1) % 3 + 1 for pos in rows]
-                drafts = item.token_ids[item.num_tokens - item.num_drafts :]
-                kept, out.sampled[item.request_id] = accept(drafts, said)
-                if item.num_drafts:
-                    out.accepted[item.request_id] = kept
-            return out
-
-    core = spec_core(Periodic(5000), smol_tokenizer, SchedulerConfig(), 32)
+    core = spec_core(Periodic(), smol_tokenizer, SchedulerConfig(), 32)
     params = SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True)
-    request = core.add_request([1, 2, 3, 1, 2, 3, 1, 2], params)
+    request = core.add_request(PERIODIC, params)
     outputs = []
     while core.has_unfinished_requests():
         outputs += core.step()
@@ -259,6 +272,62 @@ def test_fake_engine_with_drafts_finishes_at_max_tokens(smol_tokenizer: Tokenize
     assert outputs[-1].num_output_tokens == 11 and str(outputs[-1].finish_reason) == "length"
     assert any(len(o.new_token_ids) > 2 for o in outputs)
     assert_no_leaks(core, 32)
+
+
+def test_a_stop_inside_kept_drafts_ends_there_and_counts_only_what_was_kept(
+    smol_tokenizer: Tokenizer,
+) -> None:
+    core = spec_core(Periodic(), smol_tokenizer, SchedulerConfig(), 32)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[1])
+    request = core.add_request([*PERIODIC, 3, 1, 2, 3], params)  # says 1 first: stops
+    stopper = core.add_request(PERIODIC, params)  # says 3, then drafts 1, 2, 3, 1: 3 and 1
+    while core.has_unfinished_requests():
+        core.step()
+    assert request.output_token_ids == [1]
+    assert stopper.output_token_ids == [3, 1]
+    assert stopper.num_accepted_tokens == 1 and stopper.num_draft_tokens >= 1
+    assert_no_leaks(core, 32)
+
+
+def test_a_failed_batch_run_again_alone_keeps_its_drafts(smol_tokenizer: Tokenizer) -> None:
+    """The engine reruns a failing batch a request at a time: each keeps the drafts its
+    own run kept, and the tokens are those of a run that never failed."""
+    params = SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True)
+    got = {}
+    for fail in (False, True):
+        core = spec_core(Periodic(fail), smol_tokenizer, SchedulerConfig(), 32)
+        requests = [core.add_request(p, params) for p in (PERIODIC, [*PERIODIC, 3])]
+        while core.has_unfinished_requests():
+            core.step()
+        got[fail] = [r.output_token_ids for r in requests]
+        assert core.speculator is not None and core.speculator.stats.num_accepted_tokens > 0
+        assert_no_leaks(core, 32)
+    assert (
+        got[True]
+        == got[False]
+        == [[3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1], [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2]]
+    )
+
+
+def test_drafts_never_preempt_anyone(smol_tokenizer: Tokenizer) -> None:
+    """In a cache with no room for the drafts' slots, a decode goes without them instead
+    of preempting (itself or another): no more preemptions than without speculation."""
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    preemptions = {}
+    for speculative in (None, NGRAM):
+        core = spec_core(Periodic(), smol_tokenizer, SchedulerConfig(), 6, speculative)
+        requests = [core.add_request(p, params) for p in (PERIODIC[:4], PERIODIC[:5])]
+        while core.has_unfinished_requests():
+            core.step()
+        preemptions[speculative is not None] = core.stats().num_preemptions
+        assert all(len(r.output_token_ids) == 14 for r in requests)
+        assert_no_leaks(core, 6)
+    assert preemptions[True] <= preemptions[False]
+
+
+def test_seeded_sampled_requests_decode_without_drafts() -> None:
+    assert not can_speculate(SamplingParams(temperature=0.7, seed=1), 3)
+    assert can_speculate(SamplingParams(temperature=0.0, seed=1), 3)  # greedy: no draws
 
 
 def test_sampled_rows_verified_keep_the_models_distribution() -> None:
