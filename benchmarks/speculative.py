@@ -13,6 +13,7 @@ engine without speculation, the share of drafts kept, and whether every greedy a
 token for token the one without speculation.
 
     .venv/bin/python benchmarks/speculative.py [--rounds 3] [--concurrency 1 8 32]
+    .venv/bin/python benchmarks/speculative.py --draft-layers 8 15 --concurrency 1
 
 Aims (issue 42): at least 1.6x at one request on the quoting prompts, never below 0.95x
 on free chat, identical greedy text. Results: ``benchmarks/results/speculative.json``.
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from sendpath.llm import LLM
+from sendpath.model.loader import builtin_model_path
 from sendpath.model.quant import cpu_features, cpu_model
 from sendpath.request import SamplingParams
 
@@ -71,7 +73,19 @@ FREE = [
 ]
 
 
-def engines() -> dict[str, LLM]:
+def engines(draft_layers: list[int]) -> dict[str, LLM]:
+    """The engines to compare: without speculation, then prompt lookup (at its defaults
+    and in every step), or with ``draft_layers``, the built-in model's own first layers
+    as its draft model (3 drafts a step)."""
+    if draft_layers:
+        path = str(builtin_model_path())
+        drafts = {
+            f"self_draft_{n}_layers": LLM(
+                speculative_config={"model": path, "draft_layers": n, "num_speculative_tokens": 3}
+            )
+            for n in draft_layers
+        }
+        return {"off": LLM(), **drafts}
     ngram: dict[str, object] = {"method": "ngram"}
     return {
         "off": LLM(),
@@ -108,9 +122,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (3)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--draft-layers",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="N",
+        help="instead of prompt lookup: the built-in model's first N layers as its draft "
+        "model (results in speculative_draft.json)",
+    )
     args = parser.parse_args()
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    llms = engines()
+    llms = engines(args.draft_layers)
     rows = []
     for kind, prompts in (("quoting", QUOTING), ("free chat", FREE)):
         for concurrency in args.concurrency:
@@ -126,7 +149,7 @@ def main() -> None:
             row: dict[str, Any] = {"prompts": kind, "concurrency": concurrency}
             row["tokens_per_s"] = {n: round(v, 1) for n, v in speed.items()}
             row["ratio"] = {n: round(v / speed["off"], 3) for n, v in speed.items() if n != "off"}
-            for name in ("ngram", "ngram_every_batch"):
+            for name in names[1:]:
                 drafts = sum(r["drafts"] for r in got[name])
                 kept = sum(r["kept"] for r in got[name])
                 row[f"kept_share_{name}"] = round(kept / drafts, 3) if drafts else None
@@ -142,16 +165,19 @@ def main() -> None:
         "rounds": args.rounds,
         "rows": rows,
     }
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\n{'prompts':<11}{'at':>4}{'off tok/s':>11}{'ngram':>8}{'every batch':>13}{'kept':>7}")
+    out = RESULTS.with_name("speculative_draft.json") if args.draft_layers else RESULTS
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    others = list(llms)[1:]
+    print(f"\n{'prompts':<11}{'at':>4}{'off tok/s':>11}" + "".join(f"{n:>24}" for n in others))
     for row in rows:
-        share = row["kept_share_ngram_every_batch"]
-        print(
-            f"{row['prompts']:<11}{row['concurrency']:>4}{row['tokens_per_s']['off']:>11}"
-            f"{row['ratio']['ngram']:>7}x{row['ratio']['ngram_every_batch']:>12}x"
-            f"{'' if share is None else f'{share:.0%}':>7}"
-            f"{'' if row['identical_greedy_text'] else '  TEXT DIFFERS'}"
-        )
+        cells = ""
+        for name in others:
+            share = row[f"kept_share_{name}"]
+            kept = "" if share is None else f" ({share:.0%} kept)"
+            cells += f"{str(row['ratio'][name]) + 'x' + kept:>24}"
+        differs = "" if row["identical_greedy_text"] else "  TEXT DIFFERS"
+        head = f"{row['prompts']:<11}{row['concurrency']:>4}{row['tokens_per_s']['off']:>11}"
+        print(head + cells + differs)
 
 
 if __name__ == "__main__":

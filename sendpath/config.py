@@ -76,8 +76,11 @@ class SpeculativeConfig:
     request may propose up to ``num_speculative_tokens`` next tokens, verified in the same
     forward pass (``engine/speculative.py``). ``method`` ``ngram``: prompt lookup, the
     tokens that followed the longest earlier match (``prompt_lookup_min`` to
-    ``prompt_lookup_max`` tokens) of the sequence's last tokens. ``disable_by_batch_size``:
-    no proposals in a step with more decoding requests than this (there the batch already
+    ``prompt_lookup_max`` tokens) of the sequence's last tokens. ``draft_model`` (the
+    method wherever ``model`` is given): a small model sharing the tokenizer proposes
+    them (``engine/draft.py``); ``draft_layers`` (ours) keeps only its first layers, so
+    the target's own file, truncated, is a self-draft. ``disable_by_batch_size``: no
+    proposals in a step with more decoding requests than this (there the batch already
     keeps the machine busy and verifying costs more than it saves)."""
 
     method: str = "ngram"
@@ -85,18 +88,28 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     disable_by_batch_size: int = 4
+    model: str | None = None  # the draft model's path (method draft_model)
+    draft_layers: int | None = None  # its first layers only (None: all)
 
     KEYS = (
         "method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-        "disable_by_batch_size", "model",
+        "disable_by_batch_size", "model", "draft_layers",
     )  # fmt: skip
+    METHODS = ("ngram", "draft_model")
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
+        if self.method not in self.METHODS:
             raise ValueError(
-                f'speculative method {self.method!r} is not available: use "ngram" '
-                "(prompt lookup); draft-model speculation is not built yet"
+                f"speculative method {self.method!r} is not available: use one of "
+                f"{', '.join(self.METHODS)}"
             )
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(
+                'speculative method "draft_model" takes the draft\'s path in "model", and '
+                '"model" goes with that method only'
+            )
+        if self.draft_layers is not None and (self.model is None or self.draft_layers < 1):
+            raise ValueError("draft_layers must be >= 1, and goes with a draft model only")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(
                 f"num_speculative_tokens must be 1 to 16, got {self.num_speculative_tokens}"
@@ -133,17 +146,14 @@ class SpeculativeConfig:
                 f"speculative config has unknown key(s) {', '.join(unknown)}; "
                 f"known: {', '.join(cls.KEYS)}"
             )
-        if "model" in given:
-            raise ValueError(
-                'speculative config: a draft model ("model") is not supported yet; '
-                'use {"method": "ngram"}'
-            )
         for key, value in given.items():
-            if key != "method" and (not isinstance(value, int) or isinstance(value, bool)):
+            if key in ("method", "model"):
+                if not isinstance(value, str) or not value:
+                    raise ValueError(f"speculative config: {key} must be a string, got {value!r}")
+            elif not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"speculative config: {key} must be an integer, got {value!r}")
-        method = given.get("method", "ngram")
-        if not isinstance(method, str):
-            raise ValueError(f"speculative config: method must be a string, got {method!r}")
+        if "model" in given and "method" not in given:
+            given = {**given, "method": "draft_model"}  # as vLLM infers it
         return cls(**given)
 
 

@@ -27,7 +27,9 @@ SPEC_HELP = (
     'speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": '
     '4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (prompt lookup: drafts from '
     "earlier text, verified in the same step; greedy output unchanged); "
-    '"disable_by_batch_size": no drafts in steps with more decodes than this (4)'
+    '"disable_by_batch_size": no drafts in steps with more decodes than this (4); '
+    '\'{"model": PATH, "num_speculative_tokens": 3}\': a draft model sharing the tokenizer '
+    '("draft_layers": N keeps its first N layers)'
 )
 # The replica's engine flags: (flag, argparse options). `serve` passes them on to replicas.
 ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [

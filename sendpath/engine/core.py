@@ -23,7 +23,7 @@ from sendpath.clock import Clock, RealClock
 from sendpath.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from sendpath.engine.outputs import EngineOutput, OutputStream
 from sendpath.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput, SchedulerStats
-from sendpath.engine.speculative import Speculator
+from sendpath.engine.speculative import Proposer, Speculator
 from sendpath.engine.steps import StepLog, StepShape
 from sendpath.errors import InvalidRequestError, PromptTooLongError
 from sendpath.kvcache.events import AllBlocksCleared, KVEvent
@@ -75,6 +75,7 @@ class EngineCore:
         clock: Clock | None = None,
         model_name: str = "model",
         speculative: SpeculativeConfig | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         if kv.capacity_tokens < max_model_len:
             raise ValueError(
@@ -95,7 +96,9 @@ class EngineCore:
         self.steps = StepLog()
         self._kv_sink: Callable[[list[KVEvent]], None] | None = None
         # speculative decoding: drafts proposed after each step (``engine/speculative.py``)
-        self.speculator = None if speculative is None else Speculator(speculative, max_model_len)
+        self.speculator = (
+            None if speculative is None else Speculator(speculative, max_model_len, proposer)
+        )
         self.scheduler.speculative = speculative is not None
 
     @classmethod
@@ -123,6 +126,7 @@ class EngineCore:
         )
         kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         runner = ModelRunner(loaded, num_blocks, cache.block_size)
+        proposer = _draft_proposer(config, loaded, num_blocks)
         core = cls(
             runner,
             loaded.tokenizer,
@@ -132,6 +136,7 @@ class EngineCore:
             clock,
             loaded.name,
             config.speculative,
+            proposer,
         )
         core.loaded = loaded
         return core
@@ -423,3 +428,30 @@ class EngineCore:
             num_output_tokens=len(request.output_token_ids),
             logprobs=None if logprobs is None else [logprobs],
         )
+
+
+def _draft_proposer(config: EngineConfig, target: LoadedModel, num_blocks: int) -> Proposer | None:
+    """The draft model ``config.speculative`` names, loaded as the target was (same dtype,
+    device and quantization rule), on a cache of as many blocks; ``None`` for prompt
+    lookup. A draft whose vocabulary is not the target's is refused."""
+    spec = config.speculative
+    if spec is None or spec.model is None:
+        return None
+    from sendpath.engine.draft import DraftProposer
+    from sendpath.model.loader import load_model
+
+    draft = load_model(
+        spec.model,
+        config.dtype,
+        config.device,
+        quantization=config.quantization,
+        num_layers=spec.draft_layers,
+    )
+    if draft.tokenizer.vocab_size != target.tokenizer.vocab_size:
+        raise InvalidRequestError(
+            f"the draft model {spec.model!r} has a vocabulary of {draft.tokenizer.vocab_size} "
+            f"tokens, the model {target.tokenizer.vocab_size}: a draft must share its "
+            "tokenizer.",
+            param="speculative_config",
+        )
+    return DraftProposer(draft, num_blocks, config.cache.block_size)

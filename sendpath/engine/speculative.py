@@ -108,10 +108,12 @@ class NgramIndex:
 
 
 class Proposer(Protocol):
-    """Where drafts come from (prompt lookup; a draft model would be another)."""
+    """Where drafts come from: prompt lookup (``NgramProposer``), a draft model
+    (``engine/draft.py``)."""
 
-    def propose(self, request: Request, k: int) -> list[int]:
-        """Up to ``k`` tokens the request might say next."""
+    def propose(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        """For each (request, k): up to ``k`` tokens the request might say next, by id
+        (all at once: a draft model runs them as one batch)."""
         ...
 
     def remove(self, request_id: str) -> None: ...
@@ -124,11 +126,14 @@ class NgramProposer:
         self.low, self.high = low, high
         self._indexes: dict[str, NgramIndex] = {}
 
-    def propose(self, request: Request, k: int) -> list[int]:
-        index = self._indexes.get(request.request_id)
-        if index is None:
-            index = self._indexes[request.request_id] = NgramIndex(self.low, self.high)
-        return index.propose(request.all_token_ids, k)
+    def propose(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        out = {}
+        for request, k in wanted:
+            index = self._indexes.get(request.request_id)
+            if index is None:
+                index = self._indexes[request.request_id] = NgramIndex(self.low, self.high)
+            out[request.request_id] = index.propose(request.all_token_ids, k)
+        return out
 
     def remove(self, request_id: str) -> None:
         self._indexes.pop(request_id, None)
@@ -186,6 +191,7 @@ class Speculator:
         decoding = [r for r in running if not r.is_prefilling]
         off = len(decoding) > self.config.disable_by_batch_size
         k = self.config.num_speculative_tokens
+        wanted: list[tuple[Request, int]] = []
         for request in decoding:
             request.spec_token_ids = []
             params = request.sampling_params
@@ -205,7 +211,11 @@ class Speculator:
             if track.wait:
                 track.wait -= 1
                 continue
-            request.spec_token_ids = self.proposer.propose(request, min(k, room))
+            wanted.append((request, min(k, room)))
+        if wanted:
+            drafts = self.proposer.propose(wanted)
+            for request, _ in wanted:
+                request.spec_token_ids = drafts.get(request.request_id, [])
 
     def verified(self, request: Request, num_drafts: int, num_kept: int) -> None:
         """A step verified ``num_drafts`` of the request's drafts and kept ``num_kept``."""

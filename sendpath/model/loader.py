@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -110,8 +110,11 @@ def load_model(
     dtype: str = "auto",
     device: str | None = None,
     quantization: str = "none",
+    num_layers: int | None = None,
 ) -> LoadedModel:
-    """Load weights and tokenizer; ``path=None`` is the built-in SmolLM2-135M-Instruct."""
+    """Load weights and tokenizer; ``path=None`` is the built-in SmolLM2-135M-Instruct.
+    ``num_layers``: only the model's first layers (a truncated copy: a self-draft for
+    speculative decoding); the rest of the file's weights are not kept."""
     model_path = builtin_model_path() if path is None else Path(path).expanduser()
     dev = resolve_device(device)
     dtype_asked = dtype != "auto"
@@ -133,6 +136,12 @@ def load_model(
         config, weights, tokenizer, name = _read_hf_dir(model_path, DTYPES[dtype])
     else:
         config, weights, tokenizer, name, codes = read_gguf(model_path, DTYPES[dtype])
+    if num_layers is not None:
+        if not 1 <= num_layers <= config.num_layers:
+            raise ModelLoadError(
+                f"num_layers={num_layers}: the model has {config.num_layers} layers."
+            )
+        config = replace(config, num_layers=num_layers)
     with torch.device("meta"):
         model = LlamaModel(config)
     model = _materialize(model, weights, DTYPES[dtype], dev)

@@ -82,7 +82,6 @@ def test_config_is_checked_as_vllm_names_it() -> None:
         ("[1]", "JSON object"),
         ('{"num_speculative_token": 3}', "unknown key(s) num_speculative_token"),
         ('{"method": "eagle"}', "'eagle' is not available"),
-        ('{"model": "draft.gguf", "num_speculative_tokens": 3}', "draft model"),
         ('{"num_speculative_tokens": 0}', "1 to 16"),
         ('{"num_speculative_tokens": "3"}', "must be an integer"),
         ('{"prompt_lookup_min": 5, "prompt_lookup_max": 2}', "min <= max"),
@@ -98,13 +97,16 @@ class Oracle:
     def __init__(self, reference: dict[str, list[int]], k: int = 4) -> None:
         self.reference, self.k, self.calls = reference, k, 0
 
-    def propose(self, request: Request, k: int) -> list[int]:
-        done = len(request.output_token_ids)
-        drafts = list(self.reference.get(request.request_id, [])[done : done + min(k, self.k)])
-        self.calls += 1
-        if self.calls % 3 == 0 and len(drafts) > 1:
-            drafts[1] = (drafts[1] + 1) % 1000
-        return drafts
+    def propose(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        out = {}
+        for request, k in wanted:
+            done = len(request.output_token_ids)
+            drafts = list(self.reference.get(request.request_id, [])[done : done + min(k, self.k)])
+            self.calls += 1
+            if self.calls % 3 == 0 and len(drafts) > 1:
+                drafts[1] = (drafts[1] + 1) % 1000
+            out[request.request_id] = drafts
+        return out
 
     def remove(self, request_id: str) -> None:
         pass

@@ -1,0 +1,102 @@
+"""Drafts from a draft model: a small model sharing the target's tokenizer, run greedily a
+few tokens ahead of each request on a paged KV cache of its own.
+
+Each request has a mirror here: a ``Request`` whose tokens are the target request's known
+tokens followed by the drafts last proposed, and whose computed tokens are those this
+model holds KV for. Before a proposal the mirror is brought in line with the request: its
+tokens from the first one the request does not share are dropped (the refused drafts),
+its computed tokens too, and the blocks only those filled go back (``KVCacheManager.trim``).
+Then the draft model computes, for all requests at once, what it has not seen (the token
+the target added, or the whole prompt the first time) and takes its greedy token, and
+again one token a pass until each request has its ``k``. A draft that is one token for
+sure keeps the target's sampling exact (``engine/speculative.py``).
+
+Where its cache has no room for a request, that request gets the drafts made so far and
+its mirror starts again from nothing next time.
+"""
+
+from __future__ import annotations
+
+from sendpath.engine.scheduler import ScheduledRequest, SchedulerOutput
+from sendpath.kvcache.manager import KVCacheManager
+from sendpath.model.loader import LoadedModel
+from sendpath.request import Request, SamplingParams
+from sendpath.runner.model_runner import ModelRunner
+
+__all__ = ["DraftProposer"]
+
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+
+class DraftProposer:
+    """A draft model's runner and KV cache, and a mirror of each request it drafts for."""
+
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
+        self.loaded = loaded
+        self.runner = ModelRunner(loaded, num_blocks, block_size)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+        self._mirrors: dict[str, Request] = {}
+        self._shared: dict[str, int] = {}  # leading tokens known to be the request's own
+
+    def propose(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        goal = {request.request_id: k for request, k in wanted}
+        drafts: dict[str, list[int]] = {rid: [] for rid in goal}
+        mirrors = [self._sync(request) for request, _ in wanted]
+        while True:
+            items = []
+            for mirror in mirrors:
+                rid = mirror.request_id
+                if len(drafts[rid]) >= goal[rid]:
+                    continue
+                start, end = mirror.num_computed_tokens, mirror.num_tokens
+                if self.kv.allocate_slots(mirror, end - start) is None:
+                    self._restart(mirror)  # no room: what it made so far is its proposal
+                    goal[rid] = 0
+                    continue
+                table = self.kv.block_ids(rid)
+                items.append(
+                    ScheduledRequest(rid, mirror.token_ids(start, end), start, table, True)
+                )
+            if not items:
+                return drafts
+            result = self.runner.execute(SchedulerOutput(items))
+            for item in items:
+                mirror = self._mirrors[item.request_id]
+                mirror.num_computed_tokens += item.num_tokens
+                token = result.sampled.get(item.request_id)
+                if token is None:  # its logits could not be sampled: no more drafts
+                    goal[item.request_id] = 0
+                    continue
+                mirror.prompt_token_ids.append(token)
+                drafts[item.request_id].append(token)
+
+    def _sync(self, request: Request) -> Request:
+        """The request's mirror, its tokens and KV cut back to what it shares with it."""
+        tokens, rid = request.all_token_ids, request.request_id
+        mirror = self._mirrors.get(rid)
+        if mirror is None:
+            mirror = self._mirrors[rid] = Request(rid, list(tokens), _GREEDY)
+            self.runner.add_request(mirror)
+        else:
+            have = mirror.prompt_token_ids
+            same = self._shared[rid]
+            while same < min(len(have), len(tokens)) and have[same] == tokens[same]:
+                same += 1
+            del have[same:]
+            have += tokens[same:]
+            # the last token is computed again whatever: its logits give the next draft
+            mirror.num_computed_tokens = min(mirror.num_computed_tokens, same, len(tokens) - 1)
+            self.kv.trim(mirror)
+        self._shared[rid] = len(tokens)
+        return mirror
+
+    def _restart(self, mirror: Request) -> None:
+        self.kv.free(mirror)
+        mirror.num_computed_tokens = 0
+
+    def remove(self, request_id: str) -> None:
+        mirror = self._mirrors.pop(request_id, None)
+        self._shared.pop(request_id, None)
+        if mirror is not None:
+            self.kv.free(mirror)
+            self.runner.remove_request(request_id)

@@ -1,0 +1,125 @@
+"""Speculative decoding with a draft model (``engine/draft.py``) on tiny random models:
+greedy output token for token as without it, whether the draft agrees with the model
+(the model itself as its draft: nearly every draft kept) or not (another random model);
+preemption in a small cache; every block of both caches returned; a truncated self-draft
+through ``--speculative-config``'s keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sendpath.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from sendpath.engine.core import EngineCore
+from sendpath.engine.draft import DraftProposer
+from sendpath.model.loader import LoadedModel, load_model
+from sendpath.model.tokenizer import Tokenizer
+from sendpath.request import SamplingParams
+from sendpath.runner.model_runner import ModelRunner
+from tests.conftest import write_tiny_llama
+from tests.engine.test_engine_property import BLOCK, assert_no_leaks, make_core
+
+DRAFT = SpeculativeConfig("draft_model", 4, model="draft", disable_by_batch_size=8)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+PROMPTS = [[7, 8, 9, 7, 8], [3000 + i % 5 for i in range(23)], list(range(100, 140)), [42]]
+
+
+@pytest.fixture(scope="module")
+def other(tmp_path_factory: pytest.TempPathFactory, smol_tokenizer: Tokenizer) -> LoadedModel:
+    """Another random model of the same shape and vocabulary: a draft that rarely agrees."""
+    path = write_tiny_llama(tmp_path_factory.mktemp("other-llama"), smol_tokenizer, seed=7)
+    return load_model(path, dtype="float32")
+
+
+def answers(
+    target: LoadedModel, blocks: int, draft: LoadedModel | None
+) -> tuple[list[list[int]], EngineCore]:
+    speculative = DRAFT if draft is not None else None
+    core = make_core(
+        ModelRunner(target, blocks, BLOCK), target.tokenizer, SchedulerConfig(), blocks,
+        speculative=speculative,
+    )  # fmt: skip
+    if draft is not None:
+        assert core.speculator is not None
+        core.speculator.proposer = DraftProposer(draft, blocks, BLOCK)
+    requests = [core.add_request(p, PARAMS) for p in PROMPTS]
+    while core.has_unfinished_requests():
+        core.step()
+    assert_no_leaks(core, blocks)
+    return [r.output_token_ids for r in requests], core
+
+
+def draft_pool_is_free(core: EngineCore) -> bool:
+    assert core.speculator is not None and isinstance(core.speculator.proposer, DraftProposer)
+    pool = core.speculator.proposer.kv.pool
+    return pool.num_free_blocks == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
+
+
+def test_the_model_as_its_own_draft_keeps_nearly_every_draft(tiny: LoadedModel) -> None:
+    want, _ = answers(tiny, 64, None)
+    got, core = answers(tiny, 64, tiny)
+    assert got == want
+    assert core.speculator is not None
+    stats = core.speculator.stats
+    assert stats.num_draft_tokens > 40
+    assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens
+    assert draft_pool_is_free(core)
+
+
+def test_a_draft_that_disagrees_changes_nothing_but_speed(
+    tiny: LoadedModel, other: LoadedModel
+) -> None:
+    want, _ = answers(tiny, 64, None)
+    got, core = answers(tiny, 64, other)
+    assert got == want
+    assert core.speculator is not None
+    stats = core.speculator.stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
+    assert draft_pool_is_free(core)
+
+
+def test_drafts_under_preemption_and_a_full_draft_cache(tiny: LoadedModel) -> None:
+    """A target cache that cannot hold all four (preemptions) and a draft cache of the
+    same size: the answers of a roomy cache without drafts, every block back."""
+    want, _ = answers(tiny, 64, None)
+    got, core = answers(tiny, 18, tiny)  # 72 tokens: the longest answer fits alone
+    assert got == want
+    assert core.stats().num_preemptions > 0
+    assert core.speculator is not None and core.speculator.stats.num_accepted_tokens > 0
+    assert draft_pool_is_free(core)
+
+
+def test_a_truncated_self_draft_from_the_config(tiny_llama_dir: Path) -> None:
+    speculative = SpeculativeConfig.parse(
+        {"model": str(tiny_llama_dir), "num_speculative_tokens": 3, "draft_layers": 1}
+    )
+    assert speculative.method == "draft_model"
+    config = EngineConfig(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        max_model_len=256,
+        cache=CacheConfig(num_blocks=64, block_size=BLOCK),
+        speculative=speculative,
+    )
+    core = EngineCore.from_config(config)
+    assert core.speculator is not None
+    proposer = core.speculator.proposer
+    assert isinstance(proposer, DraftProposer) and proposer.loaded.config.num_layers == 1
+    assert core.loaded is not None and core.loaded.config.num_layers > 1
+    request = core.add_request([7, 8, 9, 7, 8], PARAMS)
+    while core.has_unfinished_requests():
+        core.step()
+    assert len(request.output_token_ids) == 24 and request.num_draft_tokens > 0
+    assert draft_pool_is_free(core)
+
+
+def test_draft_config_errors_name_the_key() -> None:
+    for bad, says in [
+        ({"method": "draft_model"}, 'takes the draft\'s path in "model"'),
+        ({"method": "ngram", "model": "x.gguf"}, '"model" goes with that method only'),
+        ({"draft_layers": 2}, "goes with a draft model only"),
+        ({"model": 3}, "model must be a string"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            SpeculativeConfig.parse(bad)  # type: ignore[arg-type]
