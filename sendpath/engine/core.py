@@ -126,7 +126,7 @@ class EngineCore:
         )
         kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         runner = ModelRunner(loaded, num_blocks, cache.block_size)
-        proposer = _draft_proposer(config, loaded, num_blocks)
+        proposer = _draft_proposer(config, loaded, num_blocks, max_len)
         core = cls(
             runner,
             loaded.tokenizer,
@@ -430,10 +430,13 @@ class EngineCore:
         )
 
 
-def _draft_proposer(config: EngineConfig, target: LoadedModel, num_blocks: int) -> Proposer | None:
+def _draft_proposer(
+    config: EngineConfig, target: LoadedModel, num_blocks: int, max_len: int
+) -> Proposer | None:
     """The draft model ``config.speculative`` names, loaded as the target was (same dtype,
-    device and quantization rule), on a cache of as many blocks; ``None`` for prompt
-    lookup. A draft whose vocabulary is not the target's is refused."""
+    device and quantization rule), on a cache of as many blocks (memory beside the
+    target's); ``None`` for prompt lookup. A draft that does not share the target's
+    vocabulary and end tokens, or holds a shorter context than ``max_len``, is refused."""
     spec = config.speculative
     if spec is None or spec.model is None:
         return None
@@ -447,11 +450,22 @@ def _draft_proposer(config: EngineConfig, target: LoadedModel, num_blocks: int) 
         quantization=config.quantization,
         num_layers=spec.draft_layers,
     )
-    if draft.tokenizer.vocab_size != target.tokenizer.vocab_size:
+    mine, theirs = target.tokenizer, draft.tokenizer
+    why = None
+    if theirs.vocab_size != mine.vocab_size or draft.config.vocab_size > target.config.vocab_size:
+        why = (
+            f"has a vocabulary of {theirs.vocab_size} tokens ({draft.config.vocab_size} "
+            f"outputs), the model {mine.vocab_size} ({target.config.vocab_size})"
+        )
+    elif set(theirs.eos_token_ids) != set(mine.eos_token_ids):
+        why = "ends its answers with other tokens than the model"
+    elif draft.max_model_len < max_len:
+        why = f"holds a context of {draft.max_model_len} tokens, the model {max_len}"
+    if why is not None:
         raise InvalidRequestError(
-            f"the draft model {spec.model!r} has a vocabulary of {draft.tokenizer.vocab_size} "
-            f"tokens, the model {target.tokenizer.vocab_size}: a draft must share its "
-            "tokenizer.",
+            f"the draft model {spec.model!r} {why}: a draft must share the model's tokenizer "
+            "and context (or lower max_model_len).",
             param="speculative_config",
         )
-    return DraftProposer(draft, num_blocks, config.cache.block_size)
+    limit = config.scheduler.max_num_batched_tokens
+    return DraftProposer(draft, num_blocks, config.cache.block_size, limit)

@@ -11,8 +11,12 @@ the target added, or the whole prompt the first time) and takes its greedy token
 again one token a pass until each request has its ``k``. A draft that is one token for
 sure keeps the target's sampling exact (``engine/speculative.py``).
 
-Where its cache has no room for a request, that request gets the drafts made so far and
-its mirror starts again from nothing next time.
+A proposal computes at most ``max_tokens`` tokens of the draft model (the target's step
+budget): a long prompt is caught up over several steps, a chunk a step, and drafts for
+it only once it is. Where the cache has no room for a request, the mirrors of requests
+not drafting now (preempted, waiting) give their blocks back first; if there is still
+no room, that request gets the drafts made so far and its mirror starts again from
+nothing next time.
 """
 
 from __future__ import annotations
@@ -31,8 +35,11 @@ _GREEDY = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 class DraftProposer:
     """A draft model's runner and KV cache, and a mirror of each request it drafts for."""
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, loaded: LoadedModel, num_blocks: int, block_size: int, max_tokens: int = 512
+    ) -> None:
         self.loaded = loaded
+        self.max_tokens = max_tokens
         self.runner = ModelRunner(loaded, num_blocks, block_size)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self._mirrors: dict[str, Request] = {}
@@ -42,6 +49,7 @@ class DraftProposer:
         goal = {request.request_id: k for request, k in wanted}
         drafts: dict[str, list[int]] = {rid: [] for rid in goal}
         mirrors = [self._sync(request) for request, _ in wanted]
+        budget = self.max_tokens
         while True:
             items = []
             for mirror in mirrors:
@@ -49,20 +57,25 @@ class DraftProposer:
                 if len(drafts[rid]) >= goal[rid]:
                     continue
                 start, end = mirror.num_computed_tokens, mirror.num_tokens
-                if self.kv.allocate_slots(mirror, end - start) is None:
-                    self._restart(mirror)  # no room: what it made so far is its proposal
+                whole = end - start <= budget
+                end = end if whole else start + budget  # a long catch-up: a chunk a step
+                if not whole:
                     goal[rid] = 0
+                if end == start or not self._room(mirror, end - start, goal):
                     continue
                 table = self.kv.block_ids(rid)
                 items.append(
-                    ScheduledRequest(rid, mirror.token_ids(start, end), start, table, True)
+                    ScheduledRequest(rid, mirror.token_ids(start, end), start, table, whole)
                 )
+                budget -= end - start
             if not items:
                 return drafts
             result = self.runner.execute(SchedulerOutput(items))
             for item in items:
                 mirror = self._mirrors[item.request_id]
                 mirror.num_computed_tokens += item.num_tokens
+                if not item.sample:
+                    continue
                 token = result.sampled.get(item.request_id)
                 if token is None:  # its logits could not be sampled: no more drafts
                     goal[item.request_id] = 0
@@ -89,6 +102,21 @@ class DraftProposer:
             self.kv.trim(mirror)
         self._shared[rid] = len(tokens)
         return mirror
+
+    def _room(self, mirror: Request, n: int, drafting: dict[str, int]) -> bool:
+        """Slots for ``n`` more of the mirror's tokens: where none are free, the mirrors
+        not among ``drafting`` give theirs back first; else this one starts over (and
+        has no more drafts this time)."""
+        if self.kv.allocate_slots(mirror, n) is not None:
+            return True
+        for other in self._mirrors.values():
+            if other.request_id not in drafting:
+                self._restart(other)
+        if self.kv.allocate_slots(mirror, n) is not None:
+            return True
+        self._restart(mirror)
+        drafting[mirror.request_id] = 0
+        return False
 
     def _restart(self, mirror: Request) -> None:
         self.kv.free(mirror)

@@ -36,6 +36,7 @@ Speculation is off where it costs more than it saves:
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -52,6 +53,8 @@ __all__ = [
     "accept",
     "can_speculate",
 ]
+
+logger = logging.getLogger("sendpath.engine")
 
 MAX_BACKOFF = 64  # steps a request waits at most, after refused drafts, to propose again
 
@@ -212,10 +215,17 @@ class Speculator:
                 track.wait -= 1
                 continue
             wanted.append((request, min(k, room)))
-        if wanted:
+        if not wanted:
+            return
+        try:
             drafts = self.proposer.propose(wanted)
+        except Exception:  # a draft is never worth a request: decode without, start over
+            logger.exception("the drafts could not be proposed; these requests go without")
             for request, _ in wanted:
-                request.spec_token_ids = drafts.get(request.request_id, [])
+                self.proposer.remove(request.request_id)
+            return
+        for request, _ in wanted:
+            request.spec_token_ids = drafts.get(request.request_id, [])
 
     def verified(self, request: Request, num_drafts: int, num_kept: int) -> None:
         """A step verified ``num_drafts`` of the request's drafts and kept ``num_kept``."""

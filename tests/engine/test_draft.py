@@ -6,6 +6,8 @@ through ``--speculative-config``'s keys."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,9 +15,11 @@ import pytest
 from sendpath.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from sendpath.engine.core import EngineCore
 from sendpath.engine.draft import DraftProposer
+from sendpath.engine.scheduler import RunnerOutput, SchedulerOutput
+from sendpath.errors import InvalidRequestError
 from sendpath.model.loader import LoadedModel, load_model
 from sendpath.model.tokenizer import Tokenizer
-from sendpath.request import SamplingParams
+from sendpath.request import Request, SamplingParams
 from sendpath.runner.model_runner import ModelRunner
 from tests.conftest import write_tiny_llama
 from tests.engine.test_engine_property import BLOCK, assert_no_leaks, make_core
@@ -123,3 +127,65 @@ def test_draft_config_errors_name_the_key() -> None:
     ]:
         with pytest.raises(ValueError, match=says):
             SpeculativeConfig.parse(bad)  # type: ignore[arg-type]
+
+
+def test_a_long_prompt_is_caught_up_a_chunk_a_step(tiny: LoadedModel) -> None:
+    """A draft proposal computes at most its budget: the 40-token prompt is drafted for
+    once the draft model has seen it, 16 tokens a step; the answers do not change."""
+    want, _ = answers(tiny, 64, None)
+    core = make_core(
+        ModelRunner(tiny, 64, BLOCK), tiny.tokenizer, SchedulerConfig(), 64, speculative=DRAFT
+    )
+    assert core.speculator is not None
+    proposer = core.speculator.proposer = DraftProposer(tiny, 64, BLOCK, max_tokens=16)
+    seen: list[int] = []
+    execute = proposer.runner.execute
+
+    def counted(plan: SchedulerOutput) -> RunnerOutput:
+        seen.append(sum(i.num_tokens for i in plan.requests))
+        return execute(plan)
+
+    proposer.runner.execute = counted  # type: ignore[method-assign]
+    requests = [core.add_request(p, PARAMS) for p in PROMPTS]
+    while core.has_unfinished_requests():
+        core.step()
+    assert [r.output_token_ids for r in requests] == want
+    assert max(seen) <= 16 and requests[2].num_accepted_tokens > 0
+    assert draft_pool_is_free(core)
+
+
+def test_a_draft_that_fails_costs_only_its_drafts(tiny: LoadedModel) -> None:
+    want, _ = answers(tiny, 64, None)
+    core = make_core(
+        ModelRunner(tiny, 64, BLOCK), tiny.tokenizer, SchedulerConfig(), 64, speculative=DRAFT
+    )
+
+    class Broken(DraftProposer):
+        def propose(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
+            super().propose(wanted)
+            raise RuntimeError("the draft's device went away")
+
+    assert core.speculator is not None
+    core.speculator.proposer = Broken(tiny, 64, BLOCK)
+    requests = [core.add_request(p, PARAMS) for p in PROMPTS]
+    while core.has_unfinished_requests():
+        core.step()
+    assert [r.output_token_ids for r in requests] == want
+    assert core.speculator.stats.num_draft_tokens == 0
+    assert draft_pool_is_free(core)
+
+
+def test_a_draft_with_a_shorter_context_is_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    short = tmp_path / "short-draft"
+    shutil.copytree(tiny_llama_dir, short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32}))
+    engine = EngineConfig(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        max_model_len=256,
+        cache=CacheConfig(num_blocks=64, block_size=BLOCK),
+        speculative=SpeculativeConfig.parse({"model": str(short)}),
+    )
+    with pytest.raises(InvalidRequestError, match="holds a context of 32 tokens, the model 256"):
+        EngineCore.from_config(engine)
