@@ -25,7 +25,7 @@ from sendpath.engine.outputs import EngineOutput, OutputStream
 from sendpath.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput, SchedulerStats
 from sendpath.engine.speculative import Proposer, Speculator
 from sendpath.engine.steps import StepLog, StepShape
-from sendpath.errors import InvalidRequestError, PromptTooLongError
+from sendpath.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 from sendpath.kvcache.events import AllBlocksCleared, KVEvent
 from sendpath.kvcache.manager import KVCacheManager
 from sendpath.model.tokenizer import Chat, ChatMessage, Tokenizer
@@ -443,13 +443,16 @@ def _draft_proposer(
     from sendpath.engine.draft import DraftProposer
     from sendpath.model.loader import load_model
 
-    draft = load_model(
-        spec.model,
-        config.dtype,
-        config.device,
-        quantization=config.quantization,
-        num_layers=spec.draft_layers,
-    )
+    try:
+        draft = load_model(
+            spec.model,
+            config.dtype,
+            config.device,
+            quantization=config.quantization,
+            num_layers=spec.draft_layers,
+        )
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"the draft model (speculative config): {exc.message}") from exc
     mine, theirs = target.tokenizer, draft.tokenizer
     why = None
     if theirs.vocab_size != mine.vocab_size or draft.config.vocab_size > target.config.vocab_size:

@@ -16,7 +16,7 @@ from sendpath.config import CacheConfig, EngineConfig, SchedulerConfig, Speculat
 from sendpath.engine.core import EngineCore
 from sendpath.engine.draft import DraftProposer
 from sendpath.engine.scheduler import RunnerOutput, SchedulerOutput
-from sendpath.errors import InvalidRequestError
+from sendpath.errors import InvalidRequestError, ModelLoadError
 from sendpath.model.loader import LoadedModel, load_model
 from sendpath.model.tokenizer import Tokenizer
 from sendpath.request import Request, SamplingParams
@@ -188,4 +188,16 @@ def test_a_draft_with_a_shorter_context_is_refused(tiny_llama_dir: Path, tmp_pat
         speculative=SpeculativeConfig.parse({"model": str(short)}),
     )
     with pytest.raises(InvalidRequestError, match="holds a context of 32 tokens, the model 256"):
+        EngineCore.from_config(engine)
+
+
+def test_a_missing_draft_says_it_is_the_draft(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    engine = EngineConfig(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        max_model_len=256,
+        cache=CacheConfig(num_blocks=64, block_size=BLOCK),
+        speculative=SpeculativeConfig.parse({"model": str(tmp_path / "none.gguf")}),
+    )
+    with pytest.raises(ModelLoadError, match=r"the draft model \(speculative config\): Model path"):
         EngineCore.from_config(engine)
