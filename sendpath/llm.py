@@ -8,12 +8,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from sendpath.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from sendpath.config import CacheConfig, EngineConfig, SchedulerConfig
 from sendpath.engine.core import EngineCore, Prompt
 from sendpath.engine.outputs import CompletionOutput, RequestOutput
 from sendpath.errors import InvalidRequestError
 from sendpath.model.tokenizer import ChatMessage
 from sendpath.request import SamplingParams
+from sendpath.speculative_config import SpeculativeConfig
 
 __all__ = ["LLM"]
 

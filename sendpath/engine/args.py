@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from sendpath.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from sendpath.config import CacheConfig, EngineConfig, SchedulerConfig
+from sendpath.speculative_config import SpeculativeConfig
 
 __all__ = [
     "ENGINE_FLAGS",

@@ -6,9 +6,8 @@ the request's ``tokenize`` stage) and leaves as ``EngineOutput`` deltas.
 
 One request cannot stop the engine. Inputs are checked when a request is prepared (token
 ids inside the vocabulary, lengths); a step that still fails is run again one request at
-a time, and the requests that fail alone end with finish reason ``error`` while the rest
-get their tokens. Only when every request fails and the runner's ``probe()`` fails too is
-the fault the device's, not any request's: then ``EngineFaultError`` stops the engine.
+a time (``engine/isolation.py``), and the requests that fail alone end with finish
+reason ``error`` while the rest get their tokens.
 """
 
 from __future__ import annotations
@@ -20,31 +19,28 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sendpath.clock import Clock, RealClock
-from sendpath.config import EngineConfig, SchedulerConfig, SpeculativeConfig
+from sendpath.config import EngineConfig, SchedulerConfig
+from sendpath.engine.isolation import execute_isolated
 from sendpath.engine.outputs import EngineOutput, OutputStream
 from sendpath.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput, SchedulerStats
 from sendpath.engine.speculative import Proposer, Speculator
 from sendpath.engine.steps import StepLog, StepShape
-from sendpath.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
+from sendpath.errors import InvalidRequestError, PromptTooLongError
 from sendpath.kvcache.events import AllBlocksCleared, KVEvent
 from sendpath.kvcache.manager import KVCacheManager
 from sendpath.model.tokenizer import Chat, ChatMessage, Tokenizer
 from sendpath.request import Request, RequestStatus, SamplingParams, TokenLogprobs
+from sendpath.speculative_config import SpeculativeConfig
 from sendpath.trace import EventType
 
 if TYPE_CHECKING:
     from sendpath.model.loader import LoadedModel
 
-__all__ = ["EngineCore", "EngineFaultError", "Prompt", "Runner"]
+__all__ = ["EngineCore", "Prompt", "Runner"]
 
 logger = logging.getLogger("sendpath.engine")
 
 Prompt = str | list[int] | Sequence[ChatMessage] | Chat
-
-
-class EngineFaultError(RuntimeError):
-    """A step failed for every request in it and the device cannot compute a plain token
-    either: not any request's fault. The engine stops."""
 
 
 class Runner(Protocol):
@@ -74,8 +70,6 @@ class EngineCore:
         max_model_len: int,
         clock: Clock | None = None,
         model_name: str = "model",
-        speculative: SpeculativeConfig | None = None,
-        proposer: Proposer | None = None,
     ) -> None:
         if kv.capacity_tokens < max_model_len:
             raise ValueError(
@@ -95,15 +89,19 @@ class EngineCore:
         # every step's shape and time: calibration from a live server
         self.steps = StepLog()
         self._kv_sink: Callable[[list[KVEvent]], None] | None = None
-        # speculative decoding: drafts proposed after each step (``engine/speculative.py``)
-        self.speculator = (
-            None if speculative is None else Speculator(speculative, max_model_len, proposer)
-        )
-        self.scheduler.speculative = speculative is not None
+        self.speculator: Speculator | None = None
+
+    def speculate(self, config: SpeculativeConfig | None, proposer: Proposer | None = None) -> None:
+        """From now on, drafts proposed after each step (``engine/speculative.py``; with
+        ``config`` None: none). Call it before the first request."""
+        spec = None if config is None else Speculator(config, self.max_model_len, proposer)
+        self.speculator = spec
+        self.scheduler.speculative = spec is not None
 
     @classmethod
     def from_config(cls, config: EngineConfig, clock: Clock | None = None) -> EngineCore:
         """Load the model and size the KV cache from ``config``."""
+        from sendpath.engine.draft import load_draft
         from sendpath.model.loader import load_model
         from sendpath.runner.model_runner import ModelRunner, kv_bytes_per_token
 
@@ -126,18 +124,9 @@ class EngineCore:
         )
         kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         runner = ModelRunner(loaded, num_blocks, cache.block_size)
-        proposer = _draft_proposer(config, loaded, num_blocks, max_len)
-        core = cls(
-            runner,
-            loaded.tokenizer,
-            kv,
-            config.scheduler,
-            max_len,
-            clock,
-            loaded.name,
-            config.speculative,
-            proposer,
-        )
+        proposer = load_draft(config, loaded, num_blocks, max_len)  # None: no draft model
+        core = cls(runner, loaded.tokenizer, kv, config.scheduler, max_len, clock, loaded.name)
+        core.speculate(config.speculative, proposer)
         core.loaded = loaded
         return core
 
@@ -261,13 +250,17 @@ class EngineCore:
         """Schedule, execute and apply one step; return what each request got from it."""
         start = self.clock.now()
         plan = self.scheduler.schedule()
-        result = self._execute(plan)
+        result = execute_isolated(self.runner, plan)
         outputs = [
             out
             for request_id, why in result.failed.items()
             if (out := self._fail(request_id, why)) is not None
         ]
-        drafted = {item.request_id: item.num_drafts for item in plan.requests if item.num_drafts}
+        drafted = (
+            {item.request_id: item.num_drafts for item in plan.requests if item.num_drafts}
+            if self.speculator is not None
+            else None
+        )
         for request, tokens in self.scheduler.update(plan, result):
             stream = self._streams[request.request_id]
             try:
@@ -365,39 +358,6 @@ class EngineCore:
             ],
         }
 
-    def _execute(self, plan: SchedulerOutput) -> RunnerOutput:
-        """The runner's result for ``plan``; when it raises, each request's own result,
-        with the requests that fail alone in ``failed`` (see the module docstring)."""
-        try:
-            return self.runner.execute(plan)
-        except Exception as exc:
-            if plan.is_empty:
-                raise
-            errors: dict[str, Exception] = {}
-            result = RunnerOutput()
-            if len(plan.requests) == 1:
-                errors[plan.requests[0].request_id] = exc
-            else:  # again, one at a time: same slots, same tokens, rewritten
-                for item in plan.requests:
-                    try:
-                        alone = self.runner.execute(SchedulerOutput([item]))
-                    except Exception as alone_exc:
-                        errors[item.request_id] = alone_exc
-                    else:
-                        result.sampled.update(alone.sampled)
-                        result.failed.update(alone.failed)
-                        result.logprobs.update(alone.logprobs)
-                        result.accepted.update(alone.accepted)
-        if len(errors) == len(plan.requests):
-            try:
-                self.runner.probe()
-            except Exception as fault:
-                raise EngineFaultError(f"the device cannot compute: {fault}") from fault
-        for request_id, error in errors.items():
-            logger.error("request %s: a step failed on it", request_id, exc_info=error)
-            result.failed[request_id] = f"{type(error).__name__}: {error}"
-        return result
-
     def _fail(self, request_id: str, why: str) -> EngineOutput | None:
         """End a request the engine could not compute; ``None`` if it is already gone."""
         logger.error("request %s stopped with an error: %s", request_id, why)
@@ -428,47 +388,3 @@ class EngineCore:
             num_output_tokens=len(request.output_token_ids),
             logprobs=None if logprobs is None else [logprobs],
         )
-
-
-def _draft_proposer(
-    config: EngineConfig, target: LoadedModel, num_blocks: int, max_len: int
-) -> Proposer | None:
-    """The draft model ``config.speculative`` names, loaded as the target was (same dtype,
-    device and quantization rule), on a cache of as many blocks (memory beside the
-    target's); ``None`` for prompt lookup. A draft that does not share the target's
-    vocabulary and end tokens, or holds a shorter context than ``max_len``, is refused."""
-    spec = config.speculative
-    if spec is None or spec.model is None:
-        return None
-    from sendpath.engine.draft import DraftProposer
-    from sendpath.model.loader import load_model
-
-    try:
-        draft = load_model(
-            spec.model,
-            config.dtype,
-            config.device,
-            quantization=config.quantization,
-            num_layers=spec.draft_layers,
-        )
-    except ModelLoadError as exc:
-        raise ModelLoadError(f"the draft model (speculative config): {exc.message}") from exc
-    mine, theirs = target.tokenizer, draft.tokenizer
-    why = None
-    if theirs.vocab_size != mine.vocab_size or draft.config.vocab_size > target.config.vocab_size:
-        why = (
-            f"has a vocabulary of {theirs.vocab_size} tokens ({draft.config.vocab_size} "
-            f"outputs), the model {mine.vocab_size} ({target.config.vocab_size})"
-        )
-    elif set(theirs.eos_token_ids) != set(mine.eos_token_ids):
-        why = "ends its answers with other tokens than the model"
-    elif draft.max_model_len < max_len:
-        why = f"holds a context of {draft.max_model_len} tokens, the model {max_len}"
-    if why is not None:
-        raise InvalidRequestError(
-            f"the draft model {spec.model!r} {why}: a draft must share the model's tokenizer "
-            "and context (or lower max_model_len).",
-            param="speculative_config",
-        )
-    limit = config.scheduler.max_num_batched_tokens
-    return DraftProposer(draft, num_blocks, config.cache.block_size, limit)

@@ -21,13 +21,15 @@ nothing next time.
 
 from __future__ import annotations
 
+from sendpath.config import EngineConfig
 from sendpath.engine.scheduler import ScheduledRequest, SchedulerOutput
+from sendpath.errors import InvalidRequestError, ModelLoadError
 from sendpath.kvcache.manager import KVCacheManager
-from sendpath.model.loader import LoadedModel
+from sendpath.model.loader import LoadedModel, load_model
 from sendpath.request import Request, SamplingParams
 from sendpath.runner.model_runner import ModelRunner
 
-__all__ = ["DraftProposer"]
+__all__ = ["DraftProposer", "load_draft"]
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
@@ -128,3 +130,44 @@ class DraftProposer:
         if mirror is not None:
             self.kv.free(mirror)
             self.runner.remove_request(request_id)
+
+
+def load_draft(
+    config: EngineConfig, target: LoadedModel, num_blocks: int, max_len: int
+) -> DraftProposer | None:
+    """The draft model ``config.speculative`` names, loaded as the target was (same dtype,
+    device and quantization rule), on a cache of as many blocks (memory beside the
+    target's); ``None`` where it names none. A draft that does not share the target's
+    vocabulary and end tokens, or holds a shorter context than ``max_len``, is refused."""
+    spec = config.speculative
+    if spec is None or spec.model is None:
+        return None
+    try:
+        draft = load_model(
+            spec.model,
+            config.dtype,
+            config.device,
+            quantization=config.quantization,
+            num_layers=spec.draft_layers,
+        )
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"the draft model (speculative config): {exc.message}") from exc
+    mine, theirs = target.tokenizer, draft.tokenizer
+    why = None
+    if theirs.vocab_size != mine.vocab_size or draft.config.vocab_size > target.config.vocab_size:
+        why = (
+            f"has a vocabulary of {theirs.vocab_size} tokens ({draft.config.vocab_size} "
+            f"outputs), the model {mine.vocab_size} ({target.config.vocab_size})"
+        )
+    elif set(theirs.eos_token_ids) != set(mine.eos_token_ids):
+        why = "ends its answers with other tokens than the model"
+    elif draft.max_model_len < max_len:
+        why = f"holds a context of {draft.max_model_len} tokens, the model {max_len}"
+    if why is not None:
+        raise InvalidRequestError(
+            f"the draft model {spec.model!r} {why}: a draft must share the model's tokenizer "
+            "and context (or lower max_model_len).",
+            param="speculative_config",
+        )
+    limit = config.scheduler.max_num_batched_tokens
+    return DraftProposer(draft, num_blocks, config.cache.block_size, limit)

@@ -78,6 +78,14 @@ class RunnerOutput:
     failed: dict[str, str] = field(default_factory=dict)
     # a request whose plan had drafts: those it kept, which come before its sampled token
     accepted: dict[str, list[int]] = field(default_factory=dict)
+
+    def merge(self, other: RunnerOutput) -> None:
+        """Take ``other``'s results too (another part of the same step's requests)."""
+        self.sampled.update(other.sampled)
+        self.failed.update(other.failed)
+        self.logprobs.update(other.logprobs)
+        self.accepted.update(other.accepted)
+
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # where asked for
 
 
@@ -217,18 +225,16 @@ class Scheduler:
             start = request.num_computed_tokens
             end = start + n
             known = len(request.prompt_token_ids) + len(request.output_token_ids)
+            drafts = 0
             if n == 1 and end == known:  # a decode: the last known token
                 ids = request.output_token_ids[-1:] or request.prompt_token_ids[-1:]
             elif end > known:  # a decode and its drafts
-                drafts = request.spec_token_ids[: end - known]
-                ids = request.token_ids(start, known) + drafts
-                table = block_ids(request_id)
-                items.append(ScheduledRequest(request_id, ids, start, table, True, len(drafts)))
-                continue
+                drafts = end - known
+                ids = request.token_ids(start, known) + request.spec_token_ids[:drafts]
             else:
                 ids = request.token_ids(start, end)
             table = block_ids(request_id)  # the KV manager's live list
-            items.append(ScheduledRequest(request_id, ids, start, table, end == known))
+            items.append(ScheduledRequest(request_id, ids, start, table, end >= known, drafts))
         return out
 
     def _plan(

@@ -37,11 +37,11 @@ Speculation is off where it costs more than it saves:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from sendpath.config import SpeculativeConfig
 from sendpath.request import Request, SamplingParams
+from sendpath.speculative_config import SpeculativeConfig
 
 __all__ = [
     "MAX_BACKOFF",
@@ -152,12 +152,7 @@ class SpecStats:
     accepted_per_pos: list[int] = field(default_factory=list)  # kept at draft position i
 
     def snapshot(self) -> SpecStats:
-        return SpecStats(
-            self.num_drafts,
-            self.num_draft_tokens,
-            self.num_accepted_tokens,
-            list(self.accepted_per_pos),
-        )
+        return replace(self, accepted_per_pos=list(self.accepted_per_pos))
 
     def count(self, num_drafts: int, num_kept: int) -> None:
         self.num_drafts += 1
@@ -192,11 +187,13 @@ class Speculator:
     def propose(self, running: list[Request]) -> None:
         """Set each running request's ``spec_token_ids`` for the next step (``[]``: none)."""
         decoding = [r for r in running if not r.is_prefilling]
-        off = len(decoding) > self.config.disable_by_batch_size
+        for request in decoding:
+            request.spec_token_ids = []
+        if len(decoding) > self.config.disable_by_batch_size:
+            return
         k = self.config.num_speculative_tokens
         wanted: list[tuple[Request, int]] = []
         for request in decoding:
-            request.spec_token_ids = []
             params = request.sampling_params
             # room: what max_tokens and the context still allow after the next token
             room = (
@@ -206,7 +203,7 @@ class Speculator:
                 )
                 - 1
             )
-            if off or room < 1 or not can_speculate(params, len(request.output_token_ids)):
+            if room < 1 or not can_speculate(params, len(request.output_token_ids)):
                 continue
             track = self._tracks.get(request.request_id)
             if track is None:

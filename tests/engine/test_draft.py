@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sendpath.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from sendpath.config import CacheConfig, EngineConfig, SchedulerConfig
 from sendpath.engine.core import EngineCore
 from sendpath.engine.draft import DraftProposer
 from sendpath.engine.scheduler import RunnerOutput, SchedulerOutput
@@ -21,6 +21,7 @@ from sendpath.model.loader import LoadedModel, load_model
 from sendpath.model.tokenizer import Tokenizer
 from sendpath.request import Request, SamplingParams
 from sendpath.runner.model_runner import ModelRunner
+from sendpath.speculative_config import SpeculativeConfig
 from tests.conftest import write_tiny_llama
 from tests.engine.test_engine_property import BLOCK, assert_no_leaks, make_core
 

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sendpath.clock import VirtualClock
-from sendpath.config import SchedulerConfig, SpeculativeConfig
+from sendpath.config import SchedulerConfig
 from sendpath.engine.core import EngineCore, Runner
 from sendpath.engine.outputs import OutputStream
 from sendpath.errors import PromptTooLongError
@@ -25,6 +25,7 @@ from sendpath.request import SamplingParams
 from sendpath.runner.fake_runner import FakeRunner
 from sendpath.runner.model_runner import ModelRunner
 from sendpath.runner.sequence_runner import SequenceRunner
+from sendpath.speculative_config import SpeculativeConfig
 
 PREFIXES = [list(range(1000, 1012)), list(range(2000, 2009)), []]
 BLOCK = 4
@@ -112,9 +113,9 @@ def make_core(
     """An engine over ``blocks`` KV blocks; max_model_len defaults to all of them."""
     kv = KVCacheManager(blocks, block_size=BLOCK)
     max_len = max_model_len or blocks * BLOCK
-    return EngineCore(
-        runner, tokenizer, kv, config, max_len, VirtualClock(), speculative=speculative
-    )
+    core = EngineCore(runner, tokenizer, kv, config, max_len, VirtualClock())
+    core.speculate(speculative)
+    return core
 
 
 def assert_no_leaks(core: EngineCore, blocks: int) -> None:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sendpath.engine.core import EngineCore, EngineFaultError
+from sendpath.engine.core import EngineCore
+from sendpath.engine.isolation import EngineFaultError
 from sendpath.engine.outputs import FinishReason
 from sendpath.model.loader import LoadedModel
 from sendpath.request import RequestStatus, SamplingParams

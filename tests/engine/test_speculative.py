@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sendpath.config import SchedulerConfig, SpeculativeConfig
+from sendpath.config import SchedulerConfig
 from sendpath.engine.core import EngineCore, Runner
 from sendpath.engine.scheduler import RunnerOutput, SchedulerOutput
 from sendpath.engine.speculative import NgramIndex, accept, can_speculate
@@ -22,6 +22,7 @@ from sendpath.model.tokenizer import Tokenizer
 from sendpath.request import Request, SamplingParams
 from sendpath.runner.fake_runner import FakeRunner
 from sendpath.runner.model_runner import ModelRunner
+from sendpath.speculative_config import SpeculativeConfig
 from tests.engine.test_engine_property import (
     BLOCK,
     Arrival,

@@ -19,8 +19,9 @@ from typing import Any
 import httpx
 import pytest
 
-from sendpath.config import CacheConfig, EngineConfig, ReplicaConfig, SpeculativeConfig
+from sendpath.config import CacheConfig, EngineConfig, ReplicaConfig
 from sendpath.server.app import create_app
+from sendpath.speculative_config import SpeculativeConfig
 from tests.server.conftest import serve_app
 
 TEXT = (

@@ -17,7 +17,7 @@ from sendpath.engine.core import EngineCore
 from sendpath.engine.scheduler import ScheduledRequest
 from sendpath.model.loader import LoadedModel
 from sendpath.request import SamplingParams
-from sendpath.runner.model_runner import PagedAttention
+from sendpath.runner.paged_attention import PagedAttention
 from tests.engine.test_core import make_core
 
 
