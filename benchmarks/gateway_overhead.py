@@ -225,8 +225,18 @@ def side_by_side(
     return out
 
 
-# frames of the export path: building, encoding, queueing and sending spans
-EXPORT_FRAMES = ("sendpath/telemetry/", "sendpath/gateway/spans.py", "opentelemetry/")
+# frames that run only when exporting: the trace context, building, encoding, queueing
+# and sending spans (not ``telemetry/genai_metrics.py`` or ``genai.operation_of``: the
+# GenAI metrics and the operation's name are kept with export off too)
+EXPORT_FRAMES = (
+    "sendpath/telemetry/export.py",
+    "sendpath/telemetry/otlp.py",
+    "sendpath/telemetry/sampling.py",
+    "sendpath/telemetry/spans.py",
+    "sendpath/telemetry/trace_context.py",
+    "sendpath/gateway/spans.py",
+    "opentelemetry/",
+)
 
 
 @contextlib.contextmanager

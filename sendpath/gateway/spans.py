@@ -50,13 +50,13 @@ def gateway_span(ctx: GatewayContext, operation: str, end: float) -> SpanRecord:
         error=span_error(ctx),
     )
     stages = ctx.final[0] if ctx.final is not None else ctx.stage_seconds()
-    for stage, start, duration in stages:
-        name = _OWN.get(stage)
-        if name is not None:
-            at = ctx.start + start
-            root.children.append(SpanRecord(name, at, at + duration))
-    for attempt in ctx.attempts:
-        root.children.append(_attempt_span(attempt, end))
+    begin, own = ctx.start, _OWN
+    root.stages = [
+        (own[stage], begin + start, begin + start + duration)
+        for stage, start, duration in stages
+        if stage in own
+    ]
+    root.children = [_attempt_span(attempt, end) for attempt in ctx.attempts]
     return root
 
 

@@ -26,10 +26,18 @@ class SpanRecord:
     error: str | None = None  # ``error.type``; the span's status is then ERROR
     events: list[tuple[str, float]] = field(default_factory=list)  # (name, time)
     children: list[SpanRecord] = field(default_factory=list)
+    # children that are bare stages (no attributes, events, id or children) as
+    # (name, start, end): what most spans are, kept in the form that is cheapest to
+    # build and to encode (``otlp.py``); ``all_children`` makes them records
+    stages: list[tuple[str, float, float]] = field(default_factory=list)
+
+    def all_children(self) -> list[SpanRecord]:
+        """The children, the bare stages as records after the others."""
+        return self.children + [SpanRecord(*stage) for stage in self.stages]
 
     def walk(self) -> list[SpanRecord]:
-        """This span and all below it, parents first."""
+        """This span and all below it, parents first (the stages as records)."""
         out = [self]
-        for child in self.children:
+        for child in self.all_children():
             out += child.walk()
         return out

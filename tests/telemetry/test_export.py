@@ -7,7 +7,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from sendpath.clock import VirtualClock
-from sendpath.telemetry.export import Tracing, traces_endpoint
+from sendpath.telemetry.export import EXPORT_BATCH, MAX_QUEUE, Tracing, _batching, traces_endpoint
 from sendpath.telemetry.spans import SpanRecord
 from sendpath.telemetry.trace_context import TraceParent
 
@@ -30,6 +30,7 @@ def tree() -> SpanRecord:
         SpanRecord("attempt replica-0", 10.2, 11.0, "client", span_id=0xABC, error="502"),
         SpanRecord("attempt replica-1", 11.0, 12.0, "client", events=[("preempted", 11.5)]),
     ]
+    root.stages = [("gateway.safety", 10.1, 10.15), ("stream", 11.9, 10.0)]  # ends < starts
     return root
 
 
@@ -39,7 +40,8 @@ def test_a_tree_becomes_spans_with_its_parents_times_and_errors() -> None:
     context = TraceParent(0x1234, 0x99)
     tracing.emit(tree(), context, 0x77, VirtualClock(10.0))
     spans = {s.name: s for s in exporter.get_finished_spans()}
-    assert set(spans) == {"chat tiny", "gateway.auth", "attempt replica-0", "attempt replica-1"}
+    names = {"chat tiny", "gateway.auth", "attempt replica-0", "attempt replica-1"}
+    assert set(spans) == names | {"gateway.safety", "stream"}
     root = spans["chat tiny"]
     assert root.context is not None and root.parent is not None
     assert (root.context.trace_id, root.context.span_id) == (0x1234, 0x99)
@@ -48,7 +50,7 @@ def test_a_tree_becomes_spans_with_its_parents_times_and_errors() -> None:
     assert failed.context is not None and failed.context.span_id == 0xABC  # as sent on
     assert failed.status.status_code is StatusCode.ERROR and failed.attributes is not None
     assert failed.attributes["error.type"] == "502" and failed.kind is SpanKind.CLIENT
-    for name in ("gateway.auth", "attempt replica-0", "attempt replica-1"):
+    for name in ("gateway.auth", "attempt replica-0", "attempt replica-1", "gateway.safety"):
         span = spans[name]
         assert span.parent is not None and span.parent.span_id == 0x99
         assert span.context is not None and span.context.trace_id == 0x1234
@@ -114,6 +116,7 @@ def test_the_direct_encoding_is_the_sdks_encoding_of_the_same_spans(caller: int 
         {"n": -3, "ok": True, "ratio": 0.25, "reasons": ["stop", "length"], "text": "é"}
     )
     root.children[0].children = [SpanRecord("nested", 10.0, 10.05)]  # parents first
+    root.children[2].stages = [("nested stage", 11.1, 11.2)]
     for number, record in enumerate(root.walk()[1:], start=1):
         record.span_id = record.span_id or number  # the same ids on both sides
     trees = [SpanTree(root, 0x1234, 0x99, caller, 1, 1_700_000_000.0)]
@@ -126,6 +129,30 @@ def test_the_direct_encoding_is_the_sdks_encoding_of_the_same_spans(caller: int 
     assert ours_rs.resource == sdk_rs.resource
     (ours_ss,), (sdk_ss,) = ours_rs.scope_spans, sdk_rs.scope_spans
     assert ours_ss.scope.name == sdk_ss.scope.name == "sendpath"
-    assert len(ours_ss.spans) == len(sdk_ss.spans) == 5
-    for a, b in zip(ours_ss.spans, sdk_ss.spans, strict=True):
+    assert len(ours_ss.spans) == len(sdk_ss.spans) == 8
+    stages = {"gateway.safety", "stream", "nested stage"}  # bare stages: their ids are drawn
+    for spans in (ours_ss.spans, sdk_ss.spans):
+        for span in spans:
+            if span.name in stages:
+                assert len(span.span_id) == 8 and span.span_id != bytes(8)
+                span.span_id = b""
+    by_name = (
+        sorted(ours_ss.spans, key=lambda s: s.name),
+        sorted(sdk_ss.spans, key=lambda s: s.name),
+    )
+    for a, b in zip(*by_name, strict=True):
         assert a == b, (a, b)
+
+
+def test_batches_are_ours_unless_the_environment_sizes_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert _batching() == {"max_queue_size": MAX_QUEUE, "max_export_batch_size": EXPORT_BATCH}
+    monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "100")
+    assert _batching() == {"max_queue_size": MAX_QUEUE, "max_export_batch_size": None}
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "1000")  # the SDK checks the pair
+    assert _batching() == {"max_queue_size": None, "max_export_batch_size": None}
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:1")
+    tracing = Tracing.configured(None, "s")
+    assert tracing is not None
+    tracing.shutdown()
