@@ -4,8 +4,10 @@
   and prompt chunks alike (the torch path copies every decoding sequence's whole context
   into a padded batch in every layer); ``paged_attention_bf16.cpp`` its bfloat16 task on
   AVX-512 BF16 dot products, ``paged_prefill_bf16.cpp`` a prompt chunk's rows a tile at a
-  time on them, ``paged_attention_avx2.cpp`` its task on AVX2 (no AVX-512), and
-  ``attention_simd.h`` what they share.
+  time on them (where AMX's tiles run, ``paged_prefill_amx.h``'s flash-style kernel on
+  bfloat16 tiles instead: ``paged_prefill_amx_impl.h``, built on the tiles and on their
+  software model as the matmul's designs are), ``paged_attention_avx2.cpp`` its task on
+  AVX2 (no AVX-512), and ``attention_simd.h`` and ``avx512_lanes.h`` what they share.
 - ``fused_ops.cpp``: the small operations around a layer's matmuls (residual add + RMSNorm,
   RoPE, the cache write, SiLU and its product), one call each instead of about six torch
   ops each, over ``vec.h``'s registers (AVX-512 or AVX2).
@@ -13,12 +15,13 @@
   codes) as llama.cpp computes them, int8 activations and AVX-512 VNNI dot products
   (``model/quant.py``'s ``BlockWeights``); ``block_matmul_avx2.cpp`` the same on AVX2.
 - ``matrix_engine.cpp``: where AMX's tiles run (the CPU has them and Linux grants the
-  process their state, asked for once), block_matmul's products of 16 rows or more go to
-  ``block_matmul_amx.h``'s designs: int8 tiles, to the VNNI loop's bits, or bfloat16 tiles
-  over a dequantized panel. ``block_matmul_amx_impl.h`` writes them once over
-  ``amx_tiles.h``'s operations, built twice: on the tiles (``block_matmul_amx.cpp``) and
-  on a software model of them (``block_matmul_amx_emulated.cpp``, loops ``amx-int8-emulated``
-  and ``amx-bf16-emulated``), which the tests check wherever AVX-512 BF16 runs.
+  process their state, asked for once), block_matmul's products of 64 rows or more go to
+  ``block_matmul_amx.h``'s bfloat16 tiles over a dequantized panel (its int8 tiles, to the
+  VNNI loop's bits, are a loop to ask for: their fix-ups make them little faster than it).
+  ``block_matmul_amx_impl.h`` writes both once over ``amx_tiles.h``'s operations, built
+  twice: on the tiles (``block_matmul_amx.cpp``) and on a software model of them
+  (``block_matmul_amx_emulated.cpp``, loops ``amx-int8-emulated`` and
+  ``amx-bf16-emulated``), which the tests check wherever AVX-512 BF16 runs.
 - ``layer_stack.cpp``: every decoder layer of a step in one call, with those kernels, for a
   model whose layers all have block-quantized weights (``LlamaModel.use_kernels``): the
   Python between a layer's nine kernel calls cost about a third of a one-request step.
@@ -64,6 +67,8 @@ _SOURCES = [
         "matrix_engine.cpp",
         "block_matmul_amx.cpp",
         "block_matmul_amx_emulated.cpp",
+        "paged_prefill_amx.cpp",
+        "paged_prefill_amx_emulated.cpp",
         "layer_stack.cpp",
     )
 ]
@@ -73,10 +78,13 @@ _HEADERS = [
     for name in (
         "amx_tiles.h",
         "attention_simd.h",
+        "avx512_lanes.h",
         "block_matmul.h",
         "block_matmul_amx.h",
         "block_matmul_amx_impl.h",
         "kernels.h",
+        "paged_prefill_amx.h",
+        "paged_prefill_amx_impl.h",
         "vec.h",
     )
 ]

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #ifndef SENDPATH_AMX_EMULATE
@@ -81,6 +82,8 @@ SENDPATH_PRODUCT(2, 4, 6)
 SENDPATH_PRODUCT(3, 5, 7)
 SENDPATH_PRODUCT(1, 4, 7)
 SENDPATH_PRODUCT(2, 5, 6)
+SENDPATH_PRODUCT(1, 4, 6)
+SENDPATH_PRODUCT(3, 4, 6)
 #undef SENDPATH_PRODUCT
 
 #else
@@ -157,6 +160,21 @@ inline void dpbf16ps() {
 }
 
 #endif
+
+// A thread's scratch for a kernel's buffers: grows, never shrinks, freed with the thread.
+struct Scratch {
+  void* p = nullptr;
+  int64_t bytes = 0;
+  ~Scratch() { std::free(p); }
+  void* get(int64_t n) {
+    if (n > bytes) {
+      std::free(p);
+      bytes = (n + 63) / 64 * 64;
+      p = std::aligned_alloc(64, static_cast<size_t>(bytes));
+    }
+    return p;
+  }
+};
 
 }  // namespace tiles
 }  // namespace

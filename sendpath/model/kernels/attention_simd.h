@@ -12,9 +12,13 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <string>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#ifdef __AVX512F__
+#include "avx512_lanes.h"
 #endif
 
 namespace sendpath_attention {
@@ -62,22 +66,6 @@ inline __mmask16 first(int64_t n) {  // the first min(n, 16) lanes
   return n >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << n) - 1u);
 }
 
-// e^x for x <= 0 (a score less the running max): 2^(x log2 e) as 2^n 2^f with n whole and
-// |f| <= 1/2, 2^f by its Taylor series to f^7 (relative error under 1e-7); 0 below -87.
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)),
-                                 _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  constexpr float kCoef[] = {1.525273380405984e-05f, 1.5403530393381606e-04f,
-                             1.3333558146428443e-03f, 9.618129107628477e-03f,
-                             5.550410866482158e-02f,  2.402265069591007e-01f,
-                             6.931471805599453e-01f,  1.f};
-  __m512 p = _mm512_set1_ps(kCoef[0]);
-  for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kCoef[i]));
-  return _mm512_scalef_ps(p, n);
-}
-
 // Lane i of the result: the sum of v[i]'s 16 lanes (a transposing tree of adds: about
 // three instructions a sum, where one horizontal sum each takes about ten).
 inline __m512 sum_each(const __m512 v[16]) {
@@ -112,7 +100,7 @@ inline void fold_block_avx512(float* scores, int64_t n, int64_t block_size, int6
     __m512 sum = _mm512_setzero_ps();
     for (int64_t t = 0; t < n; t += 16) {
       const __mmask16 m = first(n - t);
-      const __m512 e = exp_nonpositive(
+      const __m512 e = lanes::exp_nonpositive(
           _mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + t), _mm512_set1_ps(new_max)));
       _mm512_mask_storeu_ps(sg + t, m, e);
       sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
@@ -139,14 +127,22 @@ bool decode_task_avx2(const at::BFloat16* q, const at::BFloat16* k_head,
                       const at::BFloat16* v_head, const int64_t* table, int64_t length,
                       at::BFloat16* out, const Shape& s, int64_t group);
 
-// How many tokens of a prompt chunk `prefill_tile_bf16` takes at once: 1 where it cannot
-// run (no AVX-512 BF16, another head dim, a block size not a multiple of 16).
-int64_t prefill_tile_tokens(const Shape& s, int64_t group);
+// What takes a prompt chunk's rows on a bfloat16 cache: AMX's tiles where they run
+// (paged_prefill_amx.h; kTilesEmulated: their software model, for tests), else the AVX-512
+// BF16 vector tile (paged_prefill_bf16.cpp), else the row task one token at a time.
+enum class Prefill { kRows, kVector, kTiles, kTilesEmulated };
+
+// The path `name` asks for ("": the fastest that runs here; "rows", "vector", "amx",
+// "amx-emulated"), checked against this CPU and the shape: an error says why it cannot run.
+Prefill prefill_path(const std::string& name, const Shape& s, int64_t group);
+
+// How many tokens of a prompt chunk `prefill_tile_bf16` takes at once on `path`.
+int64_t prefill_tile_tokens(Prefill path, int64_t group);
 
 // `tokens` consecutive rows of one sequence (a prompt chunk's, the first one with
 // `first_len` tokens of context) against one kv head on a bfloat16 cache; q and out point
 // at the first row's group of query heads, rows `row_stride` elements apart.
-void prefill_tile_bf16(const at::BFloat16* q, const at::BFloat16* k_head,
+void prefill_tile_bf16(Prefill path, const at::BFloat16* q, const at::BFloat16* k_head,
                        const at::BFloat16* v_head, const int64_t* table, int64_t first_len,
                        int64_t tokens, int64_t row_stride, at::BFloat16* out, const Shape& s,
                        int64_t group);

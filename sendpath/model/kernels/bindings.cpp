@@ -11,7 +11,11 @@ const auto kUnlocked = py::call_guard<py::gil_scoped_release>();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, kUnlocked,
-        "each query row's attention over its own context in the paged KV cache, read in place");
+        "each query row's attention over its own context in the paged KV cache, read in place; "
+        "`prefill` names what takes a prompt chunk's rows on a bfloat16 cache ('': the fastest "
+        "here, rows, vector, amx, amx-emulated)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("seq_lens"), py::arg("block_size"), py::arg("scale"), py::arg("prefill") = "");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, kUnlocked,
         "residual += x; x = rms_norm(residual) * weight, in place");
   m.def("rotary_", &rotary_, kUnlocked, "RoPE in place on the first `heads` heads of each row");
@@ -20,7 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_loops", &block_loops,
         "the loops block_matmul runs on this CPU, the fastest first (avx512-vnni, avx2, portable)");
   m.def("matrix_loops", &matrix_loops,
-        "the matrix-engine loops block_matmul runs on this CPU (amx-int8, amx-bf16), or none");
+        "the matrix-engine loops block_matmul runs on this CPU (amx-bf16, amx-int8), or none");
   m.def("matrix_unavailable", &matrix_unavailable, "why matrix_loops() is empty here, or ''");
   m.def("matrix_min_rows", &matrix_min_rows,
         "the rows from which block_matmul's default takes matrix_loops()'s first loop");

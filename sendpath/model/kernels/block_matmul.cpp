@@ -21,8 +21,8 @@
 //
 // With AVX-512 VNNI the loop below runs; with AVX2 only, block_matmul_avx2.cpp's; else a
 // portable loop computes the same sums over the same layout. Where AMX's tiles run,
-// products of kAmxMinRows rows or more go to them (matrix_engine.cpp,
-// block_matmul_amx.h), to the same bits as the VNNI loop. `block_loops()` says which
+// products of kAmxMinRows rows or more go to their bfloat16 design (matrix_engine.cpp,
+// block_matmul_amx.h): bfloat16's precision, not the VNNI loop's bits. `block_loops()` says which
 // run here, the fastest first (the loader picks these weights where one of the first two
 // does).
 

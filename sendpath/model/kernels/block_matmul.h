@@ -35,11 +35,14 @@ struct Packed {  // pointers into the packed tensors, and their shape
 Quantized quantize(const float* x, int64_t rows, int64_t k, int64_t padded_rows);
 Quantized quantize(const at::BFloat16* x, int64_t rows, int64_t k, int64_t padded_rows);
 
-// From this many rows a product goes to the tiles where they are usable; fewer take the
-// VNNI loop, which the weights' bytes bound there. A tile takes 16 rows (fewer are padded
-// with zeros), so 16 is where the tiles stop wasting work; where past it they start to pay
-// is for `benchmarks/matrix_matmul.py` to measure on an AMX machine.
-constexpr int64_t kAmxMinRows = 16;
+// From this many rows a product goes to the tiles' bfloat16 design where they are usable;
+// fewer take the VNNI loop. Measured by `benchmarks/matrix_matmul.py` on a 2-core AMX Xeon
+// (Sapphire Rapids class) on SmolLM2's four products: below 64 rows the VNNI loop is as
+// fast or faster (each call dequantizes the weights it uses, and the weights' bytes bound
+// a few rows); from 64 the bfloat16 tiles beat it on every product (1.2-1.9x at 64, 2-2.5x
+// from 256), and beat the int8 tiles, whose per-block fix-ups (the VNNI loop's bits) hold
+// them to 1.0-1.4x the VNNI loop.
+constexpr int64_t kAmxMinRows = 64;
 
 enum class Amx { kInt8, kBf16 };  // block_matmul_amx.h's two designs
 

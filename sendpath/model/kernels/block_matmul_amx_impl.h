@@ -16,7 +16,6 @@
 #include <immintrin.h>
 
 #include <cstdint>
-#include <cstdlib>
 
 #include "amx_tiles.h"
 #include "block_matmul_amx.h"
@@ -37,21 +36,6 @@ inline __m512 half16(const uint16_t* p) {
 inline void store_lanes(float* p, __m512 v, int64_t lanes) {
   _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << lanes) - 1u), v);
 }
-
-// A thread's scratch: grows, never shrinks, freed with the thread.
-struct Scratch {
-  void* p = nullptr;
-  int64_t bytes = 0;
-  ~Scratch() { std::free(p); }
-  void* get(int64_t n) {
-    if (n > bytes) {
-      std::free(p);
-      bytes = (n + 63) / 64 * 64;
-      p = std::aligned_alloc(64, static_cast<size_t>(bytes));
-    }
-    return p;
-  }
-};
 
 // ----------------------------------------------------------------- int8
 
@@ -200,7 +184,7 @@ void tiles_bf16(const Bf16Rows& x, int64_t r0, const uint16_t* p0, const uint16_
 
 void groups_int8(const Weights& w, const Int8Rows& x, float* out, int64_t n_out, int64_t g_begin,
                  int64_t g_end) {
-  static thread_local Scratch unpacked, tile_sums;
+  static thread_local tiles::Scratch unpacked, tile_sums;
   uint8_t* buffer = static_cast<uint8_t*>(unpacked.get(w.blocks * 512));
   int32_t* sums = static_cast<int32_t*>(tile_sums.get(4 * 256 * 4));
   configure_int8();
@@ -220,7 +204,7 @@ void groups_int8(const Weights& w, const Int8Rows& x, float* out, int64_t n_out,
 
 void groups_bf16(const Weights& w, const Bf16Rows& x, float* out, int64_t n_out, int64_t g_begin,
                  int64_t g_end) {
-  static thread_local Scratch panels, tile_sums;
+  static thread_local tiles::Scratch panels, tile_sums;
   uint16_t* panel = static_cast<uint16_t*>(panels.get(2 * w.blocks * 1024));
   float* sums = static_cast<float*>(tile_sums.get(4 * 256 * 4));
   configure_bf16();

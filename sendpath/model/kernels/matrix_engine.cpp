@@ -104,10 +104,11 @@ void run_amx(const Packed& w, const at::BFloat16* x, int64_t rows, int64_t k, fl
 
 }  // namespace sendpath_blocks
 
-// The matrix-engine loops block_matmul runs on this CPU (amx-int8, then amx-bf16), or none.
+// The matrix-engine loops block_matmul runs on this CPU (amx-bf16, the default's, then
+// amx-int8), or none.
 std::vector<std::string> matrix_loops() {
   if (!sendpath_blocks::amx_unavailable().empty()) return {};
-  return {"amx-int8", "amx-bf16"};
+  return {"amx-bf16", "amx-int8"};
 }
 
 // Why matrix_loops() is empty here ("" where it is not).

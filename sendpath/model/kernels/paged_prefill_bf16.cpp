@@ -16,44 +16,23 @@
 // 16 at a time (a 1,024-token prompt's attention on a 2-core Zen 5: ~5.9 -> ~4.3 ms a layer).
 
 #include "attention_simd.h"
+#include "block_matmul.h"
+#include "paged_prefill_amx.h"
 
 #include <cstring>
 
 namespace sendpath_attention {
 
+namespace {
+constexpr int kTileRows = 48;  // the vector tile's rows (tokens x query heads)
+}  // namespace
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 namespace {
 
-constexpr int kTileRows = 48;
 constexpr int64_t kKeys = 32;  // keys a softmax step folds in: two sets of 16
 
 inline int lane_dim(int half, int lane) { return (lane / 4) * 8 + half * 4 + lane % 4; }
-
-// r[i] holds row i's 16 dwords; afterwards r[j] holds column j (lane i: row i's dword j).
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  __m512i u[16];  // u[4a + c], 128-bit lane j: rows 4a..4a+3 of column 4j + c
-  for (int a = 0; a < 4; ++a) {
-    u[4 * a] = _mm512_unpacklo_epi64(t[4 * a], t[4 * a + 2]);
-    u[4 * a + 1] = _mm512_unpackhi_epi64(t[4 * a], t[4 * a + 2]);
-    u[4 * a + 2] = _mm512_unpacklo_epi64(t[4 * a + 1], t[4 * a + 3]);
-    u[4 * a + 3] = _mm512_unpackhi_epi64(t[4 * a + 1], t[4 * a + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512i v = _mm512_shuffle_i32x4(u[c], u[4 + c], _MM_SHUFFLE(2, 0, 2, 0));
-    const __m512i w = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], _MM_SHUFFLE(2, 0, 2, 0));
-    const __m512i v2 = _mm512_shuffle_i32x4(u[c], u[4 + c], _MM_SHUFFLE(3, 1, 3, 1));
-    const __m512i w2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
-    r[c] = _mm512_shuffle_i32x4(v, w, _MM_SHUFFLE(2, 0, 2, 0));
-    r[8 + c] = _mm512_shuffle_i32x4(v, w, _MM_SHUFFLE(3, 1, 3, 1));
-    r[4 + c] = _mm512_shuffle_i32x4(v2, w2, _MM_SHUFFLE(2, 0, 2, 0));
-    r[12 + c] = _mm512_shuffle_i32x4(v2, w2, _MM_SHUFFLE(3, 1, 3, 1));
-  }
-}
 
 template <int kDim>
 void tile_avx512_bf16(const at::BFloat16* q, const at::BFloat16* k_head,
@@ -91,7 +70,7 @@ void tile_avx512_bf16(const at::BFloat16* q, const at::BFloat16* k_head,
         for (int k = 0; k < 16; ++k)
           r[k] = k < in_set ? _mm512_loadu_si512(k_rows + k * kDim + half * 32)
                             : _mm512_setzero_si512();
-        transpose16(r);
+        lanes::transpose16(r);
         for (int p = 0; p < 16; ++p) _mm512_store_si512(keys_t[set][half * 16 + p], r[p]);
       }
       for (int64_t i = 0; i < 8; ++i) {
@@ -151,14 +130,14 @@ void tile_avx512_bf16(const at::BFloat16* q, const at::BFloat16* k_head,
         const float new_max =
             std::max(run_max[r], _mm512_reduce_max_ps(_mm512_max_ps(score0, score1)));
         const __m512 top = _mm512_set1_ps(new_max);
-        const __m512 e0 = _mm512_maskz_mov_ps(seen0, exp_nonpositive(_mm512_sub_ps(score0, top)));
-        const __m512 e1 = _mm512_maskz_mov_ps(seen1, exp_nonpositive(_mm512_sub_ps(score1, top)));
+        const __m512 e0 = _mm512_maskz_mov_ps(seen0, lanes::exp_nonpositive(_mm512_sub_ps(score0, top)));
+        const __m512 e1 = _mm512_maskz_mov_ps(seen1, lanes::exp_nonpositive(_mm512_sub_ps(score1, top)));
         __m512 o[kChunks][2];
         for (int c = 0; c < kChunks; ++c)
           for (int h = 0; h < 2; ++h) o[c][h] = _mm512_load_ps(acc[r] + (c * 2 + h) * 16);
         __m512 sum = _mm512_load_ps(sums[r]);
         if (new_max > run_max[r]) {  // rescale what came before by e^(old max - new max)
-          const __m512 f = exp_nonpositive(_mm512_set1_ps(run_max[r] - new_max));
+          const __m512 f = lanes::exp_nonpositive(_mm512_set1_ps(run_max[r] - new_max));
           for (int c = 0; c < kChunks; ++c)
             for (int h = 0; h < 2; ++h) o[c][h] = _mm512_mul_ps(o[c][h], f);
           sum = _mm512_mul_ps(sum, f);
@@ -200,19 +179,60 @@ void tile_avx512_bf16(const at::BFloat16* q, const at::BFloat16* k_head,
 }  // namespace
 #endif
 
-int64_t prefill_tile_tokens(const Shape& s, int64_t group) {
+Prefill prefill_path(const std::string& name, const Shape& s, int64_t group) {
+  const bool shaped = (s.head_dim == 64 || s.head_dim == 128) && s.block_size % 16 == 0;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-  if ((s.head_dim == 64 || s.head_dim == 128) && s.block_size % 16 == 0 && group <= kTileRows)
-    return kTileRows / group;
+  const bool vector = shaped && group <= kTileRows;
+#else
+  const bool vector = false;
 #endif
-  (void)s, (void)group;
+  const std::string& no_amx = sendpath_blocks::amx_unavailable();
+  if (name.empty()) return shaped && no_amx.empty() ? Prefill::kTiles : vector ? Prefill::kVector : Prefill::kRows;
+  if (name == "rows") return Prefill::kRows;
+  const char* shape = "a head dim of 64 or 128 and a block size a multiple of 16";
+  if (name == "vector") {
+    TORCH_CHECK(vector, "the vector prefill tile needs AVX-512 BF16, ", shape, " and at most ",
+                kTileRows, " query heads a kv head");
+    return Prefill::kVector;
+  }
+  if (name == "amx" || name == "amx-emulated") {
+    TORCH_CHECK(shaped, "the AMX prefill tile needs ", shape);
+    if (name == "amx") {
+      TORCH_CHECK(no_amx.empty(), "the amx prefill does not run on this CPU (", no_amx, ")");
+      return Prefill::kTiles;
+    }
+    TORCH_CHECK(sendpath_blocks::amx_emulation_runs(), "amx-emulated needs AVX-512 BF16, which this CPU lacks");
+    return Prefill::kTilesEmulated;
+  }
+  TORCH_CHECK(false, "unknown prefill path '", name, "': rows, vector, amx or amx-emulated");
+}
+
+int64_t prefill_tile_tokens(Prefill path, int64_t group) {
+  switch (path) {
+    case Prefill::kTiles:
+    case Prefill::kTilesEmulated:
+      return sendpath_amx::kPrefillTokens;
+    case Prefill::kVector:
+      return kTileRows / group;
+    case Prefill::kRows:
+      break;
+  }
   return 1;
 }
 
-void prefill_tile_bf16(const at::BFloat16* q, const at::BFloat16* k_head,
+void prefill_tile_bf16(Prefill path, const at::BFloat16* q, const at::BFloat16* k_head,
                        const at::BFloat16* v_head, const int64_t* table, int64_t first_len,
                        int64_t tokens, int64_t row_stride, at::BFloat16* out, const Shape& s,
                        int64_t group) {
+  if (path == Prefill::kTiles || path == Prefill::kTilesEmulated) {
+    const auto bits = [](const at::BFloat16* x) { return reinterpret_cast<const uint16_t*>(x); };
+    const sendpath_amx::PrefillRows rows{bits(q), reinterpret_cast<uint16_t*>(out), row_stride,
+                                         bits(k_head), bits(v_head), table, s.block_size,
+                                         first_len, tokens, group, s.head_dim, s.scale};
+    if (path == Prefill::kTiles) sendpath_amx::hw::prefill_bf16(rows);
+    else sendpath_amx::emulated::prefill_bf16(rows);
+    return;
+  }
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   if (s.head_dim == 64)
     return tile_avx512_bf16<64>(q, k_head, v_head, table, first_len, tokens, row_stride, out, s,
@@ -223,7 +243,7 @@ void prefill_tile_bf16(const at::BFloat16* q, const at::BFloat16* k_head,
 #endif
   (void)q, (void)k_head, (void)v_head, (void)table, (void)first_len, (void)tokens;
   (void)row_stride, (void)out, (void)s, (void)group;
-  TORCH_CHECK(false, "prefill_tile_bf16: no tile path here (see prefill_tile_tokens)");
+  TORCH_CHECK(false, "prefill_tile_bf16: no tile path here (see prefill_path)");
 }
 
 }  // namespace sendpath_attention

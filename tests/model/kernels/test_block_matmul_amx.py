@@ -17,7 +17,7 @@ import torch
 from sendpath.model.quant import cpu_features, matrix_engine
 
 EMULATED = ["amx-int8-emulated", "amx-bf16-emulated"]
-TILES = ["amx-int8", "amx-bf16"]
+TILES = ["amx-bf16", "amx-int8"]  # the default's first
 ROWS = (1, 15, 16, 17, 40)  # below, at and past one 16-row tile; two tiles and a part
 
 
@@ -114,7 +114,7 @@ def test_where_the_tiles_cannot_run_a_loop_on_them_says_why(kernel: Any) -> None
     if not reason:
         assert kernel.matrix_loops() == TILES
         rows = kernel.matrix_min_rows()
-        assert matrix_engine(kernel) == f"amx-int8 tiles from {rows} rows a step"
+        assert matrix_engine(kernel) == f"amx-bf16 tiles from {rows} rows a step"
         return
     assert matrix_engine(kernel) == f"none: {reason}"
     packed = kernel.pack_q4(
@@ -123,3 +123,17 @@ def test_where_the_tiles_cannot_run_a_loop_on_them_says_why(kernel: Any) -> None
     for loop in TILES:
         with pytest.raises(RuntimeError, match=re.escape(f"does not run on this CPU ({reason})")):
             kernel.block_matmul(torch.randn(16, 64), *packed, 16, loop=loop)
+
+
+def test_the_default_takes_the_bf16_tiles_from_their_rows_and_the_vector_loop_below(
+    kernel: Any,
+) -> None:
+    runs_here(kernel, "amx-bf16")
+    vnni(kernel)
+    torch.manual_seed(3)
+    packed, _ = weights(kernel, True, 64, 576)
+    rows = kernel.matrix_min_rows()
+    for n, loop in ((rows - 1, "avx512-vnni"), (rows, "amx-bf16"), (rows + 17, "amx-bf16")):
+        x = torch.randn(n, 576).bfloat16()
+        want = kernel.block_matmul(x, *packed, 64, loop=loop)
+        assert torch.equal(kernel.block_matmul(x, *packed, 64), want), (n, loop)
