@@ -12,10 +12,14 @@ runs every layer in one C++ call (``model/layer_stack.py``), the profiler cannot
 kernels inside it: the step is timed that way first, then profiled with the layers'
 modules calling the same kernels one by one. A prefill row is one step of a fresh
 ``--prefill N``-token prompt (a single chunk), profiled the same way over 3 prompts.
+Then issue 38's offline aims, beside the machine's roofs measured in the same run
+(``peers.py``'s): the share of the best matmul FLOP/s that 32 decodes and four 1,000-token
+prompts arriving at once (timed to the last one's first token) turn into tokens, at 2 x
+parameters a token.
 Compare with ``--dtype float32 --quantization none``.
 
-    .venv/bin/python benchmarks/step_profile.py [--batches 1 8 32] [--prefill 1024]  # a minute
-    .venv/bin/python benchmarks/step_profile.py --dtype float32 --quantization none \
+    .venv/bin/python -m benchmarks.step_profile [--batches 1 8 32] [--prefill 1024]  # a minute
+    .venv/bin/python -m benchmarks.step_profile --dtype float32 --quantization none \
         --output benchmarks/results/step_profile_float32.json
 
 Results: ``benchmarks/results/step_profile.json`` (and the float32 one beside it).
@@ -34,6 +38,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from benchmarks.peers import PARAMETERS, roofs
 from sendpath.config import CacheConfig, EngineConfig, SchedulerConfig
 from sendpath.engine.core import EngineCore
 from sendpath.model.kernels import cpu_kernels
@@ -120,6 +125,40 @@ def profile_prefill(core: EngineCore, tokens: int) -> dict[str, Any]:
     return {"prefill_tokens": tokens} | profile_steps(core, arrive, 3)
 
 
+def prompts_at_once(core: EngineCore, prompts: int, tokens: int) -> dict[str, Any]:
+    """``prompts`` fresh ``tokens``-token prompts added at once, timed (as served) from
+    their arrival to the step that gives the last of them its first token."""
+    rng = random.Random(prompts * tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for _ in range(prompts):
+        core.add_request([rng.randrange(100, 40_000) for _ in range(tokens)], params)
+    start = time.perf_counter()
+    steps = 0
+    while core.has_unfinished_requests():
+        core.step()
+        steps += 1
+    seconds = time.perf_counter() - start
+    return {"prompts": prompts, "tokens": tokens, "steps": steps, "ms": round(seconds * 1e3, 1)}
+
+
+def aims(
+    rows: list[dict[str, Any]], batch: dict[str, Any], roof: dict[str, float]
+) -> dict[str, Any]:
+    """Issue 38's offline aims: the share of the best matmul FLOP/s measured in this run that
+    32 decodes and a batch of ~1,000-token prompts turn into tokens (2 x parameters a token)."""
+    best = max(v for k, v in roof.items() if "matmul" in k) * 1e9
+    out: dict[str, Any] = {"best_matmul_gflop_per_s": round(best / 1e9, 1)}
+    for row in rows:
+        if row.get("batch") == 32:
+            seconds = (row["step_ms (layers in one call)"] or row["step_ms"]) / 1e3
+            out["32_decodes_share"] = round(2 * PARAMETERS * 32 / seconds / best, 3)
+    tokens = batch["prompts"] * batch["tokens"]
+    out[f"{batch['prompts']}_prompts_share"] = round(
+        2 * PARAMETERS * tokens / (batch["ms"] / 1e3) / best, 3
+    )
+    return out
+
+
 def profile_steps(core: EngineCore, before: Callable[[], None], steps: int) -> dict[str, Any]:
     """``steps`` steps (each after ``before()``) timed as served, then profiled by bucket."""
     model = core.runner.model  # type: ignore[attr-defined]
@@ -178,11 +217,16 @@ def main() -> None:
         attention.kernel = _Named(attention.kernel)
     rows = [profile_batch(core, b) for b in args.batches]
     rows += [profile_prefill(core, n) for n in args.prefill]
+    batch = prompts_at_once(core, 4, 1000)
+    roof = roofs()  # the same run: the machine's matmul and copy roofs
     print(
         "| step | step ms, layers in one call | step ms | " + " | ".join(BUCKETS) + " | the rest |"
     )
     for row in rows:
         print("| " + " | ".join(str(v) for v in row.values()) + " |")
+    shares = aims(rows, batch, roof)
+    print("four 1,000-token prompts:", json.dumps(batch), "| roofs:", json.dumps(roof))
+    print("shares of the best matmul FLOP/s:", json.dumps(shares))
     result = {
         "cpu": cpu_model(),
         "matrix_engine": matrix_engine(cpu_kernels()),
@@ -191,6 +235,9 @@ def main() -> None:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "rows": rows,
+        "prompts_at_once": batch,
+        "roofs": roof,
+        "shares": shares,
     }
     args.output.write_text(json.dumps(result, indent=2) + "\n")
 

@@ -67,7 +67,7 @@ class ModelRunner:
             "device": describe_device(self.model.device),
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "quantization": self.precision.quantization,
-            "attention": "paged kernel" if self.attention.kernel else "torch SDPA",
+            "attention": self.attention_kind,
             "layer_ops": self._layer_ops(),
             "precision_reason": self.precision.reason,
             "matrix_engine": self.matrix_engine,
@@ -87,6 +87,20 @@ class ModelRunner:
         if not blocks:
             return "none: no block-quantized weights"
         return matrix_engine(cpu_kernels())
+
+    def _attention_kind(self, loaded: LoadedModel) -> str:
+        """The attention backend, and on a bfloat16 cache what takes a prompt chunk's rows
+        (AMX's tiles where they run: ``kernels/paged_prefill_amx.h``)."""
+        kernel = self.attention.kernel
+        if kernel is None:
+            return "torch SDPA"
+        if self.k_cache.dtype != torch.bfloat16:
+            return "paged kernel"
+        cfg = loaded.config
+        shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.block_size)
+        prefill = kernel.prefill_kernel(*shape)
+        tiles = {"amx": "AMX bfloat16 tiles", "vector": "AVX-512 BF16 tiles", "rows": "rows"}
+        return f"paged kernel, prompt chunks on {tiles[prefill]}"
 
     def _layer_ops(self) -> str:
         if self.model.stack is not None:
@@ -108,6 +122,7 @@ class ModelRunner:
         use_kernels(self.model, kernels)
         self.attention = PagedAttention(self.k_cache, self.v_cache, block_size, kernels)
         self.matrix_engine = self._matrix_engine()
+        self.attention_kind = self._attention_kind(loaded)
         self.tokenizer = loaded.tokenizer
         self.end_ids = list(loaded.tokenizer.eos_token_ids)  # what min_tokens holds back
         self._requests: dict[str, Request] = {}

@@ -398,17 +398,14 @@ torch::Tensor block_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d
               "float32 or bfloat16 only");
   auto out = torch::empty({x.size(0), n_out}, x.options());
   const bool bf16 = input.scalar_type() == at::kBFloat16;
-  if (name.rfind("amx", 0) == 0) {
-    // float32 sums, rounded to bfloat16 (where asked) as the vector loops round theirs
-    auto sums = bf16 ? torch::empty({x.size(0), n_out}, torch::kFloat) : out;
+  if (name.rfind("amx", 0) == 0) {  // float32 sums, rounded to bfloat16 as the vector loops round theirs
     const Amx design = name.rfind("amx-int8", 0) == 0 ? Amx::kInt8 : Amx::kBf16;
     if (bf16)
-      run_amx(w, input.data_ptr<at::BFloat16>(), input.size(0), k, sums.data_ptr<float>(), n_out,
-              design, emulated);
+      run_amx(w, input.data_ptr<at::BFloat16>(), input.size(0), k, out.data_ptr<at::BFloat16>(),
+              n_out, design, emulated);
     else
-      run_amx(w, input.data_ptr<float>(), input.size(0), k, sums.data_ptr<float>(), n_out, design,
+      run_amx(w, input.data_ptr<float>(), input.size(0), k, out.data_ptr<float>(), n_out, design,
               emulated);
-    if (bf16) out.copy_(sums);
     return out;
   }
   const Loop which = name == "avx512-vnni" ? Loop::kVnni : name == "avx2" ? Loop::kAvx2 : Loop::kPortable;

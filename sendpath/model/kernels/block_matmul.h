@@ -49,12 +49,12 @@ enum class Amx { kInt8, kBf16 };  // block_matmul_amx.h's two designs
 // matrix_engine.cpp: why AMX's tiles cannot be used in this process ("" where they can);
 // whether the AMX sources' other code (AVX-512 BF16), and so the tiles' model, runs here;
 // and x [rows, k] times the weights on the tiles (or their model: `emulated`) -> out
-// [rows, n_out] float32.
+// [rows, n_out] of x's type (float32 sums; bfloat16 rounded to nearest even).
 const std::string& amx_unavailable();
 bool amx_emulation_runs();
 void run_amx(const Packed& w, const float* x, int64_t rows, int64_t k, float* out, int64_t n_out,
              Amx design, bool emulated);
-void run_amx(const Packed& w, const at::BFloat16* x, int64_t rows, int64_t k, float* out,
+void run_amx(const Packed& w, const at::BFloat16* x, int64_t rows, int64_t k, at::BFloat16* out,
              int64_t n_out, Amx design, bool emulated);
 
 // Whether this build has the AVX2 loop (compiled for a CPU with AVX2, FMA and F16C).

@@ -37,24 +37,34 @@ struct Int8Rows {  // block_matmul's quantized activations, rows past `rows` all
   int64_t rows, padded_rows, blocks;
 };
 
-struct Bf16Rows {  // the activations in bfloat16, zero past `rows` and past K
-  const uint16_t* x;  // [padded_rows, blocks * 32] (bfloat16 bits)
-  int64_t rows, padded_rows, blocks;
+struct Bf16Rows {  // the activations in bfloat16 (bits), [rows, blocks * 32]
+  const uint16_t* x;     // rows [0, tail_from): the input itself where it can be
+  const uint16_t* tail;  // rows from tail_from, a copy zero past `rows` (and past K)
+  int64_t tail_from, rows, padded_rows, blocks;
+  const uint16_t* row(int64_t r) const {
+    const int64_t width = blocks * 32;
+    return r < tail_from ? x + r * width : tail + (r - tail_from) * width;
+  }
+};
+
+struct Output {  // [rows, n_out]: float32, or bfloat16 bits rounded to nearest even
+  float* f32;
+  uint16_t* bf16;  // where f32 is null
 };
 
 constexpr int64_t kTileRows = 16;  // padded_rows is a multiple of this
 
-// Every row against weight groups [g_begin, g_end) -> out [rows, n_out] float32.
+// Every row against weight groups [g_begin, g_end) -> out [rows, n_out].
 namespace hw {
-void groups_int8(const Weights& w, const Int8Rows& x, float* out, int64_t n_out, int64_t g_begin,
+void groups_int8(const Weights& w, const Int8Rows& x, const Output& out, int64_t n_out, int64_t g_begin,
                  int64_t g_end);
-void groups_bf16(const Weights& w, const Bf16Rows& x, float* out, int64_t n_out, int64_t g_begin,
+void groups_bf16(const Weights& w, const Bf16Rows& x, const Output& out, int64_t n_out, int64_t g_begin,
                  int64_t g_end);
 }  // namespace hw
 namespace emulated {
-void groups_int8(const Weights& w, const Int8Rows& x, float* out, int64_t n_out, int64_t g_begin,
+void groups_int8(const Weights& w, const Int8Rows& x, const Output& out, int64_t n_out, int64_t g_begin,
                  int64_t g_end);
-void groups_bf16(const Weights& w, const Bf16Rows& x, float* out, int64_t n_out, int64_t g_begin,
+void groups_bf16(const Weights& w, const Bf16Rows& x, const Output& out, int64_t n_out, int64_t g_begin,
                  int64_t g_end);
 }  // namespace emulated
 

@@ -33,8 +33,11 @@ inline __m512 half16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-inline void store_lanes(float* p, __m512 v, int64_t lanes) {
-  _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << lanes) - 1u), v);
+// Lanes [0, lanes) of v to element `at` of the output, as float32 or as bfloat16.
+inline void store_lanes(const Output& out, int64_t at, __m512 v, int64_t lanes) {
+  const auto mask = static_cast<__mmask16>((1u << lanes) - 1u);
+  if (out.f32 != nullptr) _mm512_mask_storeu_ps(out.f32 + at, mask, v);
+  else _mm256_mask_storeu_epi16(out.bf16 + at, mask, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
 // ----------------------------------------------------------------- int8
@@ -159,14 +162,15 @@ template <int RT, int NG>
 void tiles_bf16(const Bf16Rows& x, int64_t r0, const uint16_t* p0, const uint16_t* p1,
                 float* sums) {
   const int64_t width = x.blocks * kBlock;
-  const uint16_t* a = x.x + r0 * width;
+  const uint16_t* a = x.row(r0);  // a tail's rows lie elsewhere: each tile its own pointer
+  const uint16_t* a1 = RT == 2 ? x.row(r0 + 16) : a;
   tiles::zero<0>();
   if constexpr (NG == 2) tiles::zero<1>();
   if constexpr (RT == 2) tiles::zero<2>();
   if constexpr (RT == 2 && NG == 2) tiles::zero<3>();
   for (int64_t b = 0; b < x.blocks; ++b) {
     tiles::load<kA0>(a + b * kBlock, width * 2);
-    if constexpr (RT == 2) tiles::load<kA0 + 1>(a + 16 * width + b * kBlock, width * 2);
+    if constexpr (RT == 2) tiles::load<kA0 + 1>(a1 + b * kBlock, width * 2);
     tiles::load<kB0>(p0 + b * 512, 64);
     if constexpr (NG == 2) tiles::load<kB0 + 1>(p1 + b * 512, 64);
     tiles::dpbf16ps<0, kA0, kB0>();
@@ -182,7 +186,7 @@ void tiles_bf16(const Bf16Rows& x, int64_t r0, const uint16_t* p0, const uint16_
 
 }  // namespace
 
-void groups_int8(const Weights& w, const Int8Rows& x, float* out, int64_t n_out, int64_t g_begin,
+void groups_int8(const Weights& w, const Int8Rows& x, const Output& out, int64_t n_out, int64_t g_begin,
                  int64_t g_end) {
   static thread_local tiles::Scratch unpacked, tile_sums;
   uint8_t* buffer = static_cast<uint8_t*>(unpacked.get(w.blocks * 512));
@@ -196,13 +200,13 @@ void groups_int8(const Weights& w, const Int8Rows& x, float* out, int64_t n_out,
       for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
       rows_int8(w, x, codes, g, r0, sums, acc);
       for (int64_t r = 0; r < lesser(16, x.rows - r0); ++r)
-        store_lanes(out + (r0 + r) * n_out + g * kLanes, acc[r], lanes);
+        store_lanes(out, (r0 + r) * n_out + g * kLanes, acc[r], lanes);
     }
   }
   tiles::release();
 }
 
-void groups_bf16(const Weights& w, const Bf16Rows& x, float* out, int64_t n_out, int64_t g_begin,
+void groups_bf16(const Weights& w, const Bf16Rows& x, const Output& out, int64_t n_out, int64_t g_begin,
                  int64_t g_end) {
   static thread_local tiles::Scratch panels, tile_sums;
   uint16_t* panel = static_cast<uint16_t*>(panels.get(2 * w.blocks * 1024));
@@ -225,7 +229,7 @@ void groups_bf16(const Weights& w, const Bf16Rows& x, float* out, int64_t n_out,
           const float* tile = sums + (t * 2 + gi) * 256;
           const int64_t rows = lesser(16, x.rows - r0 - t * 16);
           for (int64_t r = 0; r < rows; ++r)
-            store_lanes(out + (r0 + t * 16 + r) * n_out + (g + gi) * kLanes,
+            store_lanes(out, (r0 + t * 16 + r) * n_out + (g + gi) * kLanes,
                         _mm512_load_ps(tile + r * 16), lanes);
         }
       }

@@ -63,11 +63,17 @@ inline int64_t padded(int64_t rows) {
   return (rows + sendpath_amx::kTileRows - 1) / sendpath_amx::kTileRows * sendpath_amx::kTileRows;
 }
 
+sendpath_amx::Output output(float* out) { return {out, nullptr}; }
+sendpath_amx::Output output(at::BFloat16* out) {
+  return {nullptr, reinterpret_cast<uint16_t*>(out)};
+}
+
 template <typename T>
-void run_on_tiles(const Packed& w, const T* x, int64_t rows, int64_t k, float* out, int64_t n_out,
+void run_on_tiles(const Packed& w, const T* x, int64_t rows, int64_t k, T* y, int64_t n_out,
                   Amx design, bool emulated) {
   const int64_t groups = (n_out + kLanes - 1) / kLanes;
   const sendpath_amx::Weights weights = amx_weights(w);
+  const sendpath_amx::Output out = output(y);
   if (design == Amx::kInt8) {
     const Quantized q = quantize(x, rows, k, padded(rows));
     const sendpath_amx::Int8Rows a{q.q.data(), q.scale.data(), q.scaled_sum.data(), rows,
@@ -78,13 +84,19 @@ void run_on_tiles(const Packed& w, const T* x, int64_t rows, int64_t k, float* o
     });
     return;
   }
-  // bfloat16 activations, zero past the rows and past k (the tiles take whole blocks)
-  auto xb = torch::zeros({padded(rows), w.blocks * kBlock}, torch::kBFloat16);
+  // bfloat16 activations, zero past the rows and past k (the tiles take whole blocks and
+  // 16 rows a tile): bfloat16 rows of whole blocks are read where they are, but for the
+  // last partial tile; others (float32, or K not a multiple of 32) are copied
+  const bool in_place = std::is_same_v<T, at::BFloat16> && k == w.blocks * kBlock;
+  const int64_t tail_from = in_place ? rows / sendpath_amx::kTileRows * sendpath_amx::kTileRows : 0;
+  auto xb = torch::zeros({padded(rows) - tail_from, w.blocks * kBlock}, torch::kBFloat16);
   const auto dtype = std::is_same_v<T, float> ? torch::kFloat : torch::kBFloat16;
-  xb.narrow(0, 0, rows).narrow(1, 0, k).copy_(
-      torch::from_blob(const_cast<T*>(x), {rows, k}, torch::TensorOptions().dtype(dtype)));
-  const sendpath_amx::Bf16Rows a{reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()),
-                                 rows, padded(rows), w.blocks};
+  xb.narrow(0, 0, rows - tail_from).narrow(1, 0, k).copy_(
+      torch::from_blob(const_cast<T*>(x), {rows, k}, torch::TensorOptions().dtype(dtype))
+          .narrow(0, tail_from, rows - tail_from));
+  const sendpath_amx::Bf16Rows a{reinterpret_cast<const uint16_t*>(x),
+                                 reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()),
+                                 tail_from, rows, padded(rows), w.blocks};
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
     if (emulated) sendpath_amx::emulated::groups_bf16(weights, a, out, n_out, begin, end);
     else sendpath_amx::hw::groups_bf16(weights, a, out, n_out, begin, end);
@@ -97,7 +109,7 @@ void run_amx(const Packed& w, const float* x, int64_t rows, int64_t k, float* ou
              Amx design, bool emulated) {
   run_on_tiles(w, x, rows, k, out, n_out, design, emulated);
 }
-void run_amx(const Packed& w, const at::BFloat16* x, int64_t rows, int64_t k, float* out,
+void run_amx(const Packed& w, const at::BFloat16* x, int64_t rows, int64_t k, at::BFloat16* out,
              int64_t n_out, Amx design, bool emulated) {
   run_on_tiles(w, x, rows, k, out, n_out, design, emulated);
 }

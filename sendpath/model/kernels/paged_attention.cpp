@@ -248,6 +248,23 @@ void attend_rows(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
 
 }  // namespace
 
+// What takes a prompt chunk's rows on a bfloat16 cache of this shape here: "amx", "vector"
+// or "rows" (prefill_path's choice).
+std::string prefill_kernel(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size) {
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+  const Shape s{0, heads, kv_heads, head_dim, 0, 0, block_size, 1.f};
+  switch (prefill_path("", s, heads / kv_heads)) {
+    case Prefill::kTiles:
+    case Prefill::kTilesEmulated:
+      return "amx";
+    case Prefill::kVector:
+      return "vector";
+    case Prefill::kRows:
+      break;
+  }
+  return "rows";
+}
+
 // q [B, H, D]; k_cache, v_cache [Hkv, S, D] (one layer); block_tables [B, max_blocks] int64;
 // seq_lens [B] int64 -> [B, H, D], each query row attending to its own context.
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,

@@ -33,7 +33,7 @@ struct PrefillRows {
   float scale;
 };
 
-constexpr int64_t kPrefillTokens = 32;  // tokens a task takes at most
+constexpr int64_t kPrefillTokens = 64;  // tokens a task takes at most
 
 namespace hw {
 void prefill_bf16(const PrefillRows& rows);

@@ -23,7 +23,7 @@ namespace sendpath_amx {
 namespace SENDPATH_AMX_NS {
 namespace {
 
-constexpr int64_t kSegment = 128;  // keys a softmax step folds (a multiple of 32)
+constexpr int64_t kSegment = 256;  // keys a softmax step folds (a multiple of 32; 128: 20% slower)
 constexpr int kA = 4, kB = 6;
 
 inline int64_t lesser(int64_t a, int64_t b) { return a < b ? a : b; }

@@ -29,15 +29,15 @@ def runs_here(kernel: Any, path: str) -> None:
 
 
 def chunks(blocks: int, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of prompt chunks: a 300-token prompt from its start (across segments of 128
-    keys and many 32-token tasks), a chunk of 70 resuming at 45, a decode between them,
-    a 5-token prompt and a 33-token one (a task and one token more)."""
+    """Rows of prompt chunks: a 300-token prompt from its start (across segments of 256
+    keys and several 64-token tasks), a chunk of 70 resuming at 45, a decode between them,
+    a 5-token prompt and a 65-token one (a task and one token more)."""
     tables = [torch.randperm(blocks)[: -(-400 // bs)] for _ in range(4)]
     rows = [(tables[0], p + 1) for p in range(300)]
     rows += [(tables[1], p + 1) for p in range(45, 115)]
     rows += [(tables[2], 100)]
     rows += [(tables[2], p + 1) for p in range(5)]
-    rows += [(tables[3], p + 1) for p in range(160, 193)]
+    rows += [(tables[3], p + 1) for p in range(160, 225)]
     return torch.stack([t for t, _ in rows]), torch.tensor([n for _, n in rows])
 
 
@@ -115,7 +115,8 @@ def test_a_path_that_cannot_run_says_why(kernel: Any) -> None:
     with pytest.raises(RuntimeError, match="a float32 cache's prompt rows take the row task"):
         floats = q.float(), k.float(), v.float()
         kernel.paged_attention(*floats, tables, lens, 16, 0.125, prefill="amx")
-    odd = torch.randn(len(lens), 9, 32).bfloat16(), k[..., :32].contiguous(), v[..., :32]
+    halves = (k[..., :32].contiguous(), v[..., :32].contiguous())
+    odd = (torch.randn(len(lens), 9, 32).bfloat16(), *halves)
     with pytest.raises(RuntimeError, match="a head dim of 64 or 128"):
         kernel.paged_attention(*odd, tables, lens, 16, 0.125, prefill="amx-emulated")
     if not kernel.matrix_loops():
