@@ -7,8 +7,9 @@ AVX2, and where AMX's tiles run, amx-int8 and amx-bf16) timed at its best of sev
 calls, in GFLOP/s (2 x rows x N x K a product), beside ``peers.py``'s roofs: torch's own
 2048x2048 bfloat16 and float32 matmuls on this machine, and its copy bandwidth. It says from how
 many rows each AMX design beats the vector loop on every product: what
-``kAmxMinRows`` in ``kernels/block_matmul.h`` should be on this CPU kind (the default
-takes amx-int8, which gives the vector loop's bits). Where there is no AMX it times the
+``kAmxInt8MinRows`` and ``kAmxBf16MinRows`` in ``kernels/block_matmul.h`` should be on
+this CPU kind (the int8 design gives the vector loop's bits, the bfloat16 one bfloat16's
+precision, so it takes over where it beats both). Where there is no AMX it times the
 vector loop alone and says why (the software model of the tiles is for tests, not timed).
 
     .venv/bin/python -m benchmarks.matrix_matmul          # about a minute

@@ -108,14 +108,17 @@ def block_loop(kernels: Any) -> str:
 
 
 def matrix_engine(kernels: Any | None) -> str:
-    """What multiplies ``BlockWeights``' larger steps here: the AMX loop and the rows from
-    which it takes a product (``kernels/block_matmul_amx.h``), or ``none`` and why."""
+    """What multiplies ``BlockWeights``' larger steps here: the AMX loops and the rows from
+    which each takes a product (``kernels/block_matmul_amx.h``), or ``none`` and why."""
     if kernels is None:
         return "none: the CPU kernels are not built"
     loops: list[str] = kernels.matrix_loops()
     if not loops:
         return f"none: {kernels.matrix_unavailable()}"
-    return f"{loops[0]} tiles from {kernels.matrix_min_rows()} rows a step"
+    rows: list[int] = kernels.matrix_min_rows()
+    (first, *others), (most, *fewer) = loops, rows
+    tail = "".join(f", {loop} from {n}" for loop, n in zip(others, fewer, strict=True))
+    return f"{first} tiles from {most} rows a step{tail}"
 
 
 def int4_supported() -> bool:

@@ -15,9 +15,9 @@
   codes) as llama.cpp computes them, int8 activations and AVX-512 VNNI dot products
   (``model/quant.py``'s ``BlockWeights``); ``block_matmul_avx2.cpp`` the same on AVX2.
 - ``matrix_engine.cpp``: where AMX's tiles run (the CPU has them and Linux grants the
-  process their state, asked for once), block_matmul's products of 64 rows or more go to
-  ``block_matmul_amx.h``'s bfloat16 tiles over a dequantized panel (its int8 tiles, to the
-  VNNI loop's bits, are a loop to ask for: their fix-ups make them little faster than it).
+  process their state, asked for once), block_matmul's products of 32 rows or more go to
+  ``block_matmul_amx.h``'s bfloat16 tiles over a dequantized panel, of 16 to 31 rows to
+  its int8 tiles (the VNNI loop's bits; their per-block fix-ups hold them to 1.1-1.5x it).
   ``block_matmul_amx_impl.h`` writes both once over ``amx_tiles.h``'s operations, built
   twice: on the tiles (``block_matmul_amx.cpp``) and on a software model of them
   (``block_matmul_amx_emulated.cpp``, loops ``amx-int8-emulated`` and

@@ -30,7 +30,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the matrix-engine loops block_matmul runs on this CPU (amx-bf16, amx-int8), or none");
   m.def("matrix_unavailable", &matrix_unavailable, "why matrix_loops() is empty here, or ''");
   m.def("matrix_min_rows", &matrix_min_rows,
-        "the rows from which block_matmul's default takes matrix_loops()'s first loop");
+        "the rows from which block_matmul's default takes each of matrix_loops()");
   m.def("pack_q4", &pack_q4, "Q4_1 codes, d and m in block_matmul's layout");
   m.def("pack_q8", &pack_q8, "Q8_0 codes and d in block_matmul's layout");
   m.def("block_matmul", &block_matmul, kUnlocked,

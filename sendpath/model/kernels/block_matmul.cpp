@@ -21,7 +21,8 @@
 //
 // With AVX-512 VNNI the loop below runs; with AVX2 only, block_matmul_avx2.cpp's; else a
 // portable loop computes the same sums over the same layout. Where AMX's tiles run,
-// products of kAmxMinRows rows or more go to their bfloat16 design (matrix_engine.cpp,
+// products of kAmxInt8MinRows rows or more go to their int8 design (the VNNI loop's bits),
+// of kAmxBf16MinRows or more to their bfloat16 design (matrix_engine.cpp,
 // block_matmul_amx.h): bfloat16's precision, not the VNNI loop's bits. `block_loops()` says which
 // run here, the fastest first (the loader picks these weights where one of the first two
 // does).
@@ -384,7 +385,12 @@ torch::Tensor block_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d
     return std::find(names.begin(), names.end(), name) != names.end();
   };
   std::string name = loop;
-  if (name.empty()) name = !matrix.empty() && x.size(0) >= kAmxMinRows ? matrix.front() : loops.front();
+  if (name.empty()) {  // matrix: amx-bf16, amx-int8 (or none)
+    const int64_t rows = x.size(0);
+    name = matrix.empty() || rows < kAmxInt8MinRows ? loops.front()
+           : rows < kAmxBf16MinRows                 ? matrix[1]
+                                                    : matrix[0];
+  }
   const bool emulated = name == "amx-int8-emulated" || name == "amx-bf16-emulated";
   if (emulated) {
     TORCH_CHECK(amx_emulation_runs(), "the ", name, " loop needs AVX-512 BF16, which this CPU lacks");

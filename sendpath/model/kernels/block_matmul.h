@@ -35,14 +35,16 @@ struct Packed {  // pointers into the packed tensors, and their shape
 Quantized quantize(const float* x, int64_t rows, int64_t k, int64_t padded_rows);
 Quantized quantize(const at::BFloat16* x, int64_t rows, int64_t k, int64_t padded_rows);
 
-// From this many rows a product goes to the tiles' bfloat16 design where they are usable;
-// fewer take the VNNI loop. Measured by `benchmarks/matrix_matmul.py` on a 2-core AMX Xeon
-// (Sapphire Rapids class) on SmolLM2's four products: below 64 rows the VNNI loop is as
-// fast or faster (each call dequantizes the weights it uses, and the weights' bytes bound
-// a few rows); from 64 the bfloat16 tiles beat it on every product (1.2-1.9x at 64, 2-2.5x
-// from 256), and beat the int8 tiles, whose per-block fix-ups (the VNNI loop's bits) hold
-// them to 1.0-1.4x the VNNI loop.
-constexpr int64_t kAmxMinRows = 64;
+// Where the tiles are usable, a product of kAmxBf16MinRows rows or more goes to their
+// bfloat16 design, one of kAmxInt8MinRows or more to their int8 design (the VNNI loop's
+// bits), and fewer rows to the VNNI loop. Measured by `benchmarks/matrix_matmul.py` on a
+// 2-core AMX Xeon (Sapphire Rapids class) on SmolLM2's four products: below 16 rows the
+// VNNI loop wins (the weights' bytes and each call's unpacking bound a few rows); from 16
+// the int8 tiles beat it on every product (1.1-1.3x), from 32 the bfloat16 tiles beat both
+// (1.3-1.6x the VNNI loop at 32, 2.5-3.5x from 256), their per-block fix-ups holding the
+// int8 tiles to 1.1-1.5x.
+constexpr int64_t kAmxInt8MinRows = 16;
+constexpr int64_t kAmxBf16MinRows = 32;
 
 enum class Amx { kInt8, kBf16 };  // block_matmul_amx.h's two designs
 

@@ -20,7 +20,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 std::vector<std::string> block_loops();
 std::vector<std::string> matrix_loops();
 std::string matrix_unavailable();
-int64_t matrix_min_rows();
+std::vector<int64_t> matrix_min_rows();
 std::vector<torch::Tensor> pack_q4(torch::Tensor codes, torch::Tensor d, torch::Tensor m);
 std::vector<torch::Tensor> pack_q8(torch::Tensor codes, torch::Tensor d);
 torch::Tensor block_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m,

@@ -126,5 +126,7 @@ std::vector<std::string> matrix_loops() {
 // Why matrix_loops() is empty here ("" where it is not).
 std::string matrix_unavailable() { return sendpath_blocks::amx_unavailable(); }
 
-// The rows from which block_matmul's default takes matrix_loops()'s first loop.
-int64_t matrix_min_rows() { return sendpath_blocks::kAmxMinRows; }
+// The rows from which block_matmul's default takes each of matrix_loops() (in its order).
+std::vector<int64_t> matrix_min_rows() {
+  return {sendpath_blocks::kAmxBf16MinRows, sendpath_blocks::kAmxInt8MinRows};
+}

@@ -113,8 +113,10 @@ def test_where_the_tiles_cannot_run_a_loop_on_them_says_why(kernel: Any) -> None
     assert (reason == "") == bool(kernel.matrix_loops())
     if not reason:
         assert kernel.matrix_loops() == TILES
-        rows = kernel.matrix_min_rows()
-        assert matrix_engine(kernel) == f"amx-bf16 tiles from {rows} rows a step"
+        bf16, int8 = kernel.matrix_min_rows()
+        assert bf16 > int8 >= 16  # a tile's rows
+        described = f"amx-bf16 tiles from {bf16} rows a step, amx-int8 from {int8}"
+        assert matrix_engine(kernel) == described
         return
     assert matrix_engine(kernel) == f"none: {reason}"
     packed = kernel.pack_q4(
@@ -125,15 +127,21 @@ def test_where_the_tiles_cannot_run_a_loop_on_them_says_why(kernel: Any) -> None
             kernel.block_matmul(torch.randn(16, 64), *packed, 16, loop=loop)
 
 
-def test_the_default_takes_the_bf16_tiles_from_their_rows_and_the_vector_loop_below(
+def test_the_default_takes_each_tile_design_from_its_rows_and_the_vector_loop_below(
     kernel: Any,
 ) -> None:
     runs_here(kernel, "amx-bf16")
     vnni(kernel)
     torch.manual_seed(3)
     packed, _ = weights(kernel, True, 64, 576)
-    rows = kernel.matrix_min_rows()
-    for n, loop in ((rows - 1, "avx512-vnni"), (rows, "amx-bf16"), (rows + 17, "amx-bf16")):
+    bf16, int8 = kernel.matrix_min_rows()
+    for n, loop in (
+        (int8 - 1, "avx512-vnni"),
+        (int8, "amx-int8"),
+        (bf16 - 1, "amx-int8"),
+        (bf16, "amx-bf16"),
+        (bf16 + 17, "amx-bf16"),
+    ):
         x = torch.randn(n, 576).bfloat16()
         want = kernel.block_matmul(x, *packed, 64, loop=loop)
         assert torch.equal(kernel.block_matmul(x, *packed, 64), want), (n, loop)
