@@ -49,6 +49,35 @@ def one_at_a_time(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
     return torch.cat(rows)
 
 
+@torch.inference_mode()
+def one_pass(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
+    """Logits [P, V] of each position, computed as one prompt pass: every product has P
+    rows (where AMX's tiles run, the bfloat16 tile design takes them)."""
+    cache = ContiguousKVCache(loaded.config, len(ids), loaded.model.dtype, loaded.model.device)
+    hidden = loaded.model(torch.tensor(ids), torch.arange(len(ids)), cache)
+    return loaded.model.compute_logits(hidden)
+
+
+def test_the_fast_paths_prompt_pass_agrees_with_float32_as_its_decodes_do(
+    builtin_llm: LLM, fast: LoadedModel
+) -> None:
+    """The same thresholds as one token at a time, for products of many rows (on an AMX
+    CPU the bfloat16 tiles, elsewhere the vector loop), against float32 one at a time."""
+    reference = builtin_llm.loaded
+    tok = reference.tokenizer
+    ids = tok.encode_chat([{"role": "user", "content": PROMPTS[1]}])
+    ids += tok.encode(TEXT, add_special_tokens=False)
+    a, b = one_at_a_time(reference, ids), one_pass(fast, ids)
+    agree = int((a.argmax(-1) == b.argmax(-1)).sum())
+    assert agree / len(ids) >= 0.95, f"top-1 agreement {agree / len(ids):.3f}"
+    target = torch.tensor(ids[1:])[:, None]
+    want, got = (
+        float(torch.log_softmax(logits[:-1].float(), -1).gather(1, target).sum())
+        for logits in (a, b)
+    )
+    assert abs(got - want) <= 0.01 * abs(want), (got, want)
+
+
 def test_the_fast_path_agrees_with_float32(builtin_llm: LLM, fast: LoadedModel) -> None:
     reference = builtin_llm.loaded
     tok = reference.tokenizer
