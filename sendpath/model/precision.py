@@ -108,8 +108,8 @@ def choose_precision(
 def _blocks(kernels: Any) -> str:
     """How the block-quantized weights multiply here, for a precision's reason."""
     loop = {"avx512-vnni": "AVX-512 VNNI", "avx2": "AVX2"}[block_loop(kernels)]
-    amx = f"; AMX {matrix_engine(kernels)}" if kernels.matrix_loops() else ""
-    return f" (times int8 activations per block of 32 on {loop}{amx}, as llama.cpp)"
+    amx = f"; larger steps on AMX: {matrix_engine(kernels)}" if kernels.matrix_loops() else ""
+    return f" (times int8 activations per block of 32 on {loop}, as llama.cpp{amx})"
 
 
 def apply_precision(
