@@ -95,9 +95,9 @@ def _named_block_matmul() -> None:
     """``BlockWeights.matmul`` named for the profiler (its kernel is a pybind function)."""
     plain = BlockWeights.matmul
 
-    def matmul(self: BlockWeights, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self: BlockWeights, x: torch.Tensor, loop: str = "") -> torch.Tensor:
         with record_function("block_matmul"):
-            return plain(self, x)
+            return plain(self, x, loop)
 
     BlockWeights.matmul = matmul  # type: ignore[method-assign]
 

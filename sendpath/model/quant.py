@@ -259,14 +259,12 @@ class BlockWeights:
         """The weight as [N, K] float32 (for checks), up to the activations' own int8
         rounding, which the identity matrix's rows do not have (on the vector loop: the
         matrix engine would take K rows in bfloat16)."""
-        eye = torch.eye(self.in_features)
-        loop = block_loop(self.kernels)
-        out = self.kernels.block_matmul(eye, self.codes, self.d, self.m, self.out_features, loop)
-        return out.t()  # type: ignore[no-any-return]
+        return self.matmul(torch.eye(self.in_features), block_loop(self.kernels)).t()
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, K] (float32 or bfloat16) -> x W^T [T, N]."""
+    def matmul(self, x: torch.Tensor, loop: str = "") -> torch.Tensor:
+        """x [T, K] (float32 or bfloat16) -> x W^T [T, N], on ``loop`` ("": the kernel's
+        choice by rows)."""
         out: torch.Tensor = self.kernels.block_matmul(
-            x, self.codes, self.d, self.m, self.out_features
+            x, self.codes, self.d, self.m, self.out_features, loop
         )
         return out

@@ -99,8 +99,12 @@ class ModelRunner:
         cfg = loaded.config
         shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.block_size)
         prefill = kernel.prefill_kernel(*shape)
-        tiles = {"amx": "AMX bfloat16 tiles", "vector": "AVX-512 BF16 tiles", "rows": "rows"}
-        return f"paged kernel, prompt chunks on {tiles[prefill]}"
+        how = {
+            "amx": "on AMX bfloat16 tiles",
+            "vector": "on AVX-512 BF16 tiles",
+            "rows": "a row at a time",
+        }
+        return f"paged kernel, prompt chunks {how[prefill]}"
 
     def _layer_ops(self) -> str:
         if self.model.stack is not None:

@@ -94,7 +94,7 @@ void run_on_tiles(const Packed& w, const T* x, int64_t rows, int64_t k, T* y, in
   xb.narrow(0, 0, rows - tail_from).narrow(1, 0, k).copy_(
       torch::from_blob(const_cast<T*>(x), {rows, k}, torch::TensorOptions().dtype(dtype))
           .narrow(0, tail_from, rows - tail_from));
-  const sendpath_amx::Bf16Rows a{reinterpret_cast<const uint16_t*>(x),
+  const sendpath_amx::Bf16Rows a{in_place ? reinterpret_cast<const uint16_t*>(x) : nullptr,
                                  reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()),
                                  tail_from, rows, padded(rows), w.blocks};
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {

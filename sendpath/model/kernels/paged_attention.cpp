@@ -12,7 +12,7 @@
 // (paged_prefill_bf16.cpp): for a 512-token chunk of the built-in model, 2.6x as fast as
 // torch's flash attention where the chunk starts a prompt, 2x where it resumes one at 512;
 // where AMX's tiles run, on them (paged_prefill_amx.h: a 1,024-token prompt's attention
-// 282 -> 71 ms on a 2-core AMX Xeon). `prefill` names the path to insist on.
+// 282 -> 62-67 ms on a 2-core AMX Xeon). `prefill` names the path to insist on.
 //
 // Otherwise one task per (row, kv head), run on torch's thread pool: the task's G query heads
 // (grouped-query attention) are scored against one block of keys at a time, and an online
