@@ -49,8 +49,8 @@ from sendpath.bench.runner import Load, run
 from sendpath.bench.workload import LengthSpec, build
 from sendpath.engine.steps import StepShape
 from sendpath.fleet import free_port
-from sendpath.sim.calibrated import Calibrated
-from sendpath.sim.profile import profile_served, step_kind, step_times
+from sendpath.sim.calibrated import Calibrated, step_kind, step_times
+from sendpath.sim.profile import profile_served
 from sendpath.sim.simulator import SimConfig, Simulator
 from sendpath.sim.traffic import SimRequest
 

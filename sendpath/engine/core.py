@@ -101,13 +101,22 @@ class EngineCore:
     @classmethod
     def from_config(cls, config: EngineConfig, clock: Clock | None = None) -> EngineCore:
         """Load the model and size the KV cache from ``config``."""
-        from sendpath.engine.draft import load_draft
         from sendpath.model.loader import load_model
-        from sendpath.runner.model_runner import ModelRunner, kv_bytes_per_token
 
         loaded = load_model(
             config.model, config.dtype, config.device, quantization=config.quantization
         )
+        return cls.from_loaded(loaded, config, clock)
+
+    @classmethod
+    def from_loaded(
+        cls, loaded: LoadedModel, config: EngineConfig, clock: Clock | None = None
+    ) -> EngineCore:
+        """An engine for a model already loaded (``config``'s model, dtype and device are
+        the loaded one's): the KV cache sized from ``config``, its draft model if any."""
+        from sendpath.engine.draft import load_draft
+        from sendpath.runner.model_runner import ModelRunner, kv_bytes_per_token
+
         limit = loaded.max_model_len
         max_len = config.max_model_len or limit
         if not 1 < max_len <= limit:

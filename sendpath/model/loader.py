@@ -45,6 +45,7 @@ __all__ = [
     "Precision",
     "builtin_model_path",
     "load_model",
+    "random_model",
     "resolve_device",
 ]
 
@@ -196,14 +197,55 @@ def _materialize(
     for key in list(fused):  # one tensor at a time onto the device (a no-op on the CPU)
         fused[key] = fused[key].to(device=dev, dtype=dtype).contiguous()
     model.load_state_dict(fused, strict=False, assign=True)
-    model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(
-        dev
-    )  # buffers built on "meta" hold no values
+    return _ready(model, dtype, dev)
+
+
+def _ready(model: LlamaModel, dtype: torch.dtype, dev: torch.device) -> LlamaModel:
+    """A model whose weights are on ``dev``: its RoPE frequencies (buffers built on
+    "meta" hold no values) and the CPU's float32 layout."""
+    cfg = model.config
+    model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(dev)
     if dev.type == "cpu" and dtype == torch.float32:
         for module in model.modules():
             if isinstance(module, Linear):
                 module.use_transposed_layout()
     return model.eval()
+
+
+def random_model(
+    config: LlamaConfig,
+    tokenizer: Tokenizer,
+    dtype: str = "bfloat16",
+    device: str | None = None,
+    seed: int = 0,
+    name: str = "random",
+) -> LoadedModel:
+    """A model of ``config``'s shape with random weights made on ``device`` (nothing
+    read from disk), as vLLM's ``--load-format dummy`` makes one: for timing, where the
+    weights' values do not matter (``benchmarks/gpu_step.py``: a Llama-3.1-8B shape on a
+    GPU). Matrices ~ N(0, 0.02), norms 1."""
+    dev = resolve_device(device)
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)}.")
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ModelLoadError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens, the model's vocabulary "
+            f"{config.vocab_size}: give the config a vocab_size of at least the tokenizer's."
+        )
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    model = model.to_empty(device=dev).to(DTYPES[dtype])
+    generator = torch.Generator(device=dev).manual_seed(seed)
+    with torch.no_grad():
+        for key, weight in model.state_dict().items():
+            if key.endswith("norm.weight"):
+                weight.fill_(1.0)
+            else:
+                weight.normal_(0.0, 0.02, generator=generator)
+    precision = Precision(dtype, "none", "random weights for timing")
+    return LoadedModel(
+        _ready(model, DTYPES[dtype], dev), tokenizer, config, name, Path(name), precision
+    )
 
 
 # ----------------------------------------------------------------------------- HF directory

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from enum import StrEnum
@@ -37,7 +38,17 @@ from scipy.optimize import nnls
 from sendpath.engine.steps import StepShape
 from sendpath.sim.config import SimConfig
 
-__all__ = ["TERMS", "Calibrated", "CostModelFileError", "FitError", "PointKind", "ProfilePoint"]
+__all__ = [
+    "TERMS",
+    "Calibrated",
+    "CostModelFileError",
+    "FitError",
+    "PointKind",
+    "ProfilePoint",
+    "points",
+    "step_kind",
+    "step_times",
+]
 
 TERMS = ("step", "prompt", "context", "kv", "decode")
 FORMAT = "sendpath-profile"
@@ -221,3 +232,42 @@ class Calibrated:
             return cls(data["coefficients_s"], points, data["meta"])
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CostModelFileError(path, f"malformed ({type(exc).__name__}: {exc})") from None
+
+
+# ------------------------------------------------------------ from a step log to points
+
+
+def step_kind(shape: StepShape) -> PointKind:
+    """Decode (one-token steps only, or decodes with drafts), prefill (prompt chunks
+    only) or mixed."""
+    if shape.prefills == 0 and shape.num_tokens == shape.num_seqs + shape.draft_tokens:
+        return PointKind.DECODE
+    if shape.num_seqs == 1 or shape.num_seqs == shape.prefills:  # 1: logs before prefills
+        return PointKind.PREFILL
+    return PointKind.MIXED
+
+
+def step_times(steps: list[dict[str, Any]]) -> list[tuple[StepShape, float]]:
+    """Each logged step's shape and time (``GET /v1/steps``' records): its period when
+    the next step followed at once."""
+    out = []
+    for step, nxt in zip(steps, [*steps[1:], None], strict=True):
+        seconds = step["seconds"]
+        if step["busy_after"] and nxt is not None and nxt["seq"] == step["seq"] + 1:
+            seconds = max(seconds, nxt["start"] - step["start"])
+        known = {f.name: int(step.get(f.name, 0)) for f in fields(StepShape)}  # old logs: 0
+        out.append((StepShape(**known), seconds))
+    return out
+
+
+def points(label: str, timed: list[tuple[StepShape, float]]) -> list[ProfilePoint]:
+    """One point per kind and size: the median step (by time) of each group."""
+    groups: dict[tuple[PointKind, int, int], list[tuple[StepShape, float]]] = defaultdict(list)
+    for shape, seconds in timed:
+        groups[(step_kind(shape), shape.num_seqs, shape.num_tokens)].append((shape, seconds))
+    found = []
+    for (kind, seqs, tokens), items in sorted(groups.items()):
+        shape, seconds = sorted(items, key=lambda item: item[1])[len(items) // 2]
+        name = f"{label}: {kind.value} {tokens} tok / {seqs} seq ({len(items)} steps)"
+        found.append(ProfilePoint(kind, name, shape, seconds, len(items)))
+    return found

@@ -42,9 +42,8 @@ import contextlib
 import os
 import socket
 import statistics
-from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -53,9 +52,8 @@ import uvicorn
 from sendpath.config import EngineConfig, ReplicaConfig
 from sendpath.engine.async_engine import AsyncEngine
 from sendpath.engine.core import EngineCore
-from sendpath.engine.steps import StepShape
 from sendpath.server.app import create_app
-from sendpath.sim.calibrated import Calibrated, PointKind, ProfilePoint
+from sendpath.sim.calibrated import Calibrated, ProfilePoint, points, step_times
 from sendpath.sim.profile_driver import PREAMBLE, WARM_UP, Load, LoadDriver
 
 __all__ = [
@@ -63,11 +61,8 @@ __all__ = [
     "QUICK_GRID",
     "Grid",
     "loads",
-    "points",
     "profile",
     "profile_served",
-    "step_kind",
-    "step_times",
 ]
 
 RIDER_PROMPT = 16  # tokens of a riding request's prompt
@@ -136,42 +131,6 @@ def loads(grid: Grid, engine: dict[str, Any]) -> tuple[list[Load], list[str]]:
         )
 
     return [x for x in found if fits(x)], [x.label for x in found if not fits(x)]
-
-
-def step_kind(shape: StepShape) -> PointKind:
-    """Decode (one-token steps only, or decodes with drafts), prefill (prompt chunks
-    only) or mixed."""
-    if shape.prefills == 0 and shape.num_tokens == shape.num_seqs + shape.draft_tokens:
-        return PointKind.DECODE
-    if shape.num_seqs == 1 or shape.num_seqs == shape.prefills:  # 1: logs before prefills
-        return PointKind.PREFILL
-    return PointKind.MIXED
-
-
-def step_times(steps: list[dict[str, Any]]) -> list[tuple[StepShape, float]]:
-    """Each logged step's shape and time (``GET /v1/steps``' records): its period when
-    the next step followed at once."""
-    out = []
-    for step, nxt in zip(steps, [*steps[1:], None], strict=True):
-        seconds = step["seconds"]
-        if step["busy_after"] and nxt is not None and nxt["seq"] == step["seq"] + 1:
-            seconds = max(seconds, nxt["start"] - step["start"])
-        known = {f.name: int(step.get(f.name, 0)) for f in fields(StepShape)}  # old logs: 0
-        out.append((StepShape(**known), seconds))
-    return out
-
-
-def points(label: str, timed: list[tuple[StepShape, float]]) -> list[ProfilePoint]:
-    """One point per kind and size: the median step (by time) of each group."""
-    groups: dict[tuple[PointKind, int, int], list[tuple[StepShape, float]]] = defaultdict(list)
-    for shape, seconds in timed:
-        groups[(step_kind(shape), shape.num_seqs, shape.num_tokens)].append((shape, seconds))
-    found = []
-    for (kind, seqs, tokens), items in sorted(groups.items()):
-        shape, seconds = sorted(items, key=lambda item: item[1])[len(items) // 2]
-        name = f"{label}: {kind.value} {tokens} tok / {seqs} seq ({len(items)} steps)"
-        found.append(ProfilePoint(kind, name, shape, seconds, len(items)))
-    return found
 
 
 def profile(

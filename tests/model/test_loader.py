@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import socket
@@ -12,7 +13,13 @@ import pytest
 import torch
 
 from sendpath.errors import ModelLoadError, UnsupportedModelError
-from sendpath.model.loader import builtin_model_path, load_model, resolve_device
+from sendpath.model.loader import (
+    LoadedModel,
+    builtin_model_path,
+    load_model,
+    random_model,
+    resolve_device,
+)
 
 
 def test_missing_path(tmp_path: Path) -> None:
@@ -121,3 +128,35 @@ def test_builtin_model_config() -> None:
     assert torch.equal(loaded.model.lm_head.weight_out_in, loaded.model.embed_tokens.weight)
     assert not loaded.model.lm_head.transposed  # bfloat16 keeps the checkpoint layout
     assert 134_000_000 < cfg.num_params < 135_000_000
+
+
+def test_a_random_model_of_a_shape_runs_on_the_engine(tiny: LoadedModel) -> None:
+    from sendpath.config import CacheConfig, EngineConfig
+    from sendpath.engine.core import EngineCore
+    from sendpath.request import SamplingParams
+
+    def answer(seed: int) -> tuple[LoadedModel, list[int]]:
+        loaded = random_model(tiny.config, tiny.tokenizer, "float32", "cpu", seed=seed)
+        config = EngineConfig(max_model_len=256, cache=CacheConfig(num_blocks=32))
+        core = EngineCore.from_loaded(loaded, config)
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        request = core.add_request([5, 6, 7, 8], params)
+        while core.has_unfinished_requests():
+            core.step()
+        return loaded, request.output_token_ids
+
+    loaded, tokens = answer(1)
+    assert len(tokens) == 6 and loaded.precision.reason == "random weights for timing"
+    weights = loaded.model.state_dict()
+    assert torch.equal(weights["norm.weight"], torch.ones_like(weights["norm.weight"]))
+    assert 0.015 < float(weights["layers.0.mlp.down_proj.weight"].std()) < 0.025
+    assert answer(1)[1] == tokens  # the seed makes the weights
+    assert not torch.equal(answer(2)[0].model.embed_tokens.weight, loaded.model.embed_tokens.weight)
+
+
+def test_a_random_model_needs_a_vocabulary_as_large_as_its_tokenizers(tiny: LoadedModel) -> None:
+    small = dataclasses.replace(tiny.config, vocab_size=8)
+    with pytest.raises(ModelLoadError, match="vocab_size of at least"):
+        random_model(small, tiny.tokenizer, "float32", "cpu")
+    with pytest.raises(ModelLoadError, match="dtype='int4'"):
+        random_model(tiny.config, tiny.tokenizer, "int4", "cpu")
