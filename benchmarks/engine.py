@@ -163,15 +163,25 @@ def run_transformers(model: Any, w: Workload, batch: int) -> dict[str, Any]:
 
 
 def bench_config(
-    max_num_batched_tokens: int = 512, dtype: str = "auto", quantization: str = "auto"
+    max_num_batched_tokens: int = 512,
+    dtype: str = "auto",
+    quantization: str = "auto",
+    kv_cache_dtype: str = "auto",
+    block_size: int = 16,
 ) -> EngineConfig:
     """The engine every benchmark here runs: on the CPU, no prefix caching."""
+    cache = CacheConfig(
+        block_size=block_size,
+        kv_cache_memory_gib=2.0,
+        enable_prefix_caching=False,
+        cache_dtype=kv_cache_dtype,
+    )
     return EngineConfig(
         dtype=dtype,
         quantization=quantization,
         device="cpu",
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens),
-        cache=CacheConfig(kv_cache_memory_gib=2.0, enable_prefix_caching=False),
+        cache=cache,
     )
 
 
@@ -180,9 +190,11 @@ def run_in_process(
     max_num_batched_tokens: int = 512,
     dtype: str = "auto",
     quantization: str = "auto",
+    kv_cache_dtype: str = "auto",
+    block_size: int = 16,
 ) -> list[dict[str, Any]]:
     """Each workload through the async engine in this process, after a warm-up."""
-    config = bench_config(max_num_batched_tokens, dtype, quantization)
+    config = bench_config(max_num_batched_tokens, dtype, quantization, kv_cache_dtype, block_size)
     engine = AsyncEngine.build(lambda: EngineCore.from_config(config))  # on its own thread
     rows = []
     asyncio.run(run_sendpath(engine, Workload(16, 4, 2, 2)))  # warm-up
@@ -200,6 +212,8 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--dtype", default="auto", help="auto: what `sendpath serve` runs")
     parser.add_argument("--quantization", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's) or int8")
+    parser.add_argument("--block-size", type=int, default=16, help="KV cache block size")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
     workloads = DEFAULT
@@ -208,7 +222,12 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     if args.only != "transformers":
         rows += run_in_process(
-            workloads, args.max_num_batched_tokens, args.dtype, args.quantization
+            workloads,
+            args.max_num_batched_tokens,
+            args.dtype,
+            args.quantization,
+            args.kv_cache_dtype,
+            args.block_size,
         )
     if args.only != "sendpath":
         from transformers import AutoModelForCausalLM

@@ -259,6 +259,8 @@ def sampled(spy: str | None, pid: int, seconds: float) -> Iterator[list[float]]:
         total = export = 0
         for line in Path(raw.name).read_text().splitlines():
             stack, _, count = line.rpartition(" ")
+            if not count.isdigit():  # not a stack: a line py-spy says something on
+                continue
             total += int(count)
             if any(frame in stack for frame in EXPORT_FRAMES):
                 export += int(count)
@@ -266,7 +268,19 @@ def sampled(spy: str | None, pid: int, seconds: float) -> Iterator[list[float]]:
             share.append(export / total)
 
 
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """Ctrl-C, then a kill if it has not ended in 10 s (nothing is left running)."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def main() -> None:
+    from sendpath.model.quant import cpu_model  # torch with it: not in the load's way
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=10.0, help="per measurement (10)")
     parser.add_argument("--concurrency", type=int, default=16, help="for throughput (16)")
@@ -328,7 +342,12 @@ def main() -> None:
                 compared = side_by_side(pair, body, secrets, args)
                 name = f"gateway_overhead_otlp_side_by_side_{args.sample:g}"
                 name += f"_c{args.concurrency}.json"
-                result = {"cpu_count": os.cpu_count(), "seconds": args.seconds, **compared}
+                result = {
+                    "cpu": cpu_model(),
+                    "cpu_count": os.cpu_count(),
+                    "seconds": args.seconds,
+                    **compared,
+                }
                 RESULTS.with_name(name).write_text(json.dumps(result, indent=2) + "\n")
                 print(json.dumps(result, indent=2))
                 return
@@ -341,11 +360,10 @@ def main() -> None:
                     rows[f"{kind}_key_c{concurrency}"] = measure(
                         through, concurrency, args.seconds, gateway.pid
                     )
-        finally:
-            for proc in (gateway, mock, exporting):
+        finally:  # the gateways first: the mock waits for their connections to close
+            for proc in (gateway, exporting, mock):
                 if proc is not None:
-                    proc.send_signal(signal.SIGINT)
-                    proc.wait(10)
+                    stop(proc)
     c = args.concurrency
     summary = {
         f"{kind}_key": {
@@ -363,6 +381,7 @@ def main() -> None:
         for kind in secrets
     }
     result = {
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "seconds": args.seconds,
         "otlp": args.otlp,

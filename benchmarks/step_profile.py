@@ -16,13 +16,14 @@ Then issue 38's offline aims, beside the machine's roofs measured in the same ru
 (``peers.py``'s): the share of the best matmul FLOP/s that 32 decodes and four 1,000-token
 prompts arriving at once (timed to the last one's first token) turn into tokens, at 2 x
 parameters a token.
-Compare with ``--dtype float32 --quantization none``.
+Compare with ``--dtype float32 --quantization none``, or an int8 KV cache with
+``--kv-cache-dtype int8``.
 
     .venv/bin/python -m benchmarks.step_profile [--batches 1 8 32] [--prefill 1024]  # a minute
     .venv/bin/python -m benchmarks.step_profile --dtype float32 --quantization none \
         --output benchmarks/results/step_profile_float32.json
 
-Results: ``benchmarks/results/step_profile.json`` (and the float32 one beside it).
+Results: ``benchmarks/results/step_profile.json`` (the float32 and int8-cache ones beside it).
 """
 
 from __future__ import annotations
@@ -199,6 +200,7 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, nargs="*", default=[1024], help="prompt lengths")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's) or int8")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
     config = EngineConfig(
@@ -208,7 +210,9 @@ def main() -> None:
         scheduler=SchedulerConfig(
             max_num_seqs=64, max_num_batched_tokens=max([512, *args.prefill])
         ),
-        cache=CacheConfig(kv_cache_memory_gib=1.0, enable_prefix_caching=False),
+        cache=CacheConfig(
+            kv_cache_memory_gib=1.0, enable_prefix_caching=False, cache_dtype=args.kv_cache_dtype
+        ),
     )
     core = EngineCore.from_config(config)
     _named_block_matmul()
@@ -232,6 +236,7 @@ def main() -> None:
         "matrix_engine": matrix_engine(cpu_kernels()),
         "dtype": args.dtype,
         "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "rows": rows,

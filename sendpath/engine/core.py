@@ -115,7 +115,7 @@ class EngineCore:
         """An engine for a model already loaded (``config``'s model, dtype and device are
         the loaded one's): the KV cache sized from ``config``, its draft model if any."""
         from sendpath.engine.draft import load_draft
-        from sendpath.runner.model_runner import ModelRunner, kv_bytes_per_token
+        from sendpath.runner.model_runner import ModelRunner, kv_bytes_per_token, kv_cache_dtype
 
         limit = loaded.max_model_len
         max_len = config.max_model_len or limit
@@ -126,13 +126,14 @@ class EngineCore:
                 param="max_model_len",
             )
         cache = config.cache
+        cache_dtype = kv_cache_dtype(cache.cache_dtype, loaded.model.dtype)
         num_blocks = cache.num_blocks or int(
             cache.kv_cache_memory_gib
             * 2**30
-            // (kv_bytes_per_token(loaded.config, loaded.model.dtype) * cache.block_size)
+            // (kv_bytes_per_token(loaded.config, cache_dtype) * cache.block_size)
         )
         kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        runner = ModelRunner(loaded, num_blocks, cache.block_size)
+        runner = ModelRunner(loaded, num_blocks, cache.block_size, cache_dtype)
         proposer = load_draft(config, loaded, num_blocks, max_len)  # None: no draft model
         core = cls(runner, loaded.tokenizer, kv, config.scheduler, max_len, clock, loaded.name)
         core.speculate(config.speculative, proposer)
@@ -350,6 +351,7 @@ class EngineCore:
                 "device": runs_on.get("device", "unknown device"),
                 "dtype": runs_on.get("dtype"),
                 "quantization": runs_on.get("quantization"),
+                "kv_cache_dtype": runs_on.get("kv_cache_dtype"),
                 "attention": runs_on.get("attention"),
                 "max_num_seqs": sched.config.max_num_seqs,
                 "max_num_batched_tokens": sched.config.max_num_batched_tokens,

@@ -37,18 +37,46 @@ from sendpath.model.quant import BlockWeights, matrix_engine
 from sendpath.model.sampler import History, Sampled, TokenCounts, make_generator, sample
 from sendpath.model.structured import Matcher, grammar_compiler
 from sendpath.request import Request
-from sendpath.runner.paged_attention import PagedAttention
+from sendpath.runner.paged_attention import INT8_SCALE_BYTES, PagedAttention
 
-__all__ = ["ModelRunner", "describe_device", "kv_bytes_per_token"]
+__all__ = ["ModelRunner", "describe_device", "kv_bytes_per_token", "kv_cache_dtype"]
 
 
 UNSAMPLED = "its logits could not be sampled (NaN, or every token masked out)"
 
 
+def kv_cache_dtype(asked: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's dtype for ``--kv-cache-dtype``: auto is the model's; int8 keeps codes and
+    a float32 scale per token and kv head; bfloat16 and float32 must be the model's (the
+    attention reads the cache in the queries' dtype). ``ValueError`` where it cannot be."""
+    if asked == "auto":
+        return model_dtype
+    if asked == "int8":
+        return torch.int8
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(asked)
+    if dtype is None:
+        raise ValueError(
+            f"kv cache dtype {asked!r} is not offered; use auto, bfloat16, float32 or int8"
+        )
+    if dtype != model_dtype:
+        name = str(model_dtype).removeprefix("torch.")
+        raise ValueError(
+            f"a {asked} KV cache needs a {asked} model, and this one runs in {name}: "
+            f"pass --dtype {asked}, or --kv-cache-dtype auto or int8"
+        )
+    return dtype
+
+
+def kv_row_size(config: LlamaConfig, dtype: torch.dtype) -> int:
+    """Values in one token's cache row for one kv head: the head dim, and for an int8 cache
+    the four bytes of its scale (``kernels.h``'s kInt8ScaleBytes)."""
+    return config.head_dim + (INT8_SCALE_BYTES if dtype == torch.int8 else 0)
+
+
 def kv_bytes_per_token(config: LlamaConfig, dtype: torch.dtype) -> int:
-    """Bytes of K and V for one token across all layers."""
+    """Bytes of K and V for one token across all layers, in a cache of ``dtype``."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
+    return 2 * config.num_layers * config.num_kv_heads * kv_row_size(config, dtype) * itemsize
 
 
 def describe_device(device: torch.device) -> str:
@@ -68,6 +96,7 @@ class ModelRunner:
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "quantization": self.precision.quantization,
             "attention": self.attention_kind,
+            "kv_cache_dtype": str(self.k_cache.dtype).removeprefix("torch."),
             "layer_ops": self._layer_ops(),
             "precision_reason": self.precision.reason,
             "matrix_engine": self.matrix_engine,
@@ -94,7 +123,7 @@ class ModelRunner:
         kernel = self.attention.kernel
         if kernel is None:
             return "torch SDPA"
-        if self.k_cache.dtype != torch.bfloat16:
+        if self.model.dtype != torch.bfloat16:
             return "paged kernel"
         cfg = loaded.config
         shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.block_size)
@@ -111,20 +140,28 @@ class ModelRunner:
             return "fused kernels, every layer in one call"
         return "fused kernels" if self.attention.kernel else "torch ops"
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        block_size: int,
+        cache_dtype: torch.dtype | None = None,
+    ) -> None:
         self.model = loaded.model
         self.precision = loaded.precision
         self.block_size = block_size
         cfg = loaded.config
-        shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks * block_size, cfg.head_dim)
         dtype, device = self.model.dtype, self.model.device
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        cache_dtype = dtype if cache_dtype is None else cache_dtype
+        row = kv_row_size(cfg, cache_dtype)
+        shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks * block_size, row)
+        self.k_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
         kernels = None
         if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             kernels = cpu_kernels()
         use_kernels(self.model, kernels)
-        self.attention = PagedAttention(self.k_cache, self.v_cache, block_size, kernels)
+        self.attention = PagedAttention(self.k_cache, self.v_cache, block_size, kernels, dtype)
         self.matrix_engine = self._matrix_engine()
         self.attention_kind = self._attention_kind(loaded)
         self.tokenizer = loaded.tokenizer

@@ -19,7 +19,24 @@ from torch.nn import functional as F
 
 from sendpath.engine.scheduler import ScheduledRequest
 
-__all__ = ["PagedAttention"]
+__all__ = ["INT8_SCALE_BYTES", "PagedAttention", "dequantize_rows", "quantize_rows"]
+
+INT8_SCALE_BYTES = 4  # an int8 cache row: head_dim codes, then their float32 scale
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., Dh] float rows -> [..., Dh + 4] int8 cache rows: round(x / scale) and the
+    float32 scale, max |x| / 127 per row (what the CPU kernels' write_kv makes)."""
+    top = x.float().abs().amax(-1, keepdim=True)
+    scale = top / 127
+    codes = (x.float() * torch.where(top > 0, 127 / top, 0.0)).round().clamp(-127, 127)
+    return torch.cat([codes.to(torch.int8), scale.view(torch.int8)], -1)
+
+
+def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., Dh + 4] int8 cache rows -> [..., Dh] values in ``dtype``."""
+    scale = rows[..., -INT8_SCALE_BYTES:].contiguous().view(torch.float32)
+    return (rows[..., :-INT8_SCALE_BYTES].float() * scale).to(dtype)
 
 
 @dataclass
@@ -55,8 +72,12 @@ class PagedAttention:
         v_cache: torch.Tensor,
         block_size: int,
         kernel: Any | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
-        self.k_cache, self.v_cache = k_cache, v_cache  # [L, Hkv, S, Dh]
+        self.k_cache, self.v_cache = k_cache, v_cache  # [L, Hkv, S, Dh] ([.., Dh + 4] int8)
+        self.dtype = (
+            k_cache.dtype if dtype is None else dtype
+        )  # the queries' (an int8 cache's model's)
         self.block_size = block_size
         self.kernel = kernel  # kernels.cpu_kernels(), or None: index_copy_, gather and SDPA
         self.slot_mapping = torch.empty(0, dtype=torch.long)
@@ -123,7 +144,7 @@ class PagedAttention:
                     later = torch.arange(end, device=device)[None, :] > q_pos
                     # additive, in the cache's dtype: SDPA would make this from a boolean
                     # mask in every layer
-                    mask = torch.zeros(later.shape, dtype=self.k_cache.dtype, device=device)
+                    mask = torch.zeros(later.shape, dtype=self.dtype, device=device)
                     mask.masked_fill_(later, float("-inf"))
                 slots = torch.tensor(ctx, dtype=torch.long, device=device)
                 self.prefills.append(_Prefill(slice(row, row + item.num_tokens), slots, mask))
@@ -160,8 +181,14 @@ class PagedAttention:
             return self.kernel.paged_attention(  # type: ignore[no-any-return]
                 q, k_cache, v_cache, self.tables, self.lens, self.block_size, dh**-0.5
             )  # [T, H, Dh]
-        k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
-        v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
+        int8 = k_cache.dtype == torch.int8
+        store = quantize_rows if int8 else lambda x: x
+        k_cache.index_copy_(1, self.slot_mapping, store(k.transpose(0, 1)))
+        v_cache.index_copy_(1, self.slot_mapping, store(v.transpose(0, 1)))
+
+        def load(rows: torch.Tensor) -> torch.Tensor:
+            return dequantize_rows(rows, q.dtype) if int8 else rows
+
         group = q.shape[1] // num_kv
         d = self.decodes
         out = torch.empty_like(q)  # [T, H, Dh]
@@ -171,8 +198,8 @@ class PagedAttention:
             else:  # [H, ctx, Dh]: with a mask, SDPA's fused CUDA kernels take no groups
                 # (enable_gqa sends it to the math path: a 1,024-token chunk after 4,096
                 # cached tokens took 0.8 s in an 8B model's step on an H200, 30 ms alone)
-                keys = k_cache[:, p.slots].repeat_interleave(group, 0)
-                values = v_cache[:, p.slots].repeat_interleave(group, 0)
+                keys = load(k_cache[:, p.slots]).repeat_interleave(group, 0)
+                values = load(v_cache[:, p.slots]).repeat_interleave(group, 0)
             o = F.scaled_dot_product_attention(  # 4-D: CPU's fused kernel wants a batch dim
                 q[p.rows].transpose(0, 1)[None],  # [1, H, n, Dh]
                 keys[None],
@@ -183,10 +210,10 @@ class PagedAttention:
             )  # [1, H, n, Dh]
             out[p.rows] = o[0].transpose(0, 1)
         if d is not None:
-            b = d.blocks.shape[0]
-            paged = (num_kv, -1, self.block_size, dh)
-            keys = k_cache.view(paged)[:, d.blocks].view(num_kv, b, -1, dh).transpose(0, 1)
-            values = v_cache.view(paged)[:, d.blocks].view(num_kv, b, -1, dh).transpose(0, 1)
+            b, row = d.blocks.shape[0], k_cache.shape[-1]
+            paged = (num_kv, -1, self.block_size, row)
+            keys = load(k_cache.view(paged)[:, d.blocks]).view(num_kv, b, -1, dh).transpose(0, 1)
+            values = load(v_cache.view(paged)[:, d.blocks]).view(num_kv, b, -1, dh).transpose(0, 1)
             o = F.scaled_dot_product_attention(
                 q[d.rows].view(b, num_kv, group, dh),  # [B, Hkv, group, Dh]
                 keys,  # [B, Hkv, L, Dh]

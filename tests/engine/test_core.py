@@ -141,3 +141,31 @@ def test_kv_cache_smaller_than_the_context_is_refused(tiny: LoadedModel) -> None
             SchedulerConfig(),
             2048,
         )
+
+
+def test_an_int8_kv_cache_holds_more_tokens_and_serves(tiny: LoadedModel) -> None:
+    from sendpath.config import CacheConfig, EngineConfig
+
+    def engine(cache_dtype: str) -> EngineCore:
+        cache = CacheConfig(kv_cache_memory_gib=0.002, cache_dtype=cache_dtype)
+        return EngineCore.from_loaded(tiny, EngineConfig(max_model_len=256, cache=cache))
+
+    own, int8 = engine("auto"), engine("int8")
+    dim = tiny.config.head_dim  # float32 rows of dim values against dim codes and a scale
+    blocks = own.scheduler.kv.pool.num_blocks, int8.scheduler.kv.pool.num_blocks
+    assert abs(blocks[1] * (dim + 4) - blocks[0] * 4 * dim) <= 5 * dim + 4  # the same bytes
+    assert int8.step_log()["engine"]["kv_cache_dtype"] == "int8"
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens = [run_one(int8, list(range(10 + i, 40 + i)), params) for i in range(3)]
+    assert all(len(t) == 8 for t in tokens)
+    assert int8.scheduler.kv.pool.num_free_blocks == int8.scheduler.kv.pool.num_blocks
+
+
+def test_a_kv_cache_dtype_that_cannot_be_says_what_to_pass(tiny: LoadedModel) -> None:
+    from sendpath.config import CacheConfig, EngineConfig
+
+    with pytest.raises(ValueError, match="'fp8' is not offered; use one of auto, bfloat16"):
+        CacheConfig(cache_dtype="fp8")
+    config = EngineConfig(max_model_len=256, cache=CacheConfig(cache_dtype="bfloat16"))
+    with pytest.raises(ValueError, match=r"needs a bfloat16 model.*pass --dtype bfloat16"):
+        EngineCore.from_loaded(tiny, config)

@@ -108,3 +108,45 @@ def test_the_fast_path_still_says_tokyo() -> None:
     )
     assert "Tokyo" in out[0].outputs[0].text
     assert llm.loaded.precision.quantization == "int4"
+
+
+@torch.inference_mode()
+def through_the_cache(loaded: LoadedModel, ids: list[int], cache: torch.dtype) -> torch.Tensor:
+    """Logits [P, V] of each position as decode steps of one token on the engine's paged
+    cache of dtype ``cache`` (the kernels' write and read of it)."""
+    from sendpath.engine.scheduler import ScheduledRequest
+    from sendpath.runner.model_runner import ModelRunner
+
+    blocks = -(-len(ids) // 16)
+    runner = ModelRunner(loaded, blocks, 16, cache)
+    rows = []
+    for position, token in enumerate(ids):
+        item = ScheduledRequest("text", [token], position, list(range(blocks)), True)
+        runner.attention.prepare([item], loaded.model.device)
+        hidden = loaded.model(torch.tensor([token]), torch.tensor([position]), runner.attention)
+        rows.append(loaded.model.compute_logits(hidden))
+    return torch.cat(rows).float()
+
+
+def test_an_int8_kv_cache_agrees_with_the_models_own(fast: LoadedModel) -> None:
+    """`--kv-cache-dtype int8` against the bfloat16 cache, teacher-forced on a longer text
+    (116 tokens). Measured on a 2-core AMX Xeon: 96.6% top-1 agreement, the text's
+    log-likelihood 0.24% apart (one prompt pass: 97.4%, 0.34%); an fp8 e4m3 cache, for
+    comparison, 94% and 0.55% (and a scale-less e5m2 one 1.6%). Asked: 94% and 0.5%."""
+    text = (
+        TEXT + " The steam engine, improved by James Watt, powered factories, mines and "
+        "locomotives. Cities grew quickly as workers moved from farms, and new problems of "
+        "housing, sanitation and child labour followed. Reformers campaigned for laws that "
+        "limited working hours and required schooling."
+    )
+    ids = fast.tokenizer.encode(text)
+    ours = through_the_cache(fast, ids, torch.bfloat16)
+    int8 = through_the_cache(fast, ids, torch.int8)
+    agreement = (int8.argmax(-1) == ours.argmax(-1)).float().mean().item()
+    target = torch.tensor(ids[1:])
+
+    def likelihood(logits: torch.Tensor) -> float:
+        return float(torch.log_softmax(logits[:-1], -1).gather(1, target[:, None]).sum())
+
+    assert agreement >= 0.94
+    assert abs(likelihood(int8) - likelihood(ours)) <= 0.005 * abs(likelihood(ours))

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 
@@ -55,8 +56,36 @@ inline void prefetch_ahead(const T* k_head, const T* v_head, const int64_t* tabl
 
 #endif
 
+// A head of the cache as rows, one per slot: a cache of T has `dim` values a row; an int8
+// cache (kernels.h) `dim` codes and their float32 scale.
+template <typename T>
+struct PlainRows {
+  static constexpr bool kScaled = false;
+  const T* head;
+  int64_t dim;
+  const T* row(int64_t slot) const { return head + slot * dim; }
+  float scale(int64_t) const { return 1.f; }
+  int64_t stride() const { return dim; }
+};
+
+struct Int8Rows {
+  static constexpr bool kScaled = true;
+  const int8_t* head;
+  int64_t dim;
+  const int8_t* row(int64_t slot) const { return head + slot * stride(); }
+  float scale(int64_t slot) const {
+    float f;
+    std::memcpy(&f, row(slot) + dim, sizeof(f));
+    return f;
+  }
+  int64_t stride() const { return dim + 4; }  // kernels.h's kInt8ScaleBytes
+};
+
 #ifdef __AVX512F__
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const int8_t* p) {  // an int8 cache's codes, unscaled
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline __m512 load16(const at::BFloat16* p) {  // bf16 is a float32's upper half
   __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));

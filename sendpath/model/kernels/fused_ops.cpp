@@ -19,11 +19,13 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "kernels.h"
 #include "vec.h"
 
 namespace {
@@ -176,20 +178,82 @@ void rotary_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t he
       }));
 }
 
+// One row of an int8 cache: `dim` codes, round(x / scale), then the float32 scale,
+// max |x| / 127 (0 for a row of zeros). llama.cpp's q8_0 cache keeps a scale per 32 values;
+// one per (token, kv head) row is as exact here (a row's values share their range) and
+// reads one float per row.
+template <typename T>
+void quantize_row(const T* x, int64_t dim, int8_t* out) {
+  float most = 0.f;
+  int64_t d = 0;
+#ifdef SENDPATH_VEC
+  using namespace sendpath_vec;
+  alignas(64) float lanes[kWidth];
+  Vec top = zero();
+  for (; d + kWidth <= dim; d += kWidth) {
+    const Vec v = load(x + d);
+    top = max(top, max(v, sub(zero(), v)));
+  }
+  store(lanes, top);
+  for (int64_t i = 0; i < kWidth; ++i) most = std::max(most, lanes[i]);
+#endif
+  for (; d < dim; ++d) most = std::max(most, std::abs(widen(x[d])));
+  const float scale = most / 127.f, inv = most > 0.f ? 127.f / most : 0.f;
+  d = 0;
+#ifdef SENDPATH_VEC
+  for (; d + kWidth <= dim; d += kWidth) {  // rounded to nearest even, as lrintf below
+    store(lanes, round(min(max(mul(load(x + d), set1(inv)), set1(-127.f)), set1(127.f))));
+    for (int64_t i = 0; i < kWidth; ++i) out[d + i] = static_cast<int8_t>(lanes[i]);
+  }
+#endif
+  for (; d < dim; ++d)
+    out[d] = static_cast<int8_t>(std::lrintf(std::clamp(widen(x[d]) * inv, -127.f, 127.f)));
+  std::memcpy(out + dim, &scale, sizeof(scale));
+}
+
+template <typename T>
+void write_int8(const torch::Tensor& x, torch::Tensor& cache, const int64_t* slot) {
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
+  const int64_t row = cache.size(2), capacity = cache.size(1);
+  auto* out = cache.data_ptr<int8_t>();
+  const T* in = x.data_ptr<T>();
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < heads; ++h)
+      quantize_row(in + t * x.stride(0) + h * x.stride(1), dim,
+                   out + (h * capacity + slot[t]) * row);
+}
+
 // k, v [T, Hkv, Dh] (last dim contiguous, any other strides); k_cache, v_cache [Hkv, S, Dh]
-// contiguous; slots [T] int64: cache[h, slots[t]] = k[t, h] (and v).
+// contiguous; slots [T] int64: cache[h, slots[t]] = k[t, h] (and v). An int8 cache
+// (`--kv-cache-dtype int8`) has rows of Dh + 4 bytes: the row's codes and its scale.
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slots) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1);
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3);
-  TORCH_CHECK(k_cache.size(0) == k.size(1) && k_cache.size(2) == k.size(2));
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type());
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type());
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(k_cache.size(0) == k.size(1) && v_cache.sizes() == k_cache.sizes());
+  TORCH_CHECK(k_cache.size(2) == k.size(2) + (int8 ? kInt8ScaleBytes : 0),
+              "the cache's rows do not fit the head dim");
+  TORCH_CHECK(int8 || k.scalar_type() == k_cache.scalar_type(), "k and the cache differ in dtype");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == k.size(0));
   auto where = slots.contiguous();
   const int64_t tokens = k.size(0), heads = k.size(1), dim = k.size(2), capacity = k_cache.size(1);
   const int64_t* slot = where.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "slot ", slot[t], " is outside the cache");
+  if (int8) {
+    AT_DISPATCH_SWITCH(k.scalar_type(), "write_kv",
+        AT_DISPATCH_CASE(at::kFloat, [&] {
+          write_int8<float>(k, k_cache, slot);
+          write_int8<float>(v, v_cache, slot);
+        })
+        AT_DISPATCH_CASE(at::kBFloat16, [&] {
+          write_int8<at::BFloat16>(k, k_cache, slot);
+          write_int8<at::BFloat16>(v, v_cache, slot);
+        }));
+    return;
+  }
   const auto bytes = k.element_size() * dim;
   auto* kc = static_cast<char*>(k_cache.data_ptr());
   auto* vc = static_cast<char*>(v_cache.data_ptr());

@@ -8,6 +8,10 @@
 #include <string>
 #include <vector>
 
+// An int8 KV cache's row (`--kv-cache-dtype int8`): head_dim int8 codes, then their float32
+// scale in these bytes (write_kv makes them, paged_attention reads them).
+constexpr int64_t kInt8ScaleBytes = 4;
+
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor seq_lens,
                               int64_t block_size, double scale, const std::string& prefill = "");

@@ -29,14 +29,18 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
 #include "attention_simd.h"
+#include "kernels.h"
 
 namespace {
 
@@ -69,8 +73,8 @@ inline void fold_block(float* scores, int64_t n, int64_t block_size, int64_t gro
 
 // ------------------------------------------------------------------- portable loop
 
-template <typename scalar_t>
-void task_portable(const scalar_t* q, const scalar_t* k_head, const scalar_t* v_head,
+template <typename scalar_t, typename Rows>
+void task_portable(const scalar_t* q, const Rows& k_rows, const Rows& v_rows,
                    const int64_t* table, int64_t length, scalar_t* out, const Shape& s,
                    int64_t group) {
   const int64_t dim = s.head_dim, bs = s.block_size;
@@ -81,20 +85,22 @@ void task_portable(const scalar_t* q, const scalar_t* k_head, const scalar_t* v_
   for (int64_t start = 0; start < length; start += bs) {
     const int64_t block = table[start / bs], n = std::min(bs, length - start);
     for (int64_t t = 0; t < n; ++t) {
-      const scalar_t* key = k_head + (block * bs + t) * dim;
+      const auto* key = k_rows.row(block * bs + t);
+      const float key_scale = k_rows.scale(block * bs + t);
       for (int64_t g = 0; g < group; ++g) {
         float dot = 0.f;
         for (int64_t d = 0; d < dim; ++d) dot += qf[g * dim + d] * to_float(key[d]);
-        scores[g * bs + t] = dot;
+        scores[g * bs + t] = dot * key_scale;
       }
     }
     fold_block(scores.data(), n, bs, group, run_max.data(), run_sum.data(), shrink.data());
     for (int64_t g = 0; g < group; ++g)
       for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] *= shrink[g];
     for (int64_t t = 0; t < n; ++t) {
-      const scalar_t* value = v_head + (block * bs + t) * dim;
+      const auto* value = v_rows.row(block * bs + t);
+      const float value_scale = v_rows.scale(block * bs + t);
       for (int64_t g = 0; g < group; ++g) {
-        const float w = scores[g * bs + t];
+        const float w = scores[g * bs + t] * value_scale;
         for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += w * to_float(value[d]);
       }
     }
@@ -108,8 +114,8 @@ void task_portable(const scalar_t* q, const scalar_t* k_head, const scalar_t* v_
 // ------------------------------------------------------------------- AVX-512
 
 #ifdef __AVX512F__
-template <int kDim, typename scalar_t>
-void task_avx512(const scalar_t* q, const scalar_t* k_head, const scalar_t* v_head,
+template <int kDim, typename scalar_t, typename Rows>
+void task_avx512(const scalar_t* q, const Rows& k_rows, const Rows& v_rows,
                  const int64_t* table, int64_t length, scalar_t* out, const Shape& s,
                  int64_t group) {
   constexpr int kChunks = kDim / 16;
@@ -130,9 +136,15 @@ void task_avx512(const scalar_t* q, const scalar_t* k_head, const scalar_t* v_he
   }
   for (int64_t start = 0; start < length; start += bs) {
     const int64_t block = table[start / bs], n = std::min(bs, length - start);
-    const scalar_t* block_keys = k_head + block * bs * kDim;
-    prefetch_ahead(k_head, v_head, table, start, length, bs, kDim);
-    for (int64_t i = 0; i < n * kDim; i += 16) _mm512_store_ps(keys + i, load16(block_keys + i));
+    prefetch_ahead(k_rows.head, v_rows.head, table, start, length, bs, k_rows.stride());
+    for (int64_t t = 0; t < n; ++t) {  // the block's keys in float32 (an int8 row scaled)
+      const auto* key = k_rows.row(block * bs + t);
+      const __m512 key_scale = _mm512_set1_ps(k_rows.scale(block * bs + t));
+      for (int c = 0; c < kChunks; ++c) {
+        const __m512 x = load16(key + c * 16);
+        _mm512_store_ps(keys + t * kDim + c * 16, Rows::kScaled ? _mm512_mul_ps(x, key_scale) : x);
+      }
+    }
     for (int64_t g = 0; g < group; ++g) {  // 16 keys' dot products, then their 16 sums at once
       for (int64_t t0 = 0; t0 < n; t0 += 16) {
         __m512 dots[16];
@@ -154,12 +166,13 @@ void task_avx512(const scalar_t* q, const scalar_t* k_head, const scalar_t* v_he
       const __m512 f = _mm512_set1_ps(shrink[g]);
       for (int c = 0; c < kChunks; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], f);
     }
-    const scalar_t* values = v_head + block * bs * kDim;
     for (int64_t t = 0; t < n; ++t) {  // each value row loaded once, added to every head
+      const auto* value = v_rows.row(block * bs + t);
+      const float value_scale = v_rows.scale(block * bs + t);  // into the weights: once a row
       __m512 row[kChunks];
-      for (int c = 0; c < kChunks; ++c) row[c] = load16(values + t * kDim + c * 16);
+      for (int c = 0; c < kChunks; ++c) row[c] = load16(value + c * 16);
       for (int64_t g = 0; g < group; ++g) {
-        const __m512 w = _mm512_set1_ps(scores[g * bs + t]);
+        const __m512 w = _mm512_set1_ps(scores[g * bs + t] * value_scale);
         for (int c = 0; c < kChunks; ++c) acc[g][c] = _mm512_fmadd_ps(w, row[c], acc[g][c]);
       }
     }
@@ -194,50 +207,148 @@ std::vector<Run> runs(const int64_t* tables, const int64_t* lens, const Shape& s
   return out;
 }
 
-template <typename scalar_t>
-void attend_row(const scalar_t* q, const scalar_t* k_head, const scalar_t* v_head,
+// One row's task on a cache of the query's type, or on an int8 cache (`cache_t` int8_t:
+// rows of codes and a scale, read by the AVX-512 task or the portable loop).
+template <typename scalar_t, typename cache_t>
+void attend_row(const scalar_t* q, const cache_t* k_head, const cache_t* v_head,
                 const int64_t* table, int64_t length, scalar_t* out, const Shape& s,
                 int64_t group) {
+  using Rows = std::conditional_t<std::is_same_v<cache_t, int8_t>, Int8Rows, PlainRows<cache_t>>;
+  const Rows k_rows{k_head, s.head_dim}, v_rows{v_head, s.head_dim};
   const bool fast = group <= kMaxGroup && s.block_size <= 64;
 #ifdef __AVX512F__
-  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+  if constexpr (std::is_same_v<cache_t, at::BFloat16>) {
     if (fast && decode_task_bf16(q, k_head, v_head, table, length, out, s, group)) return;
   }
   if (fast && s.head_dim == 64)
-    return task_avx512<64>(q, k_head, v_head, table, length, out, s, group);
+    return task_avx512<64>(q, k_rows, v_rows, table, length, out, s, group);
   if (fast && s.head_dim == 128)
-    return task_avx512<128>(q, k_head, v_head, table, length, out, s, group);
+    return task_avx512<128>(q, k_rows, v_rows, table, length, out, s, group);
 #else
-  if (fast && decode_task_avx2(q, k_head, v_head, table, length, out, s, group)) return;
+  if constexpr (!Rows::kScaled) {
+    if (fast && decode_task_avx2(q, k_head, v_head, table, length, out, s, group)) return;
+  }
 #endif
   (void)fast;
-  task_portable(q, k_head, v_head, table, length, out, s, group);
+  task_portable(q, k_rows, v_rows, table, length, out, s, group);
 }
 
+// A prompt chunk's context on an int8 cache in bfloat16, for the prompt tiles (which read
+// a bfloat16 cache): one copy per (chunk, kv head) a call, shared by the chunk's tiles, laid
+// out as blocks 0, 1, ... of an identity table. A chunk's context is its last row's length.
+struct Dequantized {
+  std::vector<Run> chunks;                 // rows of one sequence's prompt chunk, in order
+  std::vector<int64_t> offsets;            // where chunk i's kv head 0 starts, in values
+  std::unique_ptr<at::BFloat16[]> keys, values;  // [chunk][kv head][context in blocks][dim]
+  std::vector<int64_t> identity;           // block i is block i
+
+  Dequantized(const int8_t* k_cache, const int8_t* v_cache, const int64_t* tables,
+              const int64_t* lens, const Shape& s)
+      : identity(s.max_blocks) {
+    for (int64_t i = 0; i < s.max_blocks; ++i) identity[i] = i;
+    for (const Run& run : runs(tables, lens, s, std::numeric_limits<int64_t>::max()))
+      if (run.tokens > 1) chunks.push_back(run);
+    int64_t total = 0;
+    for (const Run& c : chunks) {
+      offsets.push_back(total);
+      total += s.kv_heads * padded(c, lens, s) * s.head_dim;
+    }
+    keys.reset(new at::BFloat16[total]);  // not zeroed: fill writes every value
+    values.reset(new at::BFloat16[total]);
+    const int64_t count = static_cast<int64_t>(chunks.size());
+    at::parallel_for(0, count * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t i = task / s.kv_heads, kvh = task % s.kv_heads;
+        const Run& c = chunks[i];
+        const int64_t length = lens[c.row + c.tokens - 1], span = padded(c, lens, s);
+        const int64_t at = offsets[i] + kvh * span * s.head_dim;
+        const Int8Rows k_rows{k_cache + kvh * s.slots * (s.head_dim + 4), s.head_dim};
+        const Int8Rows v_rows{v_cache + kvh * s.slots * (s.head_dim + 4), s.head_dim};
+        fill(k_rows, tables + c.row * s.max_blocks, length, span, s, keys.get() + at);
+        fill(v_rows, tables + c.row * s.max_blocks, length, span, s, values.get() + at);
+      }
+    });
+  }
+
+  static int64_t padded(const Run& c, const int64_t* lens, const Shape& s) {
+    const int64_t length = lens[c.row + c.tokens - 1];
+    return (length + s.block_size - 1) / s.block_size * s.block_size;
+  }
+
+  static void fill(const Int8Rows& rows, const int64_t* table, int64_t length, int64_t span,
+                   const Shape& s, at::BFloat16* out) {
+    for (int64_t p = 0; p < span; ++p, out += s.head_dim) {
+      if (p >= length) {  // the last block's unwritten slots: zeros, as the tiles expect
+        std::fill(out, out + s.head_dim, at::BFloat16(0.f));
+        continue;
+      }
+      const int64_t slot = table[p / s.block_size] * s.block_size + p % s.block_size;
+      const int8_t* codes = rows.row(slot);
+      const float scale = rows.scale(slot);
+      int64_t d = 0;
+#ifdef __AVX512F__
+      const __m512 by = _mm512_set1_ps(scale);  // 16 at a time, rounded as at::BFloat16 does
+      for (; d + 16 <= s.head_dim; d += 16) {
+        const __m512i bits = _mm512_castps_si512(_mm512_mul_ps(load16(codes + d), by));
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(up, 16)));
+      }
+#endif
+      for (; d < s.head_dim; ++d) out[d] = at::BFloat16(codes[d] * scale);
+    }
+  }
+
+  // The chunk holding `row`.
+  int64_t chunk_of(int64_t row) const {
+    const auto it = std::upper_bound(chunks.begin(), chunks.end(), row,
+                                     [](int64_t r, const Run& c) { return r < c.row; });
+    return static_cast<int64_t>(it - chunks.begin()) - 1;
+  }
+};
+
 // One task per (run, kv head): a run of one row is the row task, a longer one (a bfloat16
-// cache on AVX-512 BF16) a prompt tile. Runs go in the order first, last, second, second
-// to last, ...: the threads take contiguous shares of the tasks, and a causal chunk's
-// later tiles read more keys than its earlier ones.
-template <typename scalar_t>
-void attend_rows(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
+// query on AVX-512 BF16) a prompt tile, on the cache or, for an int8 cache, on its chunk's
+// context in bfloat16 (Dequantized). Runs go in the order first, last, second, second to
+// last, ...: the threads take contiguous shares of the tasks, and a causal chunk's later
+// tiles read more keys than its earlier ones.
+template <typename scalar_t, typename cache_t>
+void attend_rows(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache,
                  const int64_t* block_tables, const int64_t* seq_lens, scalar_t* out,
                  const Shape& s, Prefill path) {
+  constexpr bool int8 = std::is_same_v<cache_t, int8_t>;
   const int64_t group = s.heads / s.kv_heads;
+  const int64_t row_size = s.head_dim + (int8 ? kInt8ScaleBytes : 0);
   const int64_t most = prefill_tile_tokens(path, group);
   const std::vector<Run> all = runs(block_tables, seq_lens, s, most);
   const int64_t count = static_cast<int64_t>(all.size());
+  std::optional<Dequantized> copies;
+  if constexpr (int8) {
+    if (most > 1) copies.emplace(k_cache, v_cache, block_tables, seq_lens, s);
+  }
   at::parallel_for(0, count * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / s.kv_heads, kvh = task % s.kv_heads;
       const Run run = all[i % 2 == 0 ? i / 2 : count - 1 - i / 2];
       const int64_t offset = (run.row * s.heads + kvh * group) * s.head_dim;
-      const scalar_t* k_head = k_cache + kvh * s.slots * s.head_dim;
-      const scalar_t* v_head = v_cache + kvh * s.slots * s.head_dim;
+      const cache_t* k_head = k_cache + kvh * s.slots * row_size;
+      const cache_t* v_head = v_cache + kvh * s.slots * row_size;
       const int64_t* table = block_tables + run.row * s.max_blocks;
       if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
         if (run.tokens > 1) {
-          prefill_tile_bf16(path, q + offset, k_head, v_head, table, seq_lens[run.row], run.tokens,
-                            s.heads * s.head_dim, out + offset, s, group);
+          const int64_t len = seq_lens[run.row], stride = s.heads * s.head_dim;
+          if constexpr (int8) {
+            const int64_t c = copies->chunk_of(run.row);
+            const int64_t span = Dequantized::padded(copies->chunks[c], seq_lens, s);
+            const int64_t at = copies->offsets[c] + kvh * span * s.head_dim;
+            prefill_tile_bf16(path, q + offset, copies->keys.get() + at,
+                              copies->values.get() + at, copies->identity.data(), len,
+                              run.tokens, stride, out + offset, s, group);
+          } else {
+            prefill_tile_bf16(path, q + offset, k_head, v_head, table, len, run.tokens, stride,
+                              out + offset, s, group);
+          }
           continue;
         }
       }
@@ -265,34 +376,51 @@ std::string prefill_kernel(int64_t heads, int64_t kv_heads, int64_t head_dim, in
   return "rows";
 }
 
-// q [B, H, D]; k_cache, v_cache [Hkv, S, D] (one layer); block_tables [B, max_blocks] int64;
-// seq_lens [B] int64 -> [B, H, D], each query row attending to its own context.
+// q [B, H, D]; k_cache, v_cache [Hkv, S, D] (one layer), or an int8 cache's [Hkv, S, D + 4]
+// (rows of codes and their scale, kernels.h); block_tables [B, max_blocks] int64; seq_lens
+// [B] int64 -> [B, H, D], each query row attending to its own context.
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor seq_lens,
                               int64_t block_size, double scale, const std::string& prefill) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "bad ranks");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the cache must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong);
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type());
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.sizes() == v_cache.sizes());
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 || q.scalar_type() == k_cache.scalar_type(), "q and the cache differ in dtype");
   auto query = q.contiguous();
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   const Shape s{query.size(0), query.size(1), k_cache.size(0), query.size(2), k_cache.size(1),
                 tables.size(1), block_size, static_cast<float>(scale)};
-  TORCH_CHECK(s.heads % s.kv_heads == 0 && k_cache.size(2) == s.head_dim);
+  TORCH_CHECK(s.heads % s.kv_heads == 0, "heads must be a multiple of the cache's kv heads");
+  TORCH_CHECK(k_cache.size(2) == s.head_dim + (int8 ? kInt8ScaleBytes : 0),
+              "the cache's rows do not fit the head dim");
   auto out = torch::empty_like(query);
   const int64_t group = s.heads / s.kv_heads;
+  const int64_t* table = tables.data_ptr<int64_t>();
+  const int64_t* len = lens.data_ptr<int64_t>();
   if (query.scalar_type() == at::kBFloat16) {
-    attend_rows<at::BFloat16>(query.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
-                              v_cache.data_ptr<at::BFloat16>(), tables.data_ptr<int64_t>(),
-                              lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), s,
-                              prefill_path(prefill, s, group));
-  } else {
-    TORCH_CHECK(query.scalar_type() == at::kFloat, "float32 or bfloat16 only");
-    TORCH_CHECK(prefill.empty() || prefill == "rows", "a float32 cache's prompt rows take the row task");
-    attend_rows<float>(query.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                       tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), s,
-                       Prefill::kRows);
+    using bf16 = at::BFloat16;
+    const Prefill path = prefill_path(prefill, s, group);
+    if (int8)
+      attend_rows<bf16, int8_t>(query.data_ptr<bf16>(), k_cache.data_ptr<int8_t>(),
+                                v_cache.data_ptr<int8_t>(), table, len, out.data_ptr<bf16>(), s,
+                                path);
+    else
+      attend_rows<bf16, bf16>(query.data_ptr<bf16>(), k_cache.data_ptr<bf16>(),
+                              v_cache.data_ptr<bf16>(), table, len, out.data_ptr<bf16>(), s, path);
+    return out;
   }
+  TORCH_CHECK(query.scalar_type() == at::kFloat, "float32 or bfloat16 only");
+  TORCH_CHECK(prefill.empty() || prefill == "rows", "a float32 query's prompt rows take the row task");
+  if (int8)
+    attend_rows<float, int8_t>(query.data_ptr<float>(), k_cache.data_ptr<int8_t>(),
+                               v_cache.data_ptr<int8_t>(), table, len, out.data_ptr<float>(), s,
+                               Prefill::kRows);
+  else
+    attend_rows<float, float>(query.data_ptr<float>(), k_cache.data_ptr<float>(),
+                              v_cache.data_ptr<float>(), table, len, out.data_ptr<float>(), s,
+                              Prefill::kRows);
   return out;
 }

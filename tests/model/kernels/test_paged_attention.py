@@ -17,7 +17,7 @@ from sendpath.engine.core import EngineCore
 from sendpath.engine.scheduler import ScheduledRequest
 from sendpath.model.loader import LoadedModel
 from sendpath.request import SamplingParams
-from sendpath.runner.paged_attention import PagedAttention
+from sendpath.runner.paged_attention import PagedAttention, dequantize_rows, quantize_rows
 from tests.engine.test_core import make_core
 
 
@@ -74,6 +74,80 @@ def test_the_kernel_is_softmax_attention_over_each_rows_blocks(
     want = reference(q, k, v, tables, lens, bs)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     assert got.dtype == dtype and torch.allclose(got.float(), want, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("head_dim", "heads", "kv_heads"), [(64, 9, 3), (128, 8, 2), (16, 4, 2)])
+@pytest.mark.parametrize("bs", [16, 12])
+@pytest.mark.parametrize("layout", ["sequences", "chunks"])
+@pytest.mark.parametrize("prefill", ["", "rows"])
+def test_an_int8_cache_is_attended_as_its_dequantized_values(
+    kernel: Any,
+    dtype: torch.dtype,
+    head_dim: int,
+    heads: int,
+    kv_heads: int,
+    bs: int,
+    layout: str,
+    prefill: str,
+) -> None:
+    """`--kv-cache-dtype int8`: rows of codes and a scale, read by the row task, or for a
+    prompt chunk's rows (bfloat16 queries) by the prompt tiles on a bfloat16 copy."""
+    if dtype == torch.float32 and prefill:
+        pytest.skip("float32 queries take the row task only")
+    torch.manual_seed(0)
+    blocks = 64
+    k = quantize_rows(torch.randn(kv_heads, blocks * bs, head_dim))
+    v = quantize_rows(torch.randn(kv_heads, blocks * bs, head_dim))
+    assert k.dtype == torch.int8 and k.shape[-1] == head_dim + 4
+    tables, lens = rows_of(layout, blocks, bs)
+    q = torch.randn(len(lens), heads, head_dim).to(dtype)
+    got = kernel.paged_attention(q, k, v, tables, lens, bs, head_dim**-0.5, prefill)
+    want = reference(q, dequantize_rows(k, dtype), dequantize_rows(v, dtype), tables, lens, bs)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.dtype == dtype and torch.allclose(got.float(), want, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_int8_cache_row_is_its_codes_and_scale(kernel: Any, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    k, v = (torch.randn(5, 2, 64).to(dtype) * 3 for _ in range(2))
+    k[1, 0] = 0  # a row of zeros: scale 0, codes 0
+    k_cache = torch.zeros(2, 64, 68, dtype=torch.int8)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([3, 17, 4, 60, 0])
+    kernel.write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache[:, slots], quantize_rows(k.transpose(0, 1)))
+    assert torch.equal(v_cache[:, slots], quantize_rows(v.transpose(0, 1)))
+    back = dequantize_rows(k_cache[:, slots], torch.float32).transpose(0, 1)
+    step = k.float().abs().amax(-1, keepdim=True) / 127  # each row within half a code
+    assert bool(((back - k.float()).abs() <= step / 2 + 1e-6).all())
+    assert not bool(back[1, 0].any())
+    with pytest.raises(RuntimeError, match="do not fit the head dim"):
+        kernel.write_kv(k, v, k_cache[..., :66].contiguous(), v_cache[..., :66].contiguous(), slots)
+
+
+def test_the_torch_path_reads_an_int8_cache_as_the_kernel_does(kernel: Any) -> None:
+    torch.manual_seed(0)
+    bs, heads, kv_heads, dh = 16, 4, 2, 64
+    k_cache = quantize_rows(torch.randn(1, kv_heads, 32 * bs, dh))
+    v_cache = quantize_rows(torch.randn(1, kv_heads, 32 * bs, dh))
+    items = [  # chunks and decodes reading cached keys (a fresh chunk's own keys: see below)
+        ScheduledRequest("resumed", [1] * 12, 40, [7, 1, 12, 30], True),
+        ScheduledRequest("decode", [1], 33, [5, 6, 20], True),
+    ]
+    q = torch.randn(13, heads, dh).to(torch.bfloat16)
+    k, v = torch.randn(13, kv_heads, dh).to(torch.bfloat16), torch.randn(13, kv_heads, dh)
+    v = v.to(torch.bfloat16)
+    outs, caches = [], []
+    for backend_kernel in (kernel, None):
+        cache = k_cache.clone(), v_cache.clone()
+        attention = PagedAttention(*cache, bs, backend_kernel, torch.bfloat16)
+        attention.prepare(items, torch.device("cpu"))
+        outs.append(attention(0, q, k, v).float())
+        caches.append(cache)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert torch.allclose(outs[0], outs[1], atol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

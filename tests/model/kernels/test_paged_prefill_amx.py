@@ -112,9 +112,11 @@ def test_a_path_that_cannot_run_says_why(kernel: Any) -> None:
     args = (q, k, v, tables, lens, 16, 0.125)
     with pytest.raises(RuntimeError, match="unknown prefill path 'tiles': rows, vector, amx"):
         kernel.paged_attention(*args, prefill="tiles")
-    with pytest.raises(RuntimeError, match="a float32 cache's prompt rows take the row task"):
+    with pytest.raises(RuntimeError, match="a float32 query's prompt rows take the row task"):
         floats = q.float(), k.float(), v.float()
         kernel.paged_attention(*floats, tables, lens, 16, 0.125, prefill="amx")
+    with pytest.raises(RuntimeError, match="q and the cache differ in dtype"):
+        kernel.paged_attention(q, k.float(), v.float(), tables, lens, 16, 0.125)
     halves = (k[..., :32].contiguous(), v[..., :32].contiguous())
     odd = (torch.randn(len(lens), 9, 32).bfloat16(), *halves)
     with pytest.raises(RuntimeError, match="a head dim of 64 or 128"):
