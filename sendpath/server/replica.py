@@ -30,7 +30,14 @@ logger = logging.getLogger("sendpath.replica")
 
 WATCH_INTERVAL_S = 0.5
 SERVICE = "sendpath-replica"  # its spans' service.name, unless OTEL_SERVICE_NAME says
-PRECISION = ("dtype", "quantization", "precision_reason", "matrix_engine", "attention")  # /load
+PRECISION = (  # what /load says the engine computes in
+    "dtype",
+    "quantization",
+    "precision_reason",
+    "matrix_engine",
+    "attention",
+    "kv_cache_dtype",
+)
 
 
 def served_name(config: ReplicaConfig) -> str:
@@ -143,7 +150,7 @@ class Replica:
         self.metrics.describe_engine(runs)
         logger.info(
             "%s loaded: %s, %s weights, quantization %s (%s); matrix engine: %s; attention: %s; "
-            "layer ops: %s",
+            "KV cache: %s; layer ops: %s",
             self.model_name,
             runs.get("device"),
             runs.get("dtype"),
@@ -151,6 +158,7 @@ class Replica:
             runs.get("precision_reason"),
             runs.get("matrix_engine"),
             runs.get("attention"),
+            runs.get("kv_cache_dtype"),
             runs.get("layer_ops"),
         )
         if (spec := config.speculative) is not None:

@@ -171,6 +171,7 @@ def test_models_health_load(server: Server) -> None:
     assert load["precision"]["dtype"] == "float32"  # the tiny test model's, as asked
     # its float32 weights are not block-quantized, so no matrix engine multiplies them
     assert load["precision"]["matrix_engine"] == "none: no block-quantized weights"
+    assert load["precision"]["kv_cache_dtype"] == "float32"  # --kv-cache-dtype auto: the model's
     metrics = httpx.get(f"{server.url}/metrics").text
     assert 'matrix_engine="none: no block-quantized weights"' in metrics
     assert "sendpath:engine_info{" in metrics
