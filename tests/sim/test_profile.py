@@ -191,7 +191,10 @@ def test_ctrl_c_stops_the_profile_and_its_server_and_writes_nothing(
     out = tmp_path / "p.json"
     argv = [sys.executable, "-m", "sendpath.cli", "profile", "--model", str(tiny_llama_dir),
             "--dtype", "float32", "--kv-cache-memory-gib", "0.01", "--out", str(out)]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(  # Ctrl-C's default, also where the tests run in the background
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
     try:
         assert proc.stdout is not None
         for line in proc.stdout:  # the first point: the loads run (the full grid: minutes)
