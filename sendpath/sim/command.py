@@ -66,6 +66,15 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
         help="arrivals per second (the mean, whatever the --pattern)",
     )
     p.add_argument("--requests", type=int, default=None, help="requests in all")
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        metavar="N",
+        help="a closed loop instead of arrivals: N clients, each sending its next request as "
+        "its answer ends (`vllm bench serve --max-concurrency N` with every request ready; "
+        "--rate and --pattern are then not used)",
+    )
     p.add_argument("--input-len", default=None, help="tokens: N or LOW-HIGH")
     p.add_argument("--output-len", default=None, help="tokens: N or LOW-HIGH")
     p.add_argument("--shared-prefix", type=int, default=None, help="system-prompt tokens")
@@ -169,6 +178,7 @@ def build_run(args: argparse.Namespace) -> Run:
         period_s=args.period if args.period is not None else t.period_s,
         peak_ratio=args.peak_ratio if args.peak_ratio is not None else t.peak_ratio,
         tenants=args.tenants if args.tenants is not None else t.tenants,
+        concurrency=args.max_concurrency,
     )
     if args.cost_model is not None:
         calibrated = Calibrated.load(args.cost_model)

@@ -108,20 +108,34 @@ class Simulator:
         heapq.heappush(self._heap, (t, next(self._seq), kind, payload))
 
     def run(self, traffic: Traffic) -> SimResult:
-        return self.run_requests(traffic.arrivals(), traffic.think_s, traffic.num_requests)
+        return self.run_requests(
+            traffic.arrivals(), traffic.think_s, traffic.num_requests, traffic.concurrency
+        )
 
     def run_requests(
-        self, first_turns: Iterable[SimRequest], think_s: float = 0.0, total: int | None = None
+        self,
+        first_turns: Iterable[SimRequest],
+        think_s: float = 0.0,
+        total: int | None = None,
+        concurrency: int | None = None,
     ) -> SimResult:
         """Run first turns given in arrival order (request ids unique); ``total``: how many
-        requests to expect, every turn counted (else counted from a list)."""
+        requests to expect, every turn counted (else counted from a list). ``concurrency``:
+        a closed loop instead, as `vllm bench serve --max-concurrency` with every request
+        ready: that many clients, each sending the next request as its answer ends (the
+        turns' own arrival times are not used)."""
         self._think = think_s
         if total is None:
             first_turns = list(first_turns)
             total = sum(1 + len(r.followups) for r in first_turns)
         self._itl_every = max(1, -(-total // ITL_SAMPLE))
         self._feed = iter(first_turns)
-        self._next_first(0.0)
+        self._closed = concurrency is not None
+        if concurrency is None:
+            self._next_first(0.0)
+        else:
+            for _ in range(concurrency):
+                self._next_closed(0.0)
         first = self._heap[0][0] if self._heap else 0.0
         end = first
         handlers: dict[str, Callable[[float, Any], None]] = {
@@ -165,6 +179,13 @@ class Simulator:
                 raise ValueError("first turns must come in arrival order")
             self._push(req.arrival, "first", req)
 
+    def _next_closed(self, t: float) -> None:
+        """A closed loop's client sends its next request at ``t``."""
+        req = next(self._feed, None)
+        if req is not None:
+            req.arrival = t
+            self._push(t, "arrive", req)
+
     def _first(self, t: float, req: SimRequest) -> None:
         """A conversation starts; the next one's arrival joins the heap (one at a time)."""
         self._next_first(t)
@@ -179,6 +200,8 @@ class Simulator:
                 self.rate_limited += 1
                 self.results.append(RequestResult(error="HTTP 429: rate limited", start=t,
                                                   status=429))  # fmt: skip
+                if self._closed:  # its client goes on with the next one
+                    self._next_closed(t)
                 return
         route = self._route(req)
         endpoint = self.policy.choose(route, self.pool.endpoints)  # all up, with room
@@ -209,6 +232,8 @@ class Simulator:
             self.pool.endpoints[index].in_flight -= 1
             self.results.append(RequestResult(error="HTTP 503: queue full", start=sent,
                                               status=503))  # fmt: skip
+            if self._closed:
+                self._next_closed(t)
             return
         self._inflight[req.request_id] = (req, index, sent)
         self._base[req.request_id] = next(self._bases)
@@ -372,6 +397,8 @@ class Simulator:
             reserved = len(req.prompt) + req.output_len
             self._limiter.settle(f"tenant-{req.tenant}", self._limits, reserved,
                                  request.num_tokens)  # fmt: skip
+        if self._closed:  # the client has its answer: it sends the next request
+            self._next_closed(self.replicas[index].clock.now() + self.config.network_rtt_s / 2)
         if req.followups:
             back = self.replicas[index].clock.now() + self.config.network_rtt_s / 2
             think = self._rng.expovariate(1 / self._think) if self._think else 0.0

@@ -67,10 +67,15 @@ class Traffic:
     think_s: float = 0.0
     tenants: int = 1
     seed: int = 0
+    # a closed loop instead of arrivals at ``rate``: this many clients, each sending its next
+    # request as its answer ends (`vllm bench serve --max-concurrency`, every request ready)
+    concurrency: int | None = None
 
     def __post_init__(self) -> None:
         if self.rate <= 0 or self.num_requests < 1 or self.turns < 1 or self.tenants < 1:
             raise ValueError("rate > 0, requests >= 1, turns >= 1 and tenants >= 1, please")
+        if self.concurrency is not None and (self.concurrency < 1 or self.turns != 1):
+            raise ValueError("a closed loop (concurrency) has >= 1 clients and one-turn requests")
         if self.pattern not in PATTERNS:
             raise ValueError(f"pattern is one of {', '.join(PATTERNS)}; got {self.pattern!r}")
         if self.period_s <= 0 or self.peak_ratio < 1:

@@ -98,6 +98,11 @@ def test_runs_repeat_and_the_cli_reports_benchs_keys(tmp_path: Path) -> None:
     assert report["simulated"]["usd_per_1m_output_tokens"] > 0
     assert main(["sim", "--model", "llama-3.1-70b", "--hardware", "L4"]) == 2  # does not fit
     assert main(["sim", "--model", "Llama-3.1-70B", "--hardware", "l4"]) == 2  # any case
+    closed = tmp_path / "closed.json"
+    argv = ["sim", "--requests", "8", "--max-concurrency", "1", "--json", str(closed)]
+    assert main(argv) == 0  # one client: each request alone, so no queueing at all
+    alone = json.loads(closed.read_text())
+    assert alone["completed"] == 8 and alone["stages"]["engine.queue"]["mean_ms"] < 1
 
 
 # a CPU-like calibrated model: no bulk pricing of its own, decodes padded to the longest
@@ -266,3 +271,20 @@ def test_a_held_first_token_reaches_the_client_with_the_next() -> None:
     assert few.count(0) / 1000 == pytest.approx(1 / 16, abs=0.012)
     with pytest.raises(ValueError, match="add up to 1"):
         SimConfig(first_token_hold=(0.5, 0.2))
+
+
+def test_a_closed_loop_keeps_its_clients_busy_and_no_more() -> None:
+    """`concurrency`: each client sends its next request when its answer ends."""
+    traffic = Traffic(rate=1.0, num_requests=12, input_len=LengthSpec(64, 64),
+                      output_len=LengthSpec(16, 16), concurrency=3)  # fmt: skip
+    config = SimConfig(network_rtt_s=0.0)
+    results = Simulator(config, COST).run(traffic).results
+    assert len(results) == 12 and all(r.success for r in results)
+    spans = sorted((r.start, r.start + r.latency) for r in results)
+    assert [start for start, _ in spans[:3]] == [0.0, 0.0, 0.0]
+    for start, _ in spans:  # never more than 3 in flight at once
+        assert sum(1 for s, e in spans if s <= start < e) <= 3
+    ends = sorted(e for _, e in spans)
+    assert sorted(s for s, _ in spans[3:]) == pytest.approx(ends[:9])  # one starts as one ends
+    with pytest.raises(ValueError, match="closed loop"):
+        Traffic(rate=1.0, num_requests=4, concurrency=0)

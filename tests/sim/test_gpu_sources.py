@@ -1,0 +1,140 @@
+"""Published GPU measurement sources: a complete file loads; one lacking a required field
+is refused with a message naming the field."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sendpath.sim.gpu_sources import SourceFileError, load_source, load_sources
+
+GOOD: dict[str, Any] = {
+    "source": {
+        "title": "A performance post",
+        "url": "https://example.org/post",
+        "publisher": "Example",
+        "kind": "blog",
+        "date": "2024-09-05",
+        "engine": "vLLM",
+        "engine_version": "0.6.0",
+    },
+    "setup": {
+        "model": "Llama-3.1-8B-Instruct",
+        "params_b": 8.03,
+        "precision": "bf16",
+        "gpu": "H100-SXM-80GB",
+        "gpu_count": 1,
+        "tp": 1,
+        "max_num_seqs": None,
+        "max_num_batched_tokens": None,
+        "other": "",
+    },
+    "measurements": [
+        {
+            "id": "r32",
+            "workload": {
+                "dataset": "random",
+                "input_len": 1024,
+                "output_len": 128,
+                "num_prompts": 500,
+                "request_rate": 32,
+                "concurrency": None,
+                "offline": False,
+            },
+            "figures": {"output_throughput_tok_s": 3500.5, "tpot_p50_ms": 12.5},
+            "quote": "3500.5 tok/s, 12.5 ms TPOT",
+        }
+    ],
+}
+
+
+def write(tmp_path: Path, data: dict[str, Any], name: str = "source.json") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_a_complete_source_loads(tmp_path: Path) -> None:
+    source = load_source(write(tmp_path, GOOD))
+    assert source.name == "source" and source.engine == "vLLM" and source.setup.tp == 1
+    assert source.setup.max_num_seqs is None and source.setup.params_b == 8.03
+    (m,) = source.measurements
+    assert m.workload.input_len == 1024 and m.workload.request_rate == 32
+    assert m.figures == {"output_throughput_tok_s": 3500.5, "tpot_p50_ms": 12.5}
+    assert "https://example.org/post" in source.citation
+    assert [s.name for s in load_sources(tmp_path)] == ["source"]
+
+
+@pytest.mark.parametrize(
+    ("where", "key", "named"),
+    [
+        ("source", "url", "source.url is missing"),
+        ("source", "engine_version", "source.engine_version is missing"),
+        ("source", "date", "source.date is missing"),
+        ("setup", "model", "setup.model is missing"),
+        ("setup", "precision", "setup.precision is missing"),
+        ("setup", "gpu", "setup.gpu is missing"),
+        ("setup", "gpu_count", "setup.gpu_count is missing"),
+        ("setup", "tp", "setup.tp is missing"),
+        ("workload", "input_len", "measurements[0].workload.input_len is missing"),
+        ("workload", "offline", "measurements[0].workload.offline is missing"),
+        ("measurement", "quote", "measurements[0].quote is missing"),
+        ("measurement", "figures", "measurements[0].figures must be an object"),
+    ],
+)
+def test_a_source_without_a_required_field_is_refused_naming_it(
+    tmp_path: Path, where: str, key: str, named: str
+) -> None:
+    data = copy.deepcopy(GOOD)
+    part = {
+        "source": data["source"],
+        "setup": data["setup"],
+        "measurement": data["measurements"][0],
+        "workload": data["measurements"][0]["workload"],
+    }[where]
+    del part[key]
+    with pytest.raises(SourceFileError, match=named.replace("[", r"\[").replace("]", r"\]")):
+        load_source(write(tmp_path, data))
+
+
+def test_sharegpt_needs_no_lengths_but_every_workload_needs_a_load(tmp_path: Path) -> None:
+    data = copy.deepcopy(GOOD)
+    workload = data["measurements"][0]["workload"]
+    workload.update(dataset="sharegpt", input_len=None, output_len=None)
+    assert load_source(write(tmp_path, data)).measurements[0].workload.input_len is None
+    workload.update(request_rate=None)
+    with pytest.raises(SourceFileError, match="no request_rate or concurrency"):
+        load_source(write(tmp_path, data))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"figures": {"speed": 3.0}}, "figures has speed; the figures are"),
+        ({"figures": {}}, "figures has no figure"),
+        ({"figures": {"tpot_p50_ms": -1}}, "tpot_p50_ms must be a number > 0"),
+    ],
+)
+def test_figures_are_the_named_positive_numbers(
+    tmp_path: Path, change: dict[str, Any], message: str
+) -> None:
+    data = copy.deepcopy(GOOD)
+    data["measurements"][0].update(change)
+    with pytest.raises(SourceFileError, match=message):
+        load_source(write(tmp_path, data))
+
+
+def test_a_precision_or_kind_not_known_lists_the_known_ones(tmp_path: Path) -> None:
+    data = copy.deepcopy(GOOD)
+    data["setup"]["precision"] = "int3"
+    with pytest.raises(SourceFileError, match=r"setup\.precision is 'int3'; use one of bf16"):
+        load_source(write(tmp_path, data))
+    with pytest.raises(SourceFileError, match="source must be an object"):
+        load_source(write(tmp_path, {}, "empty.json"))
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(SourceFileError, match="not JSON"):
+        load_source(tmp_path / "broken.json")
