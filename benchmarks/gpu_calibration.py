@@ -66,15 +66,20 @@ def rows(found: list[Case], eff: Efficiency, held: set[str]) -> list[dict[str, A
     return out
 
 
-def summary(table: list[dict[str, Any]], held_out: bool) -> dict[str, Any]:
+def summary(table: list[dict[str, Any]], held_out: bool, fp8: bool | None = None) -> dict[str, Any]:
+    """Count, mean and max error by kind of figure, held out or fitted on (``fp8``: only
+    the fp8 sources' figures, or only the others')."""
     out: dict[str, Any] = {}
     for k in sorted({kind(r["figure"]) for r in table}):
-        errs = [r["error"] for r in table if r["held_out"] == held_out and kind(r["figure"]) == k]
-        plain = [
-            r["roofline_error"]
+        rows = [
+            r
             for r in table
-            if r["held_out"] == held_out and kind(r["figure"]) == k
+            if r["held_out"] == held_out
+            and kind(r["figure"]) == k
+            and (fp8 is None or (" fp8 " in r["setup"]) == fp8)
         ]
+        errs = [r["error"] for r in rows]
+        plain = [r["roofline_error"] for r in rows]
         if errs:
             out[k] = {
                 "figures": len(errs),
@@ -128,6 +133,8 @@ def main() -> None:
         "fit_precisions": args.fit_precisions,
         "held_out": sorted(held),
         "held_out_summary": summary(table, True),
+        "held_out_bf16_fp16": summary(table, True, fp8=False),
+        "held_out_fp8": summary(table, True, fp8=True),
         "fit_summary": summary(table, False),
         "skipped": [{"case": n, "why": why} for n, why in skipped],
         "max_requests": args.max_requests,
@@ -141,7 +148,8 @@ def main() -> None:
         "sources": {s.name: s.citation for s in sources},
         "fitted_on": sorted({c.source.name for c in train}),
         "held_out": sorted(held),
-        "held_out_error": result["held_out_summary"],
+        "held_out_error": result["held_out_bf16_fp16"],  # what plans rest on: bf16 / fp16
+        "held_out_error_fp8": result["held_out_fp8"],
         "models": sorted({c.model.name for c in found}),
         "gpus": sorted({c.hw.name for c in found}),
     }

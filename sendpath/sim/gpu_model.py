@@ -24,14 +24,19 @@ The terms' values (``Efficiency``) are fitted to published measurements
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
+from functools import cache
+from pathlib import Path
+from typing import Any
 
 from sendpath.engine.steps import StepShape
 from sendpath.sim.hardware import Hardware, ModelSpec
 
-__all__ = ["PRECISION_BYTES", "Efficiency", "GpuStep"]
+__all__ = ["CALIBRATION", "PRECISION_BYTES", "Calibration", "Efficiency", "GpuStep", "calibration"]
 
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}
+CALIBRATION = Path(__file__).parent / "gpu_calibration.json"  # benchmarks/gpu_calibration.py
 
 
 @dataclass(frozen=True)
@@ -99,3 +104,51 @@ class GpuStep:
         slower = compute_s if compute_s > memory_s else memory_s
         allreduce = self._allreduce_s + self._allreduce_token_s * tokens
         return slower + allreduce + eff.step_s + eff.seq_s * shape.num_seqs
+
+    def decode_steps(self, batch: int, context: int, steps: int) -> list[float]:
+        """``step_seconds`` of ``steps`` decode steps of ``batch`` sequences whose contexts
+        add up to ``context`` before the first (the fleet mode's bulk pricing)."""
+        out = []
+        for _ in range(steps):
+            context += batch
+            out.append(self.step_seconds(StepShape(batch, batch, context, context)))
+        return out
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The efficiency terms fitted to published measurements, and what they rest on."""
+
+    efficiency: Efficiency
+    sources: dict[str, str]  # file name -> citation
+    fitted_on: tuple[str, ...]
+    held_out: tuple[str, ...]
+    held_out_error: dict[str, Any]  # kind of figure -> count, mean and max error
+    models: tuple[str, ...]
+    gpus: tuple[str, ...]
+
+    def summary(self) -> str:
+        """One line: how many sources, and the held-out error by kind of figure."""
+        errs = ", ".join(
+            f"{kind} {e['mean_error']:.0%} ({e['figures']} figures)"
+            for kind, e in self.held_out_error.items()
+        )
+        return (
+            f"GPU step model fitted to {len(self.fitted_on)} of {len(self.sources)} published "
+            f"engine benchmarks (sendpath/sim/gpu_sources/); mean error held out: {errs}"
+        )
+
+
+@cache
+def calibration(path: Path = CALIBRATION) -> Calibration:
+    """The fitted terms ``benchmarks/gpu_calibration.py`` wrote."""
+    data = json.loads(path.read_text())
+    return Calibration(
+        Efficiency(**data["efficiency"]),
+        dict(data["sources"]),
+        tuple(data["fitted_on"]),
+        tuple(data["held_out"]),
+        dict(data["held_out_error"]),
+        tuple(data["models"]),
+        tuple(data["gpus"]),
+    )

@@ -9,9 +9,12 @@ memory (90% of it usable).
 - ``long-document``: a 100,000-token document (about 300 pages) and a short answer, one
   at a time: prefill takes a visible share (and decode slows, reading that long context).
 
-A run with ``cost_model`` (a `sendpath profile` file) prices steps with that machine's
-fitted step times instead of the roofline, for the model and device that were profiled;
-its KV cache is the run's ``config.num_blocks``, not what a GPU's memory would hold.
+A GPU's steps are priced by ``gpu_model.GpuStep`` with the efficiency terms fitted to
+published engine measurements (``sendpath/sim/gpu_calibration.json``); the 2-core ``cpu``
+entry by the plain roofline. A run with ``cost_model`` (a `sendpath profile` file) prices
+steps with that machine's fitted step times instead, for the model and device that were
+profiled; its KV cache is the run's ``config.num_blocks``, not what a GPU's memory would
+hold.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from sendpath.bench.workload import LengthSpec
 from sendpath.config import SchedulerConfig
 from sendpath.sim.calibrated import Calibrated
 from sendpath.sim.cost_model import CostModel, Roofline
+from sendpath.sim.gpu_model import GpuStep, calibration
 from sendpath.sim.hardware import HARDWARE, Hardware, ModelSpec, hardware, model_spec
 from sendpath.sim.simulator import SimConfig, SimResult, Simulator
 from sendpath.sim.traffic import Traffic
@@ -74,6 +78,7 @@ def simulate(run: Run) -> tuple[SimResult, dict[str, Any]]:
     """Run it; the report has `sendpath bench`'s keys plus the fleet's cost and use."""
     model, hw = model_spec(run.model), hardware(run.hardware)
     step_cost: CostModel
+    calibrated_on = None  # the published measurements a GPU's steps are priced from
     if run.cost_model is not None:
         if run.tp != 1:
             raise ValueError("--tp does not apply to a calibrated cost model (one device)")
@@ -84,7 +89,13 @@ def simulate(run: Run) -> tuple[SimResult, dict[str, Any]]:
         model_name = calibrated.model_name
     else:
         config = replace(run.config, num_blocks=kv_blocks(model, hw, run.tp, run.config.block_size))
-        step_cost, hw_name, model_name = Roofline(model, hw, run.tp), hw.name, model.name
+        hw_name, model_name = hw.name, model.name
+        if hw is HARDWARE["cpu"]:
+            step_cost = Roofline(model, hw, run.tp)
+        else:  # the efficiency terms fitted to published measurements
+            fitted = calibration()
+            step_cost = GpuStep(model, hw, run.tp, "bf16", fitted.efficiency)
+            calibrated_on = fitted.summary()
     result = Simulator(config, step_cost).run(run.traffic)
     report = dict(result.report)
     devices = config.replicas * run.tp
@@ -98,6 +109,7 @@ def simulate(run: Run) -> tuple[SimResult, dict[str, Any]]:
         simulated={
             "hardware": hw_name,
             "model": model_name,
+            "calibration": calibrated_on,
             "replicas": config.replicas,
             "tp": run.tp,
             "policy": config.policy,
