@@ -31,6 +31,7 @@ figures, not vLLM's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -221,7 +222,7 @@ def first_calls(device: torch.device, tiny: bool) -> dict[str, Any]:
         "math": SDPBackend.MATH,
     }
     for name, backend in backends.items():
-        with sdpa_kernel(backend) if backend is not None else _nothing():
+        with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
             found[f"decode sdpa, {name}"] = case(decode, lengths)
             found[f"chunk sdpa, mask + gqa, {name}"] = case(lambda n: chunk(n, False), chunks)
             found[f"chunk sdpa, mask + repeated kv, {name}"] = case(
@@ -236,14 +237,6 @@ def first_calls(device: torch.device, tiny: bool) -> dict[str, Any]:
 
     found["linear"] = case(linear, (37, 41, 45))
     return found
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def sync(device: torch.device) -> None:

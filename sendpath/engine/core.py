@@ -115,7 +115,7 @@ class EngineCore:
         """An engine for a model already loaded (``config``'s model, dtype and device are
         the loaded one's): the KV cache sized from ``config``, its draft model if any."""
         from sendpath.engine.draft import load_draft
-        from sendpath.runner.model_runner import ModelRunner, kv_bytes_per_token, kv_cache_dtype
+        from sendpath.runner.model_runner import ModelRunner, cache_blocks, kv_cache_dtype
 
         limit = loaded.max_model_len
         max_len = config.max_model_len or limit
@@ -127,11 +127,7 @@ class EngineCore:
             )
         cache = config.cache
         cache_dtype = kv_cache_dtype(cache.cache_dtype, loaded.model.dtype)
-        num_blocks = cache.num_blocks or int(
-            cache.kv_cache_memory_gib
-            * 2**30
-            // (kv_bytes_per_token(loaded.config, cache_dtype) * cache.block_size)
-        )
+        num_blocks = cache_blocks(cache, loaded.config, cache_dtype)
         kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         runner = ModelRunner(loaded, num_blocks, cache.block_size, cache_dtype)
         proposer = load_draft(config, loaded, num_blocks, max_len)  # None: no draft model

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from sendpath.config import CacheConfig
 from sendpath.engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
 from sendpath.engine.speculative import accept
 from sendpath.model.kernels import cpu_kernels
@@ -39,7 +40,13 @@ from sendpath.model.structured import Matcher, grammar_compiler
 from sendpath.request import Request
 from sendpath.runner.paged_attention import INT8_SCALE_BYTES, PagedAttention
 
-__all__ = ["ModelRunner", "describe_device", "kv_bytes_per_token", "kv_cache_dtype"]
+__all__ = [
+    "ModelRunner",
+    "cache_blocks",
+    "describe_device",
+    "kv_bytes_per_token",
+    "kv_cache_dtype",
+]
 
 
 UNSAMPLED = "its logits could not be sampled (NaN, or every token masked out)"
@@ -77,6 +84,13 @@ def kv_bytes_per_token(config: LlamaConfig, dtype: torch.dtype) -> int:
     """Bytes of K and V for one token across all layers, in a cache of ``dtype``."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
     return 2 * config.num_layers * config.num_kv_heads * kv_row_size(config, dtype) * itemsize
+
+
+def cache_blocks(cache: CacheConfig, config: LlamaConfig, dtype: torch.dtype) -> int:
+    """The KV cache's blocks: ``cache.num_blocks``, or as many as its memory holds in a
+    cache of ``dtype``."""
+    per_block = kv_bytes_per_token(config, dtype) * cache.block_size
+    return cache.num_blocks or int(cache.kv_cache_memory_gib * 2**30 // per_block)
 
 
 def describe_device(device: torch.device) -> str:

@@ -43,7 +43,6 @@ from sendpath.clock import SettableClock, VirtualClock
 from sendpath.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from sendpath.engine.steps import StepShape
 from sendpath.errors import QueueFullError
-from sendpath.gateway.ratelimit import Limits, MemoryLimiter
 from sendpath.kvcache.manager import KVCacheManager
 from sendpath.request import Request, RequestStatus, SamplingParams
 from sendpath.router.policy import RoutingPolicy, make_policy
@@ -55,6 +54,7 @@ from sendpath.sim.cost_model import CostModel
 from sendpath.sim.decode_lane import DecodeLane, beside
 from sendpath.sim.replica_state import Bulk, SimReplica
 from sendpath.sim.results import client_view, token_times
+from sendpath.sim.tenant_limits import TenantLimits
 from sendpath.sim.traffic import SimRequest, Traffic
 from sendpath.trace import EventType
 
@@ -85,9 +85,7 @@ class Simulator:
         )
         self.policy: RoutingPolicy = make_policy(config.policy)
         self._texts = isinstance(self.policy, PrefixAware)  # others never read the prompt
-        self._gateway_clock = SettableClock()  # the limiter's time (no cycle back to self)
-        self._limits = Limits(config.rpm, config.tpm)
-        self._limiter = MemoryLimiter(clock=self._gateway_clock.now)
+        self._tenants = TenantLimits(config)
         self._heap: list[tuple[float, int, str, Any]] = []
         self._seq = itertools.count()
         self._rng = random.Random(0)
@@ -193,16 +191,13 @@ class Simulator:
 
     def _arrive(self, t: float, req: SimRequest) -> None:
         config = self.config
-        if config.tpm is not None or config.rpm is not None:
-            self._gateway_clock.set(t)
-            tokens = len(req.prompt) + req.output_len
-            if not self._limiter.reserve(f"tenant-{req.tenant}", self._limits, tokens).allowed:
-                self.rate_limited += 1
-                self.results.append(RequestResult(error="HTTP 429: rate limited", start=t,
-                                                  status=429))  # fmt: skip
-                if self._closed:  # its client goes on with the next one
-                    self._next_closed(t)
-                return
+        if not self._tenants.allows(t, req):
+            self.rate_limited += 1
+            self.results.append(RequestResult(error="HTTP 429: rate limited", start=t,
+                                              status=429))  # fmt: skip
+            if self._closed:  # its client goes on with the next one
+                self._next_closed(t)
+            return
         route = self._route(req)
         endpoint = self.policy.choose(route, self.pool.endpoints)  # all up, with room
         self.policy.routed(route, endpoint)
@@ -392,15 +387,12 @@ class Simulator:
         keep_itl = self._finished_count % self._itl_every == 0
         times = token_times(request, self._bulk_tokens.pop(request.request_id, None))
         self.results.append(client_view(request, sent, self.config, times, keep_itl, req.held))
-        if self.config.tpm is not None:
-            self._gateway_clock.set(self.replicas[index].clock.now())
-            reserved = len(req.prompt) + req.output_len
-            self._limiter.settle(f"tenant-{req.tenant}", self._limits, reserved,
-                                 request.num_tokens)  # fmt: skip
-        if self._closed:  # the client has its answer: it sends the next request
-            self._next_closed(self.replicas[index].clock.now() + self.config.network_rtt_s / 2)
+        now = self.replicas[index].clock.now()
+        self._tenants.settle(now, req, request.num_tokens)
+        back = now + self.config.network_rtt_s / 2  # the answer reaches its client
+        if self._closed:  # who sends the next request
+            self._next_closed(back)
         if req.followups:
-            back = self.replicas[index].clock.now() + self.config.network_rtt_s / 2
             think = self._rng.expovariate(1 / self._think) if self._think else 0.0
             nxt = req.next_turn(answer, back + think)
             self._push(nxt.arrival, "arrive", nxt)
