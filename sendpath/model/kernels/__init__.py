@@ -3,7 +3,8 @@
 - ``paged_attention.cpp``: attention over the paged KV cache, read in place, for decodes
   and prompt chunks alike (the torch path copies every decoding sequence's whole context
   into a padded batch in every layer); ``paged_attention_bf16.cpp`` its bfloat16 task on
-  AVX-512 BF16 dot products, ``paged_prefill_bf16.cpp`` a prompt chunk's rows a tile at a
+  AVX-512 BF16 dot products, ``paged_attention_int8.cpp`` its task on an int8 cache on
+  AVX-512 VNNI's integer dot products, ``paged_prefill_bf16.cpp`` a prompt chunk's rows a tile at a
   time on them (where AMX's tiles run, ``paged_prefill_amx.h``'s flash-style kernel on
   bfloat16 tiles instead: ``paged_prefill_amx_impl.h``, built on the tiles and on their
   software model as the matmul's designs are), ``paged_attention_avx2.cpp`` its task on
@@ -59,6 +60,7 @@ _SOURCES = [
         "bindings.cpp",
         "paged_attention.cpp",
         "paged_attention_bf16.cpp",
+        "paged_attention_int8.cpp",
         "paged_attention_avx2.cpp",
         "paged_prefill_bf16.cpp",
         "fused_ops.cpp",

@@ -1,6 +1,7 @@
 // What the paged-attention kernels share: the task's shape and the AVX-512 pieces of an
 // online softmax (paged_attention.cpp: float32 and the portable loop;
-// paged_attention_bf16.cpp: AVX-512 BF16 on a bfloat16 cache; paged_prefill_bf16.cpp: a
+// paged_attention_bf16.cpp: AVX-512 BF16 on a bfloat16 cache; paged_attention_int8.cpp:
+// AVX-512 VNNI on an int8 cache; paged_prefill_bf16.cpp: a
 // prompt chunk's rows a tile at a time on it; paged_attention_avx2.cpp: AVX2 without
 // AVX-512).
 
@@ -144,6 +145,13 @@ inline void fold_block_avx512(float* scores, int64_t n, int64_t block_size, int6
 // One (sequence, kv head) task on a bfloat16 cache with AVX-512 BF16; false where it does
 // not run (no AVX-512 BF16, or a head dim other than 64 and 128).
 bool decode_task_bf16(const at::BFloat16* q, const at::BFloat16* k_head, const at::BFloat16* v_head,
+                      const int64_t* table, int64_t length, at::BFloat16* out, const Shape& s,
+                      int64_t group);
+
+// One (sequence, kv head) task on an int8 cache for bfloat16 queries with AVX-512 VNNI
+// (paged_attention_int8.cpp); false where it does not run (no AVX-512 VNNI, or a head dim
+// other than 64 and 128).
+bool decode_task_int8(const at::BFloat16* q, const int8_t* k_head, const int8_t* v_head,
                       const int64_t* table, int64_t length, at::BFloat16* out, const Shape& s,
                       int64_t group);
 

@@ -23,7 +23,8 @@
 // by all G heads: 16 keys' dot products are summed at once (attention_simd.h's sum_each)
 // and the softmax's exponentials are a polynomial over 16 lanes; the rows of the block two
 // ahead are prefetched into L2 while one is scored. A bfloat16 cache on a CPU with AVX-512
-// BF16 takes paged_attention_bf16.cpp's task instead; a CPU with AVX2 but no AVX-512
+// BF16 takes paged_attention_bf16.cpp's task instead, an int8 cache with bfloat16 queries
+// on AVX-512 VNNI paged_attention_int8.cpp's; a CPU with AVX2 but no AVX-512
 // paged_attention_avx2.cpp's; anything else takes the portable loop.
 
 #include <torch/extension.h>
@@ -219,6 +220,9 @@ void attend_row(const scalar_t* q, const cache_t* k_head, const cache_t* v_head,
 #ifdef __AVX512F__
   if constexpr (std::is_same_v<cache_t, at::BFloat16>) {
     if (fast && decode_task_bf16(q, k_head, v_head, table, length, out, s, group)) return;
+  }
+  if constexpr (std::is_same_v<cache_t, int8_t> && std::is_same_v<scalar_t, at::BFloat16>) {
+    if (fast && decode_task_int8(q, k_head, v_head, table, length, out, s, group)) return;
   }
   if (fast && s.head_dim == 64)
     return task_avx512<64>(q, k_rows, v_rows, table, length, out, s, group);
