@@ -20,6 +20,8 @@ from sendpath.extras import require
 from sendpath.router.policy import POLICIES
 from sendpath.sim.calibrated import Calibrated
 from sendpath.sim.capacity import plan
+from sendpath.sim.coverage import MODEL_ABOVE, MODEL_BELOW
+from sendpath.sim.gpu_model import PRECISION_BYTES
 from sendpath.sim.hardware import HARDWARE, MODELS
 from sendpath.sim.scenarios import SCENARIOS, Run, simulate
 from sendpath.sim.simulator import MODES
@@ -125,6 +127,25 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
         help="default: llama-3.1-8b (any case)",
     )
     p.add_argument("--tp", type=int, default=None, help="tensor parallelism per replica")
+    p.add_argument(
+        "--precision",
+        choices=list(PRECISION_BYTES),
+        default="bf16",
+        help="a GPU's weights (default bf16; the KV cache stays bf16): fp8 needs fp8 tensor "
+        f"cores ({', '.join(k for k, hw in HARDWARE.items() if hw.fp8_flops)}) and was only "
+        "held out of the fit, never fitted: its error is larger (printed with the answer)",
+    )
+    p.add_argument(
+        "--allow-extrapolation",
+        action="store_true",
+        help="price a GPU run outside what the fitted step terms rest on, with a warning in "
+        "the answer. Without it, such a run is refused: a GPU no published source measured, "
+        f"a model below {MODEL_BELOW:g}x the smallest or above {MODEL_ABOVE:g}x the largest "
+        "source model's parameters, tensor parallelism above the largest a source ran, or a "
+        "precision none ran (the ranges come from sendpath/sim/gpu_sources/ and "
+        "gpu_calibration.json; the refusal says them). The cpu entry and --cost-model are "
+        "not checked",
+    )
     p.add_argument("--policy", choices=list(POLICIES), default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -208,6 +229,8 @@ def build_run(args: argparse.Namespace) -> Run:
         args.tp or base.tp,
         args.gpu_hour_usd,
         args.cost_model,
+        args.precision,
+        args.allow_extrapolation,
     )
 
 
@@ -233,6 +256,8 @@ def run_sim(args: argparse.Namespace) -> int:
     print_report(report, console, title=f"sendpath sim: {s['model']} on {s['replicas']} x "
                  f"{s['tp']} x {s['hardware']} ({s['policy']})")  # fmt: skip
     _print_fleet(s, console)
+    for line in _calibration_lines(s):
+        console.print(line, markup=False, highlight=False)
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     if args.plot is not None:
@@ -262,6 +287,15 @@ def _print_fleet(s: dict[str, Any], console: Console) -> None:
     )
 
 
+def _calibration_lines(s: dict[str, Any]) -> list[str]:
+    """What a GPU answer rests on, and a warning for each thing it extrapolates."""
+    cal = s["calibration"]
+    if cal is None:  # the cpu roofline or a profiled cost model: their own calibration
+        return []
+    warning = "warning: extrapolated, checked against no published measurement: "
+    return [*(warning + what for what in cal["extrapolated"]), *cal["summary"]]
+
+
 def _plan(args: argparse.Namespace) -> int:
     if args.slo_ttft_p99_ms is None or args.slo_tpot_p99_ms is None:
         print("error: sim plan needs --slo-ttft-p99-ms and --slo-tpot-p99-ms", file=sys.stderr)
@@ -284,6 +318,8 @@ def _plan(args: argparse.Namespace) -> int:
         + (f"; ${per_m:.3f} per 1M output tokens" if per_m else "")
         + f". Tried {tried}."
     )
+    for line in _calibration_lines(s):
+        print(line)
     if args.json is not None:
         args.json.write_text(json.dumps({"replicas": found.replicas, **r}, indent=2) + "\n")
     return 0

@@ -25,7 +25,7 @@ The terms' values (``Efficiency``) are fitted to published measurements
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -123,9 +123,15 @@ class Calibration:
     sources: dict[str, str]  # file name -> citation
     fitted_on: tuple[str, ...]
     held_out: tuple[str, ...]
-    held_out_error: dict[str, Any]  # kind of figure -> count, mean and max error
+    held_out_error: dict[str, Any]  # kind of figure -> count, mean and max error (bf16/fp16)
     models: tuple[str, ...]
     gpus: tuple[str, ...]
+    held_out_error_fp8: dict[str, Any] = field(default_factory=dict)  # fp8: held out, not fit
+    fit_precisions: tuple[str, ...] = ()  # the weights' precisions the fit took as one
+
+    def error_for(self, precision: str) -> dict[str, Any]:
+        """The held-out error by kind of figure that applies to weights in ``precision``."""
+        return self.held_out_error_fp8 if precision == "fp8" else self.held_out_error
 
     def summary(self) -> str:
         """One line: how many sources, and the held-out error by kind of figure."""
@@ -151,4 +157,6 @@ def calibration(path: Path = CALIBRATION) -> Calibration:
         dict(data["held_out_error"]),
         tuple(data["models"]),
         tuple(data["gpus"]),
+        dict(data.get("held_out_error_fp8", {})),
+        tuple(p for p in data.get("fit_precisions", "").split(",") if p),
     )

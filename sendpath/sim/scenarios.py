@@ -10,11 +10,14 @@ memory (90% of it usable).
   at a time: prefill takes a visible share (and decode slows, reading that long context).
 
 A GPU's steps are priced by ``gpu_model.GpuStep`` with the efficiency terms fitted to
-published engine measurements (``sendpath/sim/gpu_calibration.json``); the 2-core ``cpu``
-entry by the plain roofline. A run with ``cost_model`` (a `sendpath profile` file) prices
-steps with that machine's fitted step times instead, for the model and device that were
-profiled; its KV cache is the run's ``config.num_blocks``, not what a GPU's memory would
-hold.
+published engine measurements (``sendpath/sim/gpu_calibration.json``), its weights in the
+run's ``precision``; a run far outside what those measurements cover (``coverage.py``) is
+refused with ``OutsideCalibration`` unless ``allow_extrapolation``, and the report's
+``simulated.calibration`` says what the answer rests on and what was extrapolated. The
+2-core ``cpu`` entry is priced by the plain roofline. A run with ``cost_model`` (a `sendpath
+profile` file) prices steps with that machine's fitted step times instead, for the model
+and device that were profiled; its KV cache is the run's ``config.num_blocks``, not what a
+GPU's memory would hold.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from sendpath.bench.workload import LengthSpec
 from sendpath.config import SchedulerConfig
 from sendpath.sim.calibrated import Calibrated
 from sendpath.sim.cost_model import CostModel, Roofline
-from sendpath.sim.gpu_model import GpuStep, calibration
+from sendpath.sim.coverage import OutsideCalibration, coverage
+from sendpath.sim.gpu_model import PRECISION_BYTES, GpuStep, calibration
 from sendpath.sim.hardware import HARDWARE, Hardware, ModelSpec, hardware, model_spec
 from sendpath.sim.simulator import SimConfig, SimResult, Simulator
 from sendpath.sim.traffic import Traffic
@@ -49,6 +53,8 @@ class Run:
     tp: int = 1
     gpu_hour_usd: float | None = None
     cost_model: str | None = None  # a `sendpath profile` file: used instead of the roofline
+    precision: str = "bf16"  # a GPU's weights: bf16, fp16 or fp8 (the KV cache stays bf16)
+    allow_extrapolation: bool = False  # price a GPU run outside the calibration, and say so
 
 
 SCENARIOS: dict[str, Run] = {
@@ -63,9 +69,11 @@ SCENARIOS: dict[str, Run] = {
 }  # fmt: skip
 
 
-def kv_blocks(model: ModelSpec, hw: Hardware, tp: int, block_size: int) -> int:
-    """KV blocks that fit beside the weights on ``tp`` devices."""
-    free = hw.memory * tp * MEMORY_USABLE - model.params * model.bytes_per_param
+def kv_blocks(
+    model: ModelSpec, hw: Hardware, tp: int, block_size: int, precision: str = "bf16"
+) -> int:
+    """KV blocks (bf16) that fit beside the weights (in ``precision``) on ``tp`` devices."""
+    free = hw.memory * tp * MEMORY_USABLE - model.params * PRECISION_BYTES[precision]
     if free <= 0:
         raise ValueError(
             f"{model.name} ({model.params / 1e9:.0f} B parameters) does not fit on {tp} x "
@@ -78,7 +86,15 @@ def simulate(run: Run) -> tuple[SimResult, dict[str, Any]]:
     """Run it; the report has `sendpath bench`'s keys plus the fleet's cost and use."""
     model, hw = model_spec(run.model), hardware(run.hardware)
     step_cost: CostModel
-    calibrated_on = None  # the published measurements a GPU's steps are priced from
+    calibrated_on = None  # what a GPU's priced steps rest on (coverage.py)
+    gpu = run.cost_model is None and hw is not HARDWARE["cpu"]  # priced by GpuStep
+    if run.precision not in PRECISION_BYTES:
+        raise ValueError(f"precision is one of {', '.join(PRECISION_BYTES)}, not {run.precision!r}")
+    if not gpu and run.precision != "bf16":
+        raise ValueError(
+            "--precision sets a GPU's weights; the cpu roofline and a profiled cost model "
+            "price the model as it is"
+        )
     if run.cost_model is not None:
         if run.tp != 1:
             raise ValueError("--tp does not apply to a calibrated cost model (one device)")
@@ -88,14 +104,18 @@ def simulate(run: Run) -> tuple[SimResult, dict[str, Any]]:
         hw_name = f"calibrated: {Path(run.cost_model).name} ({calibrated.device})"
         model_name = calibrated.model_name
     else:
-        config = replace(run.config, num_blocks=kv_blocks(model, hw, run.tp, run.config.block_size))
+        blocks = kv_blocks(model, hw, run.tp, run.config.block_size, run.precision)
+        config = replace(run.config, num_blocks=blocks)
         hw_name, model_name = hw.name, model.name
-        if hw is HARDWARE["cpu"]:
+        if not gpu:
             step_cost = Roofline(model, hw, run.tp)
-        else:  # the efficiency terms fitted to published measurements
-            fitted = calibration()
-            step_cost = GpuStep(model, hw, run.tp, "bf16", fitted.efficiency)
-            calibrated_on = fitted.summary()
+        else:  # the efficiency terms fitted to published measurements, if they cover it
+            cover = coverage()
+            outside = cover.outside(run.hardware, model, run.tp, run.precision)
+            if outside and not run.allow_extrapolation:
+                raise OutsideCalibration(outside, cover)
+            step_cost = GpuStep(model, hw, run.tp, run.precision, calibration().efficiency)
+            calibrated_on = cover.report(run.precision, outside)
     result = Simulator(config, step_cost).run(run.traffic)
     report = dict(result.report)
     devices = config.replicas * run.tp
