@@ -20,7 +20,10 @@ reads), and under load its matmul FLOP/s (2 x parameters per output token) over 
 faster matmul roof. vLLM runs bfloat16 where the CPU computes it, else float32.
 
     .venv/bin/python benchmarks/peers.py                 # about 3 minutes per server
-    .venv/bin/python benchmarks/peers.py --only sendpath
+    .venv/bin/python benchmarks/peers.py --only sendpath vLLM-CPU
+
+``sendpath-int8`` is sendpath again with ``--kv-cache-dtype int8`` (an option, not the
+default), beside the default configuration.
 
 Results: ``benchmarks/results/peers.json`` and a table of ratios on stdout.
 """
@@ -104,6 +107,14 @@ def servers() -> list[Server]:
         gguf.stat().st_size,  # Q4_1 codes kept as they ship (int4), int8 head
         ready="/ready",
     )
+    # the same with the int8 KV cache (an option: the default keeps the model's dtype)
+    int8 = Server(
+        "sendpath-int8",
+        [*sendpath.argv[:3], "8204", *sendpath.argv[4:], "--kv-cache-dtype", "int8"],
+        8204,
+        sendpath.weight_bytes,
+        ready="/ready",
+    )
     llama_bin = PEERS / "llama.cpp-build" / "bin" / "llama-server"
     llama = Server(
         "llama.cpp",
@@ -164,7 +175,7 @@ def servers() -> list[Server]:
         },
         missing=None if vllm_python.exists() else f"not installed ({vllm_python})",
     )
-    return [sendpath, llama, vllm]
+    return [sendpath, int8, llama, vllm]
 
 
 def roofs() -> dict[str, float]:
@@ -282,12 +293,17 @@ def shares(server: Server, rows: dict[str, Any], roof: dict[str, float]) -> dict
 
 
 def table(results: dict[str, Any]) -> str:
-    """One markdown table: each engine's figures, then sendpath over the best peer."""
+    """One markdown table: each engine's figures, then each sendpath configuration's over
+    the best peer."""
     engines = [n for n, r in results["servers"].items() if "rows" in r]
-    peers = [n for n in engines if n != "sendpath"]
+    ours = [n for n in engines if n.startswith("sendpath")]
+    peers = [n for n in engines if n not in ours]
     lines = [
-        "| workload | " + " | ".join(engines) + " | sendpath / best peer |",
-        "|---|" + "---:|" * (len(engines) + 1),
+        "| workload | "
+        + " | ".join(engines)
+        + "".join(f" | {n} / best peer" for n in ours or ["sendpath"])
+        + " |",
+        "|---|" + "---:|" * (len(engines) + max(len(ours), 1)),
     ]
     for w in WORKLOADS:
         metric = "requests_per_s" if w.name == "d" else "output_tok_per_s"
@@ -297,10 +313,10 @@ def table(results: dict[str, Any]) -> str:
             tpots = {n: results["servers"][n]["rows"]["a"]["median_tpot_ms"] for n in engines}
             cells = [f"{values[n]} ({tpots[n]} ms)" for n in engines]
         best = max((values[n] for n in peers), default=None)
-        ratio = f"{values['sendpath'] / best:.2f}x" if best and "sendpath" in values else "-"
+        ratios = [f"{values[n] / best:.2f}x" if best else "-" for n in ours] or ["-"]
         label = f"{w.name}: {w.input_len}/{w.output_len} at {w.concurrency}"
         label += " (req/s)" if w.name == "d" else ""
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {ratio} |")
+        lines.append(f"| {label} | " + " | ".join(cells + ratios) + " |")
     return "\n".join(lines)
 
 
