@@ -298,8 +298,10 @@ def sample(
 ) -> list[Sampled]:
     """logits [N, V] float32 -> one ``Sampled`` per row. ``allowed``: per row, None or a
     [V] bool mask of the tokens it may take (a grammar's, ``model/structured.py``)."""
-    best = logits.argmax(dim=-1)  # a row with a NaN: the NaN's index (NaN is the max)
-    top = logits.gather(1, best[:, None])[:, 0]  # each row's own largest logit, checked once
+    # each row's largest logit and its index, checked once; a row with a NaN: the NaN's
+    # (NaN is the max), ties: the first (as argmax; max takes a third of argmax's time on
+    # a 32-row step's logits here, where argmax was 6% of the step)
+    top, best = logits.max(dim=-1)
     tokens: list[int | None] = best.tolist()
     nan_rows, dead = torch.isnan(top).tolist(), torch.isneginf(top).tolist()
     work = logits  # the logits as adjusted: a copy, made when the first row changes
@@ -313,8 +315,8 @@ def sample(
             if mask is not None:
                 work[i].masked_fill_(~mask, float("-inf"))
     if work is not logits:  # the greedy rows' choice from their adjusted logits
-        best = work.argmax(dim=-1)
-        dead = torch.isneginf(work.gather(1, best[:, None])[:, 0]).tolist()
+        top, best = work.max(dim=-1)
+        dead = torch.isneginf(top).tolist()
         tokens = best.tolist()
     drawn = [i for i, p in enumerate(params) if not p.greedy and not nan_rows[i]]
     if drawn:

@@ -68,6 +68,20 @@ void rotary_rows(T* qkv, int64_t row_stride, const T* cos, const T* sin, int64_t
   for_rows(rows, heads * dim, [&](int64_t r) {
     const T* c = cos + r * dim;
     const T* s = sin + r * dim;  // first half negated: x*cos + (b, a)*sin is the rotation
+#ifdef SENDPATH_VEC
+    if (half % sendpath_vec::kWidth == 0) {  // each half a register (or more) at a time
+      using namespace sendpath_vec;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* x = qkv + r * row_stride + h * dim;
+        for (int64_t d = 0; d < half; d += kWidth) {
+          const Vec a = load(x + d), b = load(x + d + half);
+          store(x + d, fma(a, load(c + d), mul(b, load(s + d))));
+          store(x + d + half, fma(b, load(c + d + half), mul(a, load(s + d + half))));
+        }
+      }
+      return;
+    }
+#endif
     std::vector<float> buf(dim);
     for (int64_t h = 0; h < heads; ++h) {
       T* x = qkv + r * row_stride + h * dim;
