@@ -163,6 +163,12 @@ bool decode_task_avx2(const float* q, const float* k_head, const float* v_head,
 bool decode_task_avx2(const at::BFloat16* q, const at::BFloat16* k_head,
                       const at::BFloat16* v_head, const int64_t* table, int64_t length,
                       at::BFloat16* out, const Shape& s, int64_t group);
+bool decode_task_avx2(const float* q, const int8_t* k_head, const int8_t* v_head,
+                      const int64_t* table, int64_t length, float* out, const Shape& s,
+                      int64_t group);  // an int8 cache (Int8Rows)
+bool decode_task_avx2(const at::BFloat16* q, const int8_t* k_head, const int8_t* v_head,
+                      const int64_t* table, int64_t length, at::BFloat16* out, const Shape& s,
+                      int64_t group);
 
 // What takes a prompt chunk's rows on a bfloat16 cache: AMX's tiles where they run
 // (paged_prefill_amx.h; kTilesEmulated: their software model, for tests), else the AVX-512

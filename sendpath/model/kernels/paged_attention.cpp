@@ -229,9 +229,7 @@ void attend_row(const scalar_t* q, const cache_t* k_head, const cache_t* v_head,
   if (fast && s.head_dim == 128)
     return task_avx512<128>(q, k_rows, v_rows, table, length, out, s, group);
 #else
-  if constexpr (!Rows::kScaled) {
-    if (fast && decode_task_avx2(q, k_head, v_head, table, length, out, s, group)) return;
-  }
+  if (fast && decode_task_avx2(q, k_head, v_head, table, length, out, s, group)) return;
 #endif
   (void)fast;
   task_portable(q, k_rows, v_rows, table, length, out, s, group);

@@ -1,5 +1,7 @@
 // One (row, kv head) attention task on a CPU with AVX2 and FMA but no AVX-512: the float32
-// task of paged_attention.cpp over 8 lanes, on a float32 or bfloat16 cache. A block's
+// task of paged_attention.cpp over 8 lanes, on a float32 or bfloat16 cache, or on an int8
+// one (attention_simd.h's Int8Rows: a row's codes widened to float32 as they are loaded,
+// its scale applied to the key's score and to the value's weight). A block's
 // scores go 8 keys at a time (each key's products with a head's query in a register, the 8
 // registers summed by a transposing tree of horizontal adds); the online softmax's
 // exponentials are vec.h's, 8 at once; the values are added a chunk of 8 dims at a time
@@ -10,6 +12,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 
 namespace sendpath_attention {
 
@@ -20,6 +23,14 @@ using namespace sendpath_vec;
 
 constexpr int kPrefetch = 4;
 
+// 8 values of a cache row as float32: float32 and bfloat16 as vec.h loads them, int8 codes
+// unscaled.
+inline Vec load_row(const float* p) { return load(p); }
+inline Vec load_row(const at::BFloat16* p) { return load(p); }
+inline Vec load_row(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
 // Lane i: the sum of v[i]'s 8 lanes.
 inline Vec sum_each8(const Vec v[8]) {
   const Vec a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
@@ -27,29 +38,30 @@ inline Vec sum_each8(const Vec v[8]) {
   return add(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
-// A head's query (float32, scaled) against `kRows` consecutive keys: lane i is key i's
-// score. The query's chunk is loaded once for all the keys.
+// A head's query (float32, scaled) against `kRows` consecutive keys `stride` elements
+// apart: lane i is key i's score (unscaled by an int8 row's scale). The query's chunk is
+// loaded once for all the keys.
 template <int kDim, int kRows, typename T>
-inline Vec dots8(const float* query, const T* keys) {
+inline Vec dots8(const float* query, const T* keys, int64_t stride) {
   Vec dots[8];
   for (int i = 0; i < 8; ++i) dots[i] = zero();
   for (int d = 0; d < kDim; d += 8) {
     const Vec chunk = load(query + d);
-    for (int i = 0; i < kRows; ++i) dots[i] = fma(chunk, load(keys + i * kDim + d), dots[i]);
+    for (int i = 0; i < kRows; ++i) dots[i] = fma(chunk, load_row(keys + i * stride + d), dots[i]);
   }
   return sum_each8(dots);
 }
 
 template <int kDim, typename T>
-inline Vec dots_few(const float* query, const T* keys, int64_t rows) {
+inline Vec dots_few(const float* query, const T* keys, int64_t stride, int64_t rows) {
   switch (rows) {
-    case 1: return dots8<kDim, 1>(query, keys);
-    case 2: return dots8<kDim, 2>(query, keys);
-    case 3: return dots8<kDim, 3>(query, keys);
-    case 4: return dots8<kDim, 4>(query, keys);
-    case 5: return dots8<kDim, 5>(query, keys);
-    case 6: return dots8<kDim, 6>(query, keys);
-    default: return dots8<kDim, 7>(query, keys);
+    case 1: return dots8<kDim, 1>(query, keys, stride);
+    case 2: return dots8<kDim, 2>(query, keys, stride);
+    case 3: return dots8<kDim, 3>(query, keys, stride);
+    case 4: return dots8<kDim, 4>(query, keys, stride);
+    case 5: return dots8<kDim, 5>(query, keys, stride);
+    case 6: return dots8<kDim, 6>(query, keys, stride);
+    default: return dots8<kDim, 7>(query, keys, stride);
   }
 }
 
@@ -78,10 +90,10 @@ void fold(float* scores, int64_t n, int64_t bs, int64_t group, float* run_max, f
   }
 }
 
-template <int kDim, typename T>
-void task(const T* q, const T* k_head, const T* v_head, const int64_t* table, int64_t length,
-          T* out, const Shape& s, int64_t group) {
-  const int64_t bs = s.block_size;
+template <int kDim, typename T, typename Rows>
+void task(const T* q, const Rows& k_rows, const Rows& v_rows, const int64_t* table,
+          int64_t length, T* out, const Shape& s, int64_t group) {
+  const int64_t bs = s.block_size, stride = k_rows.stride();
   alignas(32) float query[kMaxGroup * kDim];
   alignas(32) float acc[kMaxGroup * kDim];
   alignas(32) float scores[kMaxGroup * 64 + 8];  // each head's run padded to 8
@@ -96,22 +108,36 @@ void task(const T* q, const T* k_head, const T* v_head, const int64_t* table, in
   }
   for (int64_t start = 0; start < length; start += bs) {
     const int64_t block = table[start / bs], n = std::min(bs, length - start);
-    const T* keys = k_head + block * bs * kDim;
-    const T* values = v_head + block * bs * kDim;
-    prefetch_ahead<T, kPrefetch>(k_head, v_head, table, start, length, bs, kDim);
+    const auto* keys = k_rows.row(block * bs);
+    const auto* values = v_rows.row(block * bs);
+    prefetch_ahead<std::remove_cv_t<std::remove_pointer_t<decltype(keys)>>, kPrefetch>(
+        k_rows.head, v_rows.head, table, start, length, bs, stride);
+    alignas(32) float key_scale[64 + 8], value_scale[64];  // an int8 block's rows' scales
+    if constexpr (Rows::kScaled) {
+      for (int64_t t = 0; t < n; ++t) {
+        key_scale[t] = k_rows.scale(block * bs + t);
+        value_scale[t] = v_rows.scale(block * bs + t);
+      }
+    }
     for (int64_t g = 0; g < group; ++g) {
       for (int64_t t0 = 0; t0 < n; t0 += 8) {  // lanes past n: overwritten by fold
-        const T* first = keys + t0 * kDim;
-        store(scores + g * bs + t0, n - t0 >= 8 ? dots8<kDim, 8>(query + g * kDim, first)
-                                                : dots_few<kDim>(query + g * kDim, first, n - t0));
+        const auto* first = keys + t0 * stride;
+        Vec dots = n - t0 >= 8 ? dots8<kDim, 8>(query + g * kDim, first, stride)
+                               : dots_few<kDim>(query + g * kDim, first, stride, n - t0);
+        if constexpr (Rows::kScaled) dots = mul(dots, load(key_scale + t0));
+        store(scores + g * bs + t0, dots);
       }
     }
     fold(scores, n, bs, group, run_max, run_sum, shrink);
+    if constexpr (Rows::kScaled) {  // each weight times its value row's scale, once a row
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t t = 0; t < n; ++t) scores[g * bs + t] *= value_scale[t];
+    }
     for (int64_t d = 0; d < kDim; d += 8) {  // a chunk of every head's accumulators at once
       Vec a[kMaxGroup];
       for (int64_t g = 0; g < group; ++g) a[g] = mul(load(acc + g * kDim + d), set1(shrink[g]));
       for (int64_t t = 0; t < n; ++t) {
-        const Vec row = load(values + t * kDim + d);
+        const Vec row = load_row(values + t * stride + d);
         for (int64_t g = 0; g < group; ++g) a[g] = fma(set1(scores[g * bs + t]), row, a[g]);
       }
       for (int64_t g = 0; g < group; ++g) store(acc + g * kDim + d, a[g]);
@@ -123,12 +149,14 @@ void task(const T* q, const T* k_head, const T* v_head, const int64_t* table, in
   }
 }
 
-template <typename T>
-bool dispatch(const T* q, const T* k_head, const T* v_head, const int64_t* table, int64_t length,
+template <typename T, typename C>
+bool dispatch(const T* q, const C* k_head, const C* v_head, const int64_t* table, int64_t length,
               T* out, const Shape& s, int64_t group) {
   if (s.block_size % 8 != 0) return false;  // each head's scores padded within its own run
-  if (s.head_dim == 64) return task<64>(q, k_head, v_head, table, length, out, s, group), true;
-  if (s.head_dim == 128) return task<128>(q, k_head, v_head, table, length, out, s, group), true;
+  using Rows = std::conditional_t<std::is_same_v<C, int8_t>, Int8Rows, PlainRows<C>>;
+  const Rows k{k_head, s.head_dim}, v{v_head, s.head_dim};
+  if (s.head_dim == 64) return task<64>(q, k, v, table, length, out, s, group), true;
+  if (s.head_dim == 128) return task<128>(q, k, v, table, length, out, s, group), true;
   return false;
 }
 
@@ -144,6 +172,16 @@ bool decode_task_avx2(const at::BFloat16* q, const at::BFloat16* k_head,
                       at::BFloat16* out, const Shape& s, int64_t group) {
   return dispatch(q, k_head, v_head, table, length, out, s, group);
 }
+bool decode_task_avx2(const float* q, const int8_t* k_head, const int8_t* v_head,
+                      const int64_t* table, int64_t length, float* out, const Shape& s,
+                      int64_t group) {
+  return dispatch(q, k_head, v_head, table, length, out, s, group);
+}
+bool decode_task_avx2(const at::BFloat16* q, const int8_t* k_head, const int8_t* v_head,
+                      const int64_t* table, int64_t length, at::BFloat16* out, const Shape& s,
+                      int64_t group) {
+  return dispatch(q, k_head, v_head, table, length, out, s, group);
+}
 
 #else
 
@@ -153,6 +191,14 @@ bool decode_task_avx2(const float*, const float*, const float*, const int64_t*, 
 }
 bool decode_task_avx2(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*,
                       const int64_t*, int64_t, at::BFloat16*, const Shape&, int64_t) {
+  return false;
+}
+bool decode_task_avx2(const float*, const int8_t*, const int8_t*, const int64_t*, int64_t,
+                      float*, const Shape&, int64_t) {
+  return false;
+}
+bool decode_task_avx2(const at::BFloat16*, const int8_t*, const int8_t*, const int64_t*, int64_t,
+                      at::BFloat16*, const Shape&, int64_t) {
   return false;
 }
 
