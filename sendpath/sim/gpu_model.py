@@ -133,17 +133,6 @@ class Calibration:
         """The held-out error by kind of figure that applies to weights in ``precision``."""
         return self.held_out_error_fp8 if precision == "fp8" else self.held_out_error
 
-    def summary(self) -> str:
-        """One line: how many sources, and the held-out error by kind of figure."""
-        errs = ", ".join(
-            f"{kind} {e['mean_error']:.0%} ({e['figures']} figures)"
-            for kind, e in self.held_out_error.items()
-        )
-        return (
-            f"GPU step model fitted to {len(self.fitted_on)} of {len(self.sources)} published "
-            f"engine benchmarks (sendpath/sim/gpu_sources/); mean error held out: {errs}"
-        )
-
 
 @cache
 def calibration(path: Path = CALIBRATION) -> Calibration:

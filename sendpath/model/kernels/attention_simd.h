@@ -116,6 +116,26 @@ inline __m512 sum_each(const __m512 v[16]) {
                        _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// The accumulators of a task whose values went in as interleaved pairs of rows
+// (_mm512_unpacklo/hi_epi16 of rows t and t + 1: acc[g][c][half] holds 16 of the 32 dims
+// of chunk c, lane i dim (i / 4) * 8 + half * 4 + i % 4), divided by each head's softmax
+// sum, into its bfloat16 output row.
+template <int kDim>
+inline void write_pairs(const __m512 (*acc)[kDim / 32][2], const float* run_sum,
+                        at::BFloat16* out, int64_t group) {
+  for (int64_t g = 0; g < group; ++g) {
+    alignas(64) float tmp[16];
+    const __m512 inv = _mm512_set1_ps(run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f);
+    for (int c = 0; c < kDim / 32; ++c) {
+      for (int h = 0; h < 2; ++h) {
+        _mm512_store_ps(tmp, _mm512_mul_ps(acc[g][c][h], inv));
+        for (int lane = 0; lane < 16; ++lane)
+          out[g * kDim + c * 32 + (lane / 4) * 8 + h * 4 + lane % 4] = static_cast<at::BFloat16>(tmp[lane]);
+      }
+    }
+  }
+}
+
 // The softmax fold of one block's scores [group][n] (as fold_block, 16 lanes at a time).
 inline void fold_block_avx512(float* scores, int64_t n, int64_t block_size, int64_t group,
                               float* run_max, float* run_sum, float* shrink) {

@@ -5,7 +5,7 @@
 // in pairs of rows, interleaved so that each pair of lanes holds one dim of rows t and
 // t + 1, against the pair of their weights (rounded to bfloat16, as torch's bfloat16
 // attention rounds its probabilities before multiplying the values). The interleave puts
-// dims in the order lane_dim() reads back.
+// dims in the order write_pairs (attention_simd.h) reads back.
 
 #include "attention_simd.h"
 
@@ -16,8 +16,6 @@ namespace sendpath_attention {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 namespace {
 
-inline int lane_dim(int half, int lane) { return (lane / 4) * 8 + half * 4 + lane % 4; }
-
 template <int kDim>
 void task_avx512_bf16(const at::BFloat16* q, const at::BFloat16* k_head,
                       const at::BFloat16* v_head, const int64_t* table, int64_t length,
@@ -25,7 +23,7 @@ void task_avx512_bf16(const at::BFloat16* q, const at::BFloat16* k_head,
   constexpr int kChunks = kDim / 32;  // 32 bfloat16 a register
   const int64_t bs = s.block_size;
   __m512bh qv[kMaxGroup][kChunks];
-  __m512 acc[kMaxGroup][kChunks][2];  // [half]: the dims lane_dim(half, lane) of a chunk
+  __m512 acc[kMaxGroup][kChunks][2];  // [half]: dims as write_pairs reads them
   float scores[kMaxGroup * 64];
   alignas(64) uint16_t weights[kMaxGroup * 64 + 16];  // bfloat16 bits, a zero after each run
   float run_max[kMaxGroup], run_sum[kMaxGroup], shrink[kMaxGroup];
@@ -92,17 +90,7 @@ void task_avx512_bf16(const at::BFloat16* q, const at::BFloat16* k_head,
       }
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    alignas(64) float tmp[16];
-    const __m512 inv = _mm512_set1_ps(run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f);
-    for (int c = 0; c < kChunks; ++c) {
-      for (int h = 0; h < 2; ++h) {
-        _mm512_store_ps(tmp, _mm512_mul_ps(acc[g][c][h], inv));
-        for (int lane = 0; lane < 16; ++lane)
-          out[g * kDim + c * 32 + lane_dim(h, lane)] = static_cast<at::BFloat16>(tmp[lane]);
-      }
-    }
-  }
+  write_pairs<kDim>(acc, run_sum, out, group);
 }
 
 }  // namespace

@@ -30,14 +30,6 @@ namespace sendpath_attention {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 namespace {
 
-inline int lane_dim(int half, int lane) { return (lane / 4) * 8 + half * 4 + lane % 4; }
-
-// 16 bfloat16 values as float32.
-inline __m512 widen(const at::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
 template <int kDim>
 void task_int8(const at::BFloat16* q, const int8_t* k_head, const int8_t* v_head,
                const int64_t* table, int64_t length, at::BFloat16* out, const Shape& s,
@@ -47,7 +39,7 @@ void task_int8(const at::BFloat16* q, const int8_t* k_head, const int8_t* v_head
   const int64_t bs = s.block_size;
   __m512i qv[kMaxGroup][kHalves];
   float q_scale[kMaxGroup];
-  __m512 acc[kMaxGroup][kHalves][2];  // [half]: the dims lane_dim(half, lane) of 32
+  __m512 acc[kMaxGroup][kHalves][2];  // [half]: dims as write_pairs reads them
   alignas(64) float scores[kMaxGroup * 64];
   alignas(64) int16_t weights[kMaxGroup * 64 + 2];  // a zero after each run
   float weight_scale[kMaxGroup];
@@ -56,7 +48,7 @@ void task_int8(const at::BFloat16* q, const int8_t* k_head, const int8_t* v_head
     __m512 x[kDim / 16];
     __m512 top = _mm512_setzero_ps();
     for (int c = 0; c < kDim / 16; ++c) {
-      x[c] = _mm512_mul_ps(widen(q + g * kDim + c * 16), _mm512_set1_ps(s.scale));
+      x[c] = _mm512_mul_ps(load16(q + g * kDim + c * 16), _mm512_set1_ps(s.scale));
       top = _mm512_max_ps(top, _mm512_abs_ps(x[c]));
     }
     const float amax = _mm512_reduce_max_ps(top);
@@ -158,17 +150,7 @@ void task_int8(const at::BFloat16* q, const int8_t* k_head, const int8_t* v_head
                                          _mm512_mul_ps(acc[g][c][h], f));
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    alignas(64) float tmp[16];
-    const __m512 inv = _mm512_set1_ps(run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f);
-    for (int c = 0; c < kHalves; ++c) {
-      for (int h = 0; h < 2; ++h) {
-        _mm512_store_ps(tmp, _mm512_mul_ps(acc[g][c][h], inv));
-        for (int lane = 0; lane < 16; ++lane)
-          out[g * kDim + c * 32 + lane_dim(h, lane)] = static_cast<at::BFloat16>(tmp[lane]);
-      }
-    }
-  }
+  write_pairs<kDim>(acc, run_sum, out, group);
 }
 
 }  // namespace
