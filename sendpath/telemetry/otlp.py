@@ -275,7 +275,10 @@ def encode_resource(
 
 def encode_request(resource: bytes, scope: bytes, trees: Iterable[bytes]) -> bytes:
     """An ``ExportTraceServiceRequest`` of encoded trees (``encode_tree``), from
-    ``encode_resource``'s parts."""
-    scope_spans = _field(b"\x0a", scope) + b"".join(trees)
-    resource_spans = _field(b"\x0a", resource) + _field(b"\x12", scope_spans)
-    return _field(b"\x0a", resource_spans)
+    ``encode_resource``'s parts, joined once (a batch is megabytes)."""
+    parts = list(trees)
+    spans = sum(map(len, parts))
+    scope_field = _field(b"\x0a", scope)
+    # ResourceSpans{resource, ScopeSpans{scope, spans...}}, the spans' bytes last
+    head = _field(b"\x0a", resource) + b"\x12" + _varint(len(scope_field) + spans) + scope_field
+    return b"".join([b"\x0a", _varint(len(head) + spans), head, *parts])
