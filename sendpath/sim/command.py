@@ -20,7 +20,7 @@ from sendpath.extras import require
 from sendpath.router.policy import POLICIES
 from sendpath.sim.calibrated import Calibrated
 from sendpath.sim.capacity import plan
-from sendpath.sim.coverage import MODEL_ABOVE, MODEL_BELOW
+from sendpath.sim.coverage import CONTEXT_ABOVE, MODEL_ABOVE, MODEL_BELOW
 from sendpath.sim.gpu_model import PRECISION_BYTES
 from sendpath.sim.hardware import HARDWARE, MODELS
 from sendpath.sim.scenarios import SCENARIOS, Run, simulate
@@ -141,10 +141,11 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
         help="price a GPU run outside what the fitted step terms rest on, with a warning in "
         "the answer. Without it, such a run is refused: a GPU no published source measured, "
         f"a model below {MODEL_BELOW:g}x the smallest or above {MODEL_ABOVE:g}x the largest "
-        "source model's parameters, tensor parallelism above the largest a source ran, or a "
-        "precision none ran (the ranges come from sendpath/sim/gpu_sources/ and "
-        "gpu_calibration.json; the refusal says them). The cpu entry and --cost-model are "
-        "not checked",
+        "source model's parameters, tensor parallelism above the largest a source ran, a "
+        "precision none ran, or a request (shared prefix and every turn) above "
+        f"{CONTEXT_ABOVE:g}x the longest a source ran (the ranges come from "
+        "sendpath/sim/gpu_sources/ and gpu_calibration.json; the refusal says them). The "
+        "cpu entry and --cost-model are not checked",
     )
     p.add_argument("--policy", choices=list(POLICIES), default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
@@ -230,7 +231,7 @@ def build_run(args: argparse.Namespace) -> Run:
         args.gpu_hour_usd,
         args.cost_model,
         args.precision,
-        args.allow_extrapolation,
+        args.allow_extrapolation or base.allow_extrapolation,
     )
 
 

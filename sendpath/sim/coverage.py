@@ -14,7 +14,10 @@ say what is covered, and a GPU run is outside it (``Coverage.outside``) when:
 - its tensor parallelism is above the largest a source ran (more devices' all-reduces,
   or across nodes, were never measured);
 - its weights' precision is one no source ran and the fit did not take as its own
-  (``fit_precisions``: bf16 and fp16, the same bytes and peak to the step model).
+  (``fit_precisions``: bf16 and fp16, the same bytes and peak to the step model);
+- its traffic's longest request (the shared prefix, then every turn's question and answer,
+  at their longest) holds more than ``CONTEXT_ABOVE`` x the tokens of the longest a source
+  ran (attention's cost and the KV cache's room at such lengths were never measured).
 
 Nothing is listed here by hand: every range comes from the files, so a new source widens
 it. The held-out error shown is the one for the run's precision (fp8 has its own: it was
@@ -34,11 +37,16 @@ from sendpath.sim.gpu_fit import cases
 from sendpath.sim.gpu_model import Calibration, calibration
 from sendpath.sim.gpu_sources import Source, load_sources
 from sendpath.sim.hardware import HARDWARE, ModelSpec
+from sendpath.sim.traffic import Traffic
 
-__all__ = ["MODEL_ABOVE", "MODEL_BELOW", "Coverage", "OutsideCalibration", "coverage"]
+__all__ = [
+    "CONTEXT_ABOVE", "MODEL_ABOVE", "MODEL_BELOW", "Coverage", "OutsideCalibration", "coverage",
+    "longest_context",
+]  # fmt: skip
 
 MODEL_BELOW = 0.5  # of the smallest calibrated model's parameters: less is refused
 MODEL_ABOVE = 1.5  # of the largest's: more is refused
+CONTEXT_ABOVE = 1.5  # of the longest calibrated request's tokens: more is refused
 KIND_NAMES = {"throughput": "throughput", "tpot": "TPOT", "ttft": "TTFT", "e2e": "E2E"}
 ALLOW_FLAG = "--allow-extrapolation"
 
@@ -55,6 +63,7 @@ class Coverage:
     models: tuple[str, ...]  # ``ModelSpec`` names
     params: tuple[int, int]  # the smallest and the largest model's parameters
     tps: tuple[int, ...]
+    context: int  # the longest request a replayed measurement ran, prompt and answer
     fitted_precisions: tuple[str, ...]
     precisions: tuple[str, ...]  # fitted or held out
     errors: dict[str, dict[str, Any]]  # precision -> kind of figure -> count, mean, max
@@ -91,6 +100,7 @@ class Coverage:
             models=tuple(sorted({c.model.name for c in found})),
             params=(min(params), max(params)),
             tps=tuple(sorted({s.tp for s in setups})),
+            context=max(longest_context(c.traffic) for c in found),
             fitted_precisions=fit_precisions,
             precisions=precisions,
             errors={p: cal.error_for(p) for p in precisions},
@@ -105,7 +115,9 @@ class Coverage:
         """The parameter counts a run may have without extrapolating."""
         return self.params[0] * MODEL_BELOW, self.params[1] * MODEL_ABOVE
 
-    def outside(self, hw_key: str, model: ModelSpec, tp: int, precision: str) -> list[str]:
+    def outside(
+        self, hw_key: str, model: ModelSpec, tp: int, precision: str, traffic: Traffic | None
+    ) -> list[str]:
         """What of a run lies far outside the calibration, one phrase each (empty: inside)."""
         found = []
         if hw_key not in self.gpus:
@@ -130,6 +142,13 @@ class Coverage:
                 f"precision {precision} was run by no source "
                 f"(calibrated: {', '.join(self.precisions)})"
             )
+        longest = longest_context(traffic) if traffic is not None else 0
+        if longest > self.context * CONTEXT_ABOVE:
+            found.append(
+                f"its longest request holds {longest:,} tokens (shared prefix, then every "
+                f"turn's question and answer), above {CONTEXT_ABOVE:g}x the longest "
+                f"calibrated, {self.context:,}"
+            )
         return found
 
     def covers(self) -> str:
@@ -142,7 +161,8 @@ class Coverage:
         held_only = [p for p in self.precisions if p not in self.fitted_precisions]
         return (
             f"{'/'.join(self.gpus)}; {models} ({_billions(self.params[0])}-"
-            f"{_billions(self.params[1])} parameters); tp {_span(self.tps)}; "
+            f"{_billions(self.params[1])} parameters); tp {_span(self.tps)}; requests up to "
+            f"{self.context:,} tokens; "
             f"{'/'.join(self.fitted_precisions)}"
             + (f", {'/'.join(held_only)} held out only" if held_only else "")
         )
@@ -179,6 +199,7 @@ class Coverage:
                 "params_b": [round(n / 1e9, 3) for n in self.params],
                 "priced_params_b": [round(low / 1e9, 3), round(high / 1e9, 3)],
                 "tp": list(self.tps),
+                "longest_request_tokens": self.context,
                 "precisions": list(self.precisions),
                 "fitted_precisions": list(self.fitted_precisions),
             },
@@ -202,6 +223,13 @@ class OutsideCalibration(ValueError):
             "parameters. Beyond it an answer is extrapolated, checked against no published "
             f"measurement: pass {ALLOW_FLAG} to price it anyway (the answer then warns)."
         )
+
+
+def longest_context(traffic: Traffic) -> int:
+    """The most tokens one of ``traffic``'s requests holds at its end: the shared prefix,
+    then each turn's question and answer at their longest (a turn resends the history)."""
+    turn = traffic.input_len.high + traffic.output_len.high
+    return traffic.shared_prefix + traffic.turns * turn
 
 
 @cache

@@ -37,6 +37,10 @@ def test_the_seed_scenarios() -> None:
     long_doc = simulate(SCENARIOS["long-document"])[1]
     assert long_doc["stages"]["prefill"]["share"] > 0.3  # a visible share
     assert long_doc["median_ttft_ms"] > 10 * quiet["median_ttft_ms"]
+    # no published source ran a 100,000-token prompt: priced, and the answer says so
+    (extrapolated,) = long_doc["simulated"]["calibration"]["extrapolated"]
+    assert extrapolated.startswith("its longest request holds 100,256 tokens")
+    assert quiet["simulated"]["calibration"]["extrapolated"] == []
 
 
 def test_chunked_prefill_lowers_ttft_p99_under_a_mixed_load() -> None:
