@@ -146,8 +146,8 @@ class Coverage:
         if longest > self.context * CONTEXT_ABOVE:
             found.append(
                 f"its longest request holds {longest:,} tokens (shared prefix, then every "
-                f"turn's question and answer), above {CONTEXT_ABOVE:g}x the longest "
-                f"calibrated, {self.context:,}"
+                f"turn's question and answer), above {int(self.context * CONTEXT_ABOVE):,} "
+                f"({CONTEXT_ABOVE:g}x the longest calibrated request: {self.context:,} tokens)"
             )
         return found
 

@@ -72,7 +72,7 @@ def test_a_request_far_longer_than_any_source_ran_is_refused() -> None:
     assert longest_context(chat) == 2_000 + 4 * 12_000
     assert cover.outside("H100", LLAMA_8B, 1, "bf16", chat) == [
         "its longest request holds 50,000 tokens (shared prefix, then every turn's question "
-        "and answer), above 1.5x the longest calibrated, 32,100"
+        "and answer), above 48,150 (1.5x the longest calibrated request: 32,100 tokens)"
     ]
 
 
