@@ -41,7 +41,6 @@ from sendpath.sim.traffic import Traffic
 
 __all__ = [
     "CONTEXT_ABOVE", "MODEL_ABOVE", "MODEL_BELOW", "Coverage", "OutsideCalibration", "coverage",
-    "longest_context",
 ]  # fmt: skip
 
 MODEL_BELOW = 0.5  # of the smallest calibrated model's parameters: less is refused
@@ -100,7 +99,7 @@ class Coverage:
             models=tuple(sorted({c.model.name for c in found})),
             params=(min(params), max(params)),
             tps=tuple(sorted({s.tp for s in setups})),
-            context=max(longest_context(c.traffic) for c in found),
+            context=max(c.traffic.longest_request for c in found),
             fitted_precisions=fit_precisions,
             precisions=precisions,
             errors={p: cal.error_for(p) for p in precisions},
@@ -115,8 +114,18 @@ class Coverage:
         """The parameter counts a run may have without extrapolating."""
         return self.params[0] * MODEL_BELOW, self.params[1] * MODEL_ABOVE
 
+    @property
+    def priced_context(self) -> int:
+        """The most tokens a run's longest request may hold without extrapolating."""
+        return int(self.context * CONTEXT_ABOVE)
+
     def outside(
-        self, hw_key: str, model: ModelSpec, tp: int, precision: str, traffic: Traffic | None
+        self,
+        hw_key: str,
+        model: ModelSpec,
+        tp: int,
+        precision: str,
+        traffic: Traffic | None = None,
     ) -> list[str]:
         """What of a run lies far outside the calibration, one phrase each (empty: inside)."""
         found = []
@@ -142,11 +151,10 @@ class Coverage:
                 f"precision {precision} was run by no source "
                 f"(calibrated: {', '.join(self.precisions)})"
             )
-        longest = longest_context(traffic) if traffic is not None else 0
-        if longest > self.context * CONTEXT_ABOVE:
+        if traffic is not None and traffic.longest_request > self.priced_context:
             found.append(
-                f"its longest request holds {longest:,} tokens (shared prefix, then every "
-                f"turn's question and answer), above {int(self.context * CONTEXT_ABOVE):,} "
+                f"its longest request holds {traffic.longest_request:,} tokens (shared prefix, "
+                f"then every turn's question and answer), above {self.priced_context:,} "
                 f"({CONTEXT_ABOVE:g}x the longest calibrated request: {self.context:,} tokens)"
             )
         return found
@@ -200,6 +208,7 @@ class Coverage:
                 "priced_params_b": [round(low / 1e9, 3), round(high / 1e9, 3)],
                 "tp": list(self.tps),
                 "longest_request_tokens": self.context,
+                "priced_request_tokens": self.priced_context,
                 "precisions": list(self.precisions),
                 "fitted_precisions": list(self.fitted_precisions),
             },
@@ -223,13 +232,6 @@ class OutsideCalibration(ValueError):
             "parameters. Beyond it an answer is extrapolated, checked against no published "
             f"measurement: pass {ALLOW_FLAG} to price it anyway (the answer then warns)."
         )
-
-
-def longest_context(traffic: Traffic) -> int:
-    """The most tokens one of ``traffic``'s requests holds at its end: the shared prefix,
-    then each turn's question and answer at their longest (a turn resends the history)."""
-    turn = traffic.input_len.high + traffic.output_len.high
-    return traffic.shared_prefix + traffic.turns * turn
 
 
 @cache

@@ -81,6 +81,13 @@ class Traffic:
         if self.period_s <= 0 or self.peak_ratio < 1:
             raise ValueError("period_s > 0 and peak_ratio >= 1, please")
 
+    @property
+    def longest_request(self) -> int:
+        """The most tokens one request holds at its end: the shared prefix, then each
+        turn's question and answer at their longest (a turn resends the history)."""
+        turn = self.input_len.high + self.output_len.high
+        return self.shared_prefix + self.turns * turn
+
     def rate_at(self, t: float) -> float:
         """The arrival rate at ``t`` seconds (constant unless diurnal; t = 0 is the trough)."""
         if self.pattern != "diurnal":

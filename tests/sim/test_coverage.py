@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from sendpath.bench.workload import LengthSpec
-from sendpath.sim.coverage import Coverage, OutsideCalibration, coverage, longest_context
+from sendpath.sim.coverage import Coverage, OutsideCalibration, coverage
 from sendpath.sim.gpu_model import calibration
 from sendpath.sim.gpu_sources import load_sources
 from sendpath.sim.hardware import ModelSpec, model_spec
@@ -37,39 +37,39 @@ def test_the_shipped_calibration_covers_what_its_replayed_sources_ran() -> None:
 
 def test_a_run_inside_is_not_refused() -> None:
     cover = coverage()
-    assert cover.outside("H100", LLAMA_8B, 1, "bf16", None) == []
-    assert cover.outside("H200", model_spec("llama-3.1-70b"), 4, "fp8", None) == []
-    assert cover.outside("A100", model_spec("llama-2-13b"), 2, "fp16", None) == []  # tp between
+    assert cover.outside("H100", LLAMA_8B, 1, "bf16") == []
+    assert cover.outside("H200", model_spec("llama-3.1-70b"), 4, "fp8") == []
+    assert cover.outside("A100", model_spec("llama-2-13b"), 2, "fp16") == []  # tp between
 
 
 def test_each_thing_outside_is_named_with_the_covered_range() -> None:
     cover = coverage()
-    assert cover.outside("L4", LLAMA_8B, 1, "bf16", None) == [
+    assert cover.outside("L4", LLAMA_8B, 1, "bf16") == [
         "GPU L4 was measured by no source (calibrated: A100, H100, H200)"
     ]
-    assert cover.outside("H100", LLAMA_8B, 8, "bf16", None) == [
+    assert cover.outside("H100", LLAMA_8B, 8, "bf16") == [
         "tensor parallelism 8 is above the largest calibrated, 4 (calibrated: tp 1, 4)"
     ]
     range_ = "outside 3.37B-106B (0.5x the smallest to 1.5x the largest calibrated model: "
     for model, params in ((LLAMA_3B, "3.21B"), (model_spec("smollm2-135m"), "0.134B"),
                           (LLAMA_405B, "406B")):  # fmt: skip
-        assert cover.outside("H100", model, 1, "bf16", None) == [
+        assert cover.outside("H100", model, 1, "bf16") == [
             f"model {model.name} has {params} parameters, {range_}6.74B-70.6B)"
         ]
-    assert len(cover.outside("L4", LLAMA_405B, 8, "bf16", None)) == 3  # all of them, one each
+    assert len(cover.outside("L4", LLAMA_405B, 8, "bf16")) == 3  # all of them, one each
 
 
 def test_a_request_far_longer_than_any_source_ran_is_refused() -> None:
     cover = coverage()
     # the longest replayed measurement: a 32,000-token prompt with a 100-token answer
     assert cover.context == 32_100
-    inside = Traffic(1.0, 10, LengthSpec(1_000, 40_000), LengthSpec(100, 8_000))
-    assert longest_context(inside) == 48_000 == 1.5 * 32_000  # at the limit: priced
+    inside = Traffic(1.0, 10, LengthSpec(1_000, 40_050), LengthSpec(100, 8_100))
+    assert inside.longest_request == 48_150 == cover.priced_context  # at the limit: priced
     assert cover.outside("H100", LLAMA_8B, 1, "bf16", inside) == []
     # four turns, each resending the history under a 2,000-token system prompt
     chat = Traffic(1.0, 10, LengthSpec(2_000, 4_000), LengthSpec(500, 8_000), shared_prefix=2_000,
                    turns=4)  # fmt: skip
-    assert longest_context(chat) == 2_000 + 4 * 12_000
+    assert chat.longest_request == 2_000 + 4 * 12_000
     assert cover.outside("H100", LLAMA_8B, 1, "bf16", chat) == [
         "its longest request holds 50,000 tokens (shared prefix, then every turn's question "
         "and answer), above 48,150 (1.5x the longest calibrated request: 32,100 tokens)"
@@ -86,10 +86,10 @@ def test_a_precision_no_source_ran_is_refused_and_the_ranges_follow_the_sources(
     cover = Coverage.of(without_fp8, load_sources())
     assert cover.precisions == ("bf16", "fp16")
     assert cover.gpus == ("A100", "H100")  # H200 was only in an fp8 source
-    assert cover.outside("H100", LLAMA_8B, 1, "fp8", None) == [
+    assert cover.outside("H100", LLAMA_8B, 1, "fp8") == [
         "precision fp8 was run by no source (calibrated: bf16, fp16)"
     ]
-    assert cover.outside("H200", LLAMA_8B, 1, "bf16", None) == [
+    assert cover.outside("H200", LLAMA_8B, 1, "bf16") == [
         "GPU H200 was measured by no source (calibrated: A100, H100)"
     ]
 
@@ -109,7 +109,8 @@ def test_the_answer_says_what_it_rests_on_and_the_refusal_how_to_go_on() -> None
     report = cover.report("fp8", [])
     assert report["summary"] == cover.lines("fp8") and report["held_out_error_sources"] == 3
     assert report["covers"]["priced_params_b"] == [3.369, 105.829]
-    problems = cover.outside("L4", LLAMA_8B, 1, "bf16", None)
+    assert report["covers"]["priced_request_tokens"] == 48_150
+    problems = cover.outside("L4", LLAMA_8B, 1, "bf16")
     with pytest.raises(OutsideCalibration) as refused:
         raise OutsideCalibration(problems, cover)
     message = str(refused.value)
