@@ -12,7 +12,7 @@ import signal
 import sys
 from pathlib import Path
 
-from sendpath.api.cli_args import ignore, interrupt, log_setup
+from sendpath.api.cli_args import bound_socket, ignore, interrupt, log_setup
 from sendpath.cluster.command import add_ray_serve_args, run_ray_serve
 from sendpath.engine.args import add_engine_args, engine_argv
 from sendpath.extras import require
@@ -38,7 +38,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], help: str
         "everything cleanly.",
     )
     srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument(
+        "--port", type=int, default=8000, help="the gateway's (8000; 0 takes a free one)"
+    )
     srv.add_argument("--replicas", type=int, default=1, help="local replica processes (1)")
     srv.add_argument(
         "--replica",
@@ -104,12 +106,16 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    sock = bound_socket(args)  # taken before the replicas start (minutes, maybe)
+    if sock is None:
+        return 1
+    port = sock.getsockname()[1]
     # While replicas start, SIGTERM stops everything as Ctrl-C does. While serving, uvicorn
     # catches both, shuts down gracefully and then re-raises the signal: the handler below
     # swallows it, so the replicas are stopped here instead of the process dying mid-way.
     signal.signal(signal.SIGTERM, interrupt)
     try:
-        with fleet:
+        with sock, fleet:
             print(f"sendpath serve: starting {args.replicas} replica(s)...", flush=True)
             try:
                 fleet.wait_healthy(args.startup_timeout)
@@ -123,7 +129,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
             def listening() -> None:
                 print(
-                    f"sendpath serve: http://{args.host}:{args.port}/v1 -> "
+                    f"sendpath serve: http://{args.host}:{port}/v1 -> "
                     f"{len(config.replicas)} replica(s), policy {config.policy} "
                     "(Ctrl-C stops everything)",
                     flush=True,
@@ -133,7 +139,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 signal.signal(sig, ignore)
             fleet.supervise()  # a replica that exits is started again
             settle_heap()
-            http_server.run(app, args.host, args.port, config.connection, listening)
+            http_server.run(app, sock, config.connection, listening)
     except KeyboardInterrupt:
         print("sendpath serve: interrupted while starting; replicas stopped", flush=True)
         return 130

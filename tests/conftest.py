@@ -20,7 +20,6 @@ import torch
 # address); read when Ray is first imported, so set before any test imports it.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
-from sendpath.fleet import free_port
 from sendpath.llm import LLM
 from sendpath.model.kernels import cpu_kernels
 from sendpath.model.loader import LoadedModel, builtin_model_path, load_model
@@ -184,12 +183,12 @@ class Served:
 
 def start_serve(model_dir: Path, data_dir: Path, *flags: str, replicas: int = 2) -> Served:
     """Start `sendpath serve` on the tiny model and wait until it says it serves (the CPU
-    kernels built here first: its replicas find them instead of each building them)."""
+    kernels built here first: its replicas find them instead of each building them). It
+    takes a free port itself (--port 0) before its replicas take theirs, and prints it."""
     cpu_kernels()
-    port = free_port()
     proc = subprocess.Popen(
         [
-            sys.executable, "-m", "sendpath.cli", "serve", "--port", str(port),
+            sys.executable, "-m", "sendpath.cli", "serve", "--port", "0",
             "--replicas", str(replicas), "--data-dir", str(data_dir), "--model", str(model_dir),
             "--served-model-name", "tiny", "--kv-cache-memory-gib", "0.05", *flags,
         ],
@@ -201,8 +200,8 @@ def start_serve(model_dir: Path, data_dir: Path, *flags: str, replicas: int = 2)
     assert proc.stdout is not None
     lines: list[str] = []
     deadline = time.monotonic() + 120
-    while not any("Ctrl-C stops everything" in line for line in lines):
+    while not (up := [line for line in lines if "Ctrl-C stops everything" in line]):
         assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
         lines.append(proc.stdout.readline())
     secret = next((line.strip() for line in lines if line.startswith("sk-sp-")), None)
-    return Served(proc, f"http://127.0.0.1:{port}", lines, secret)
+    return Served(proc, up[0].split()[2].removesuffix("/v1"), lines, secret)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -94,3 +97,23 @@ def test_serve_gives_a_generated_key_only_to_its_own_replicas() -> None:
     args = build_parser().parse_args(["serve", "--replica", outside, "--replica-api-key", "k"])
     config = gateway_config(args, [*local, outside], local, "k")
     assert config.keys_by_replica() == ("k", "k")  # the operator's key: for all of them
+
+
+def test_serve_on_a_taken_port_fails_at_once_without_starting_replicas(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        proc = subprocess.run(
+            [
+                sys.executable, "-m", "sendpath.cli", "serve", "--port", str(port),
+                "--data-dir", str(tmp_path), "--model", str(tiny_llama_dir),
+            ],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert proc.returncode == 1
+    assert f"error: cannot listen on 127.0.0.1:{port} (Address already in use)" in proc.stderr
+    assert "or pick another with --port" in proc.stderr
+    assert "starting" not in proc.stdout  # no replica was started

@@ -1,11 +1,13 @@
 """What every server command's flags share: how long a client may take (the gateway's
 and the replica's, each its own), the log's format, and the signal handlers `serve`
-switches between while it starts and while it serves."""
+switches between while it starts and while it serves, and the port it takes first."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import socket
+import sys
 from types import FrameType
 
 from sendpath.config import ConnectionLimits
@@ -13,6 +15,7 @@ from sendpath.config import ConnectionLimits
 __all__ = [
     "add_connection_args",
     "add_tracing_args",
+    "bound_socket",
     "connection_limits",
     "ignore",
     "interrupt",
@@ -26,6 +29,18 @@ def log_setup() -> None:
     """Log lines as ``name: message`` at INFO (httpx's per-request lines left out)."""
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request
+
+
+def bound_socket(args: argparse.Namespace) -> socket.socket | None:
+    """The server's socket on ``--host``/``--port``, bound before anything slow starts
+    (``http_server.bind``); None once the reason it cannot be is on stderr."""
+    from sendpath.api import http_server
+
+    try:
+        return http_server.bind(args.host, args.port)
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
 
 
 def add_tracing_args(p: argparse.ArgumentParser) -> None:

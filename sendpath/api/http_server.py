@@ -25,8 +25,8 @@ Each request's scope carries a ``DisconnectSignal`` (``disconnect.py``) in its
 extensions, set when the connection is lost before the response is complete: what
 ``receive()`` would say, so an app can follow its client without a task waiting on it.
 
-``run(app, host, port, limits)`` is what the commands call; ``limits`` also carries the
-keep-alive idle bound (uvicorn's own).
+``bind(host, port)`` then ``run(app, sock, limits)`` is what the commands call;
+``limits`` also carries the keep-alive idle bound (uvicorn's own).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from sendpath.api.disconnect import SIGNAL_KEY, DisconnectSignal
 from sendpath.config import ConnectionLimits
 
-__all__ = ["GuardedProtocol", "HeadWithBody", "run", "uvicorn_config"]
+__all__ = ["GuardedProtocol", "HeadWithBody", "bind", "run", "uvicorn_config"]
 
 logger = logging.getLogger("sendpath.http")
 
@@ -202,19 +202,36 @@ def uvicorn_config(
     )
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound but not yet listening. A command takes it before its
+    slow start (replicas loading), so a port in use fails at once, before minutes of
+    work, and nothing started meanwhile can take it; until ``run`` listens, a connection
+    is refused, not left waiting. Port 0 takes a free port (``sock.getsockname()``)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(
+            f"cannot listen on {host}:{port} ({exc.strerror}): stop what holds the port, "
+            "or pick another with --port"
+        ) from exc
+    return sock
+
+
 def run(
     app: Any,
-    host: str,
-    port: int,
+    sock: socket.socket,
     limits: ConnectionLimits,
     listening: Callable[[], None] = lambda: None,
     **options: Any,
 ) -> None:
-    """Serve ``app`` until interrupted (uvicorn.run with the guarded protocol).
-    ``listening`` runs once the port is bound: a connection made after it waits in the
-    backlog until the app is up, never refused."""
+    """Serve ``app`` on ``sock`` (from ``bind``) until interrupted (uvicorn.run with the
+    guarded protocol). ``listening`` runs once the socket listens: a connection made after
+    it waits in the backlog until the app is up, never refused."""
+    host, port = sock.getsockname()[:2]
     config = uvicorn_config(app, host, port, limits, **options)
-    sock = config.bind_socket()  # bound only: a connection now would be refused
     sock.listen(config.backlog)  # (uvicorn listens once the app is up; this is earlier)
     listening()
     uvicorn.Server(config).run(sockets=[sock])

@@ -76,7 +76,13 @@ def add_ray_serve_args(p: argparse.ArgumentParser) -> None:
 def run_ray_serve(args: argparse.Namespace) -> int:
     """`serve --ray`: deploy, serve the gateway until Ctrl-C or SIGTERM, delete."""
     from sendpath.api import http_server
-    from sendpath.api.cli_args import connection_limits, ignore, interrupt, log_setup
+    from sendpath.api.cli_args import (
+        bound_socket,
+        connection_limits,
+        ignore,
+        interrupt,
+        log_setup,
+    )
     from sendpath.cluster.fleet import RayFleet, RayPlacement, RayScaling, connect
     from sendpath.config import ReplicaConfig
     from sendpath.engine.args import engine_config
@@ -125,6 +131,10 @@ def run_ray_serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     config = replace(config, ray_address=args.ray, replica_api_key=key)
+    sock = bound_socket(args)  # taken before the replicas deploy (minutes, maybe)
+    if sock is None:
+        return 1
+    port = sock.getsockname()[1]
     log_setup()
     signal.signal(signal.SIGTERM, interrupt)
     try:
@@ -152,7 +162,7 @@ def run_ray_serve(args: argparse.Namespace) -> int:
 
         def listening() -> None:
             print(
-                f"sendpath serve: http://{args.host}:{args.port}/v1 -> Ray Serve app "
+                f"sendpath serve: http://{args.host}:{port}/v1 -> Ray Serve app "
                 f"'sendpath', policy {config.policy} (Ctrl-C stops everything)",
                 flush=True,
             )
@@ -160,11 +170,12 @@ def run_ray_serve(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, ignore)
         settle_heap()
-        http_server.run(app, args.host, args.port, config.connection, listening)
+        http_server.run(app, sock, config.connection, listening)
     except KeyboardInterrupt:
         print("sendpath serve: interrupted while starting", flush=True)
         return 130
     finally:
+        sock.close()
         fleet.close()
     print("sendpath serve: stopped (the Serve app is deleted)", flush=True)
     return 0

@@ -14,6 +14,7 @@ from pathlib import Path
 from sendpath.api.cli_args import (
     add_connection_args,
     add_tracing_args,
+    bound_socket,
     connection_limits,
     log_setup,
 )
@@ -42,7 +43,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], help: str
         "OpenAI-compatible replicas (ours, vLLM, llama.cpp).",
     )
     gw.add_argument("--host", default="127.0.0.1")
-    gw.add_argument("--port", type=int, default=8000)
+    gw.add_argument("--port", type=int, default=8000, help="8000; 0 takes a free one (--workers 1)")
     gw.add_argument(
         "--replica",
         action="append",
@@ -266,15 +267,20 @@ def run_gateway(args: argparse.Namespace) -> int:
     behind = ", ".join(config.replicas) or "the Ray cluster's sendpath replicas"
     if config.ray_address is not None and config.replicas:
         behind += " and the Ray cluster's sendpath replicas"
+    sock = None  # several workers: uvicorn's master binds the port
+    if args.workers == 1 and (sock := bound_socket(args)) is None:
+        return 1
+    port = args.port if sock is None else sock.getsockname()[1]
     print(
-        f"sendpath gateway: http://{args.host}:{args.port} -> {behind} "
+        f"sendpath gateway: http://{args.host}:{port} -> {behind} "
         f"({args.workers} worker{'s' if args.workers > 1 else ''})",
         flush=True,
     )
     log_setup()
-    if args.workers == 1:
+    if sock is not None:
         settle_heap()
-        http_server.run(app, args.host, args.port, config.connection)
+        with sock:
+            http_server.run(app, sock, config.connection)
         return 0
     os.environ[CONFIG_ENV] = config_to_env(config)
     uvicorn.run(

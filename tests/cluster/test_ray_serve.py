@@ -21,7 +21,6 @@ from typing import Any
 import httpx
 import pytest
 
-from sendpath.fleet import free_port
 from sendpath.model.kernels import cpu_kernels
 from tests.conftest import wait_for
 
@@ -72,18 +71,19 @@ class RayServe:
 
 
 def start(cluster: Cluster, model: Path, data: Path, *flags: str) -> RayServe:
-    port = free_port()
+    # --port 0: serve takes a free port before it deploys (Ray's processes start meanwhile
+    # and bind ports of their own) and prints it when it listens
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "sendpath.cli", "serve", "--ray", cluster.address,
-            "--port", str(port), "--no-auth", "--data-dir", str(data), "--model", str(model),
+            "--port", "0", "--no-auth", "--data-dir", str(data), "--model", str(model),
             "--served-model-name", "tiny", "--kv-cache-memory-gib", "0.05", *flags,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )  # fmt: skip
-    served = RayServe(proc, f"http://127.0.0.1:{port}")
+    served = RayServe(proc, "")
     assert proc.stdout is not None
     out = proc.stdout
 
@@ -93,11 +93,12 @@ def start(cluster: Cluster, model: Path, data: Path, *flags: str) -> RayServe:
 
     threading.Thread(target=read, daemon=True).start()
     deadline = time.monotonic() + 180
-    while not any("Ctrl-C stops everything" in line for line in served.lines):
+    while not (up := [line for line in served.lines if "Ctrl-C stops everything" in line]):
         if proc.poll() is not None or time.monotonic() > deadline:
             stop(served)
             pytest.fail("".join(served.lines[-60:]))
         time.sleep(0.05)
+    served.url = up[0].split()[2].removesuffix("/v1")
     return served
 
 
