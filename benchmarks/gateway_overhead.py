@@ -47,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,6 +199,7 @@ def side_by_side(
     rounds: dict[str, dict[str, list[float]]] = {
         k: {"off": [], "on": [], "share": []} for k in secrets
     }
+    pieces: dict[str, Counter[str]] = {k: Counter() for k in secrets}
     spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
     for n in range(args.side_by_side):
         for kind, secret in secrets.items():
@@ -205,7 +207,8 @@ def side_by_side(
             for which, index in order:
                 port, pid = gateways[index]
                 load = Load(port, body, f"authorization: Bearer {secret}\r\n")
-                with sampled(spy if which == "on" else None, pid, args.seconds) as share:
+                spied = spy if which == "on" else None
+                with sampled(spied, pid, args.seconds, pieces[kind]) as share:
                     row = measure(load, args.concurrency, args.seconds, pid)
                 rounds[kind][which].append(row["gateway_cpu_ms_per_request"])
                 rounds[kind]["share"] += share
@@ -222,6 +225,10 @@ def side_by_side(
             extra = [s / (1 - s) for s in pair["share"]]
             out[f"{kind}_key"]["export_extra_cpu_per_round"] = [round(e, 4) for e in extra]
             out[f"{kind}_key"]["export_extra_cpu_median"] = round(statistics.median(extra), 4)
+            total = pieces[kind].pop("(all samples)")
+            out[f"{kind}_key"]["export_share_by_entry"] = {
+                entry: round(n / total, 4) for entry, n in pieces[kind].most_common(8)
+            }
     return out
 
 
@@ -240,10 +247,13 @@ EXPORT_FRAMES = (
 
 
 @contextlib.contextmanager
-def sampled(spy: str | None, pid: int, seconds: float) -> Iterator[list[float]]:
+def sampled(
+    spy: str | None, pid: int, seconds: float, pieces: Counter[str]
+) -> Iterator[list[float]]:
     """With ``spy`` (py-spy's path), sample ``pid``'s stacks while the block runs and
     append the share of its CPU samples that are in the export path (``EXPORT_FRAMES``):
-    a direct attribution, steadier than two CPU totals on a drifting host."""
+    a direct attribution, steadier than two CPU totals on a drifting host. ``pieces``
+    counts the export path's samples by where they enter it (the outermost such frame)."""
     share: list[float] = []
     if spy is None:
         yield share
@@ -262,10 +272,14 @@ def sampled(spy: str | None, pid: int, seconds: float) -> Iterator[list[float]]:
             if not count.isdigit():  # not a stack: a line py-spy says something on
                 continue
             total += int(count)
-            if any(frame in stack for frame in EXPORT_FRAMES):
+            entry = next((f for f in stack.split(";") if any(e in f for e in EXPORT_FRAMES)), None)
+            if entry is not None:
                 export += int(count)
+                name, _, where = entry.partition(" (")  # "function (path:line)"
+                pieces[f"{name} ({'/'.join(where.split(':')[0].split('/')[-2:])})"] += int(count)
         if total:
             share.append(export / total)
+            pieces["(all samples)"] += total
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

@@ -4,7 +4,8 @@
 its run-to-run drift is larger than the difference; this times each piece alone, with
 ``time.process_time`` over many requests: building a request's span tree from its context
 (``gateway/spans.py``), and encoding it to OTLP protobuf, by the SDK's encoder (through
-``ReadableSpan`` records) and by ``telemetry/otlp.py`` (what the gateway uses).
+``ReadableSpan`` records) and by ``telemetry/otlp.py`` (what the gateway uses: in C where
+it builds, ``otlp_native.c``, else in Python; both timed).
 
     .venv/bin/python benchmarks/span_export.py
 
@@ -29,6 +30,7 @@ from sendpath.telemetry.otlp import (
     encode_request,
     encode_resource,
     encode_tree,
+    prefer_native,
 )
 from sendpath.telemetry.trace_context import TraceParent
 from sendpath.trace import Stage
@@ -84,9 +86,16 @@ def main() -> None:
     for ctx in contexts:
         tree_of(ctx)
     build = time.process_time() - t0
-    t0 = time.process_time()
-    encoded = [EncodedSpans(encode_tree(tree_of(ctx))) for ctx in contexts]  # Tracing.emit
-    at_end = time.process_time() - t0
+    at_end = {}
+    for encoder in ("python", "c"):
+        how = prefer_native(encoder == "c")
+        if encoder == "c" and not how.startswith("in C"):
+            print(f"the C encoder is not timed: encoded {how}")
+            continue
+        t0 = time.process_time()
+        encoded = [EncodedSpans(encode_tree(tree_of(ctx))) for ctx in contexts]  # Tracing.emit
+        at_end[encoder] = per_request_us(time.process_time() - t0)
+    prefer_native(False)
     t0 = time.process_time()
     direct = sum(len(encode_request(*parts, encoded[i : i + BATCH])) for i in range(0, N, BATCH))
     batches = time.process_time() - t0
@@ -104,7 +113,7 @@ def main() -> None:
         "requests": N,
         "spans_per_request": len(trees[0].root.walk()),
         "build_us_per_request": per_request_us(build),
-        "build_and_encode_us_per_request": per_request_us(at_end),
+        "build_and_encode_us_per_request": at_end,
         "batch_us_per_request": per_request_us(batches),
         "encode_sdk_us_per_request": per_request_us(sdk),
         "bytes_per_request": {"direct": direct // N, "sdk": sdk_bytes // N},

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -169,6 +170,21 @@ def require_program(name: str, package: str) -> str:
             pytest.fail(f"CI must not skip: {reason}")
         pytest.skip(reason)
     return path
+
+
+@pytest.fixture(scope="session")
+def native() -> ModuleType:
+    """The C OTLP encoder (telemetry/otlp_native.c), built here: skip where it cannot be,
+    except in CI, where it fails (the machine's C compiler builds the kernels too)."""
+    from sendpath.native import NativeBuildError
+    from sendpath.telemetry.otlp import native_encoder
+
+    try:
+        return native_encoder()
+    except NativeBuildError as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must build the C encoder: {exc}")
+        pytest.skip(f"the C encoder cannot be built here: {exc}")
 
 
 @dataclass

@@ -9,8 +9,9 @@ resource takes ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES``.
 
 A finished request's spans (a ``SpanRecord`` tree, with the times the request's event
 list already holds: no span is started live, so there is no second clock and nothing to
-end on every path) are encoded to OTLP protobuf there and then (``otlp.py``: a few
-microseconds a span, and bytes, not objects, wait in the queue) and handed to the SDK's
+end on every path) are encoded to OTLP protobuf there and then (``otlp.py``, in C where
+it builds, which the process logs: a few microseconds a request, and bytes, not objects,
+wait in the queue) and handed to the SDK's
 ``BatchSpanProcessor`` as one item. It queues them (bounded: past ``MAX_QUEUE`` requests
 it drops, never blocks) and a thread of its own sends them in batches of ``EXPORT_BATCH``
 requests over the SDK's OTLP/HTTP exporter's client, so a collector that refuses or
@@ -20,6 +21,7 @@ and ``OTEL_BSP_SCHEDULE_DELAY`` set these as they do for the SDK's processor.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -36,6 +38,7 @@ from sendpath.telemetry.otlp import (
     encode_request,
     encode_resource,
     encode_tree,
+    prefer_native,
 )
 from sendpath.telemetry.sampling import Sampler
 from sendpath.telemetry.spans import AttributeValue, SpanRecord
@@ -54,6 +57,8 @@ MAX_QUEUE = 4096  # requests' spans waiting for export; more are dropped
 # and ~8 us at the SDK's 512 (measured on loopback)
 EXPORT_BATCH = 2048
 SHUTDOWN_S = 3.0  # at exit, how long the last spans may take to go out
+
+logger = logging.getLogger("sendpath.telemetry")
 
 
 def traces_endpoint(flag: str | None) -> str | None:
@@ -123,6 +128,8 @@ class Tracing:
         # where that client is not there (another SDK version), trees go through the
         # exporter's own export as ReadableSpan records (slower, the same spans)
         exporter = _OTLPBytes(client, otlp, resource) if encoded else _Readable(otlp, resource)
+        if encoded:
+            logger.info("OTLP spans encoded %s", prefer_native())
         processor = BatchSpanProcessor(exporter, **_batching())  # type: ignore[arg-type]
         return cls(resource, processor, encoded=encoded)
 

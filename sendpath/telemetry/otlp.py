@@ -10,7 +10,11 @@ and kind, attribute keys, whole key-value pairs such as the operation or the rou
 policy) is encoded once and kept.
 
 ``encode_tree`` runs where a request ends, so what waits in the export queue is bytes:
-no objects for the garbage collector to walk while a batch fills.
+no objects for the garbage collector to walk while a batch fills. Where a C compiler and
+Python's headers are present, ``prefer_native`` has ``otlp_native.c`` (built on first
+use, ``sendpath/native.py``) write the same bytes: in a loaded gateway this encoder's
+Python cost more than its loop suggests (each request's run of it finds little of it in
+the CPU's caches), and the C one runs no Python per span.
 """
 
 from __future__ import annotations
@@ -19,11 +23,22 @@ import random
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from random import randbytes
+from types import ModuleType
 
+from sendpath.native import NativeBuildError, build_extension
 from sendpath.telemetry.spans import AttributeValue, SpanRecord
 
-__all__ = ["SpanTree", "encode_request", "encode_resource", "encode_tree"]
+__all__ = [
+    "SpanTree",
+    "encode_request",
+    "encode_resource",
+    "encode_tree",
+    "encode_tree_python",
+    "native_encoder",
+    "prefer_native",
+]
 
 _TIMES = struct.Struct("<BQBQ").pack  # start_time_unix_nano (9), end_time_unix_nano (8)
 _DOUBLE = struct.Struct("<d").pack
@@ -197,9 +212,50 @@ def _span_id(record: SpanRecord) -> bytes:
     return (known or random.getrandbits(64) or 1).to_bytes(8, "big")
 
 
+_native: ModuleType | None = None  # the C encoder, once ``prefer_native`` loaded it
+
+
+def native_encoder() -> ModuleType:
+    """The C encoder (``otlp_native.c``), built here on first use; raises
+    ``NativeBuildError`` saying why it cannot be."""
+    return build_extension("_sendpath_otlp", Path(__file__).with_name("otlp_native.c"))
+
+
+def prefer_native(native: bool = True) -> str:
+    """Encode in C from now on where it can be built (``native=False``: in Python);
+    says which encoder is used and, for Python, why."""
+    global _native
+    _native = None
+    if not native:
+        return "in Python"
+    try:
+        _native = native_encoder()
+    except NativeBuildError as exc:
+        return f"in Python ({exc})"
+    return "in C (telemetry/otlp_native.c)"
+
+
 def encode_tree(tree: SpanTree) -> bytes:
     """A tree's spans, each a ``Span`` field of ``ScopeSpans`` (``encode_request`` puts
-    them in a request), parents before their children."""
+    them in a request), parents before their children; in C once ``prefer_native``
+    loaded it, else by ``encode_tree_python``. Equal bytes either way, but the ids of
+    spans that have none are drawn."""
+    native = _native
+    if native is None:
+        return encode_tree_python(tree)
+    caller = tree.parent_span_id
+    encoded: bytes = native.encode_tree(
+        tree.root,
+        tree.trace_id.to_bytes(16, "big"),
+        tree.span_id.to_bytes(8, "big"),
+        None if caller is None else caller.to_bytes(8, "big"),
+        tree.offset,
+    )
+    return encoded
+
+
+def encode_tree_python(tree: SpanTree) -> bytes:
+    """``encode_tree`` in Python."""
     trace = b"\x0a\x10" + tree.trace_id.to_bytes(16, "big")
     # Span.flags as the SDK's encoder writes them: whether the parent is remote
     tail = b"\x7a\x00\x85\x01" + _FLAGS(_HAS_IS_REMOTE)  # after an UNSET status

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
@@ -102,7 +104,9 @@ def test_the_endpoint_flag_is_checked_and_completed() -> None:
 
 
 @pytest.mark.parametrize("caller", [0x77, None], ids=["continued", "root"])
-def test_the_direct_encoding_is_the_sdks_encoding_of_the_same_spans(caller: int | None) -> None:
+def test_the_direct_encoding_is_the_sdks_encoding_of_the_same_spans(
+    caller: int | None, encoder: str
+) -> None:
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
         ExportTraceServiceRequest,
@@ -156,3 +160,20 @@ def test_batches_are_ours_unless_the_environment_sizes_them(
     tracing = Tracing.configured(None, "s")
     assert tracing is not None
     tracing.shutdown()
+
+
+def test_the_exporter_encodes_in_c_where_it_builds_and_says_so(
+    native: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    from sendpath.telemetry import otlp
+
+    with caplog.at_level(logging.INFO, logger="sendpath.telemetry"):
+        tracing = Tracing.configured("http://127.0.0.1:1/v1/traces", "s")
+    try:
+        assert tracing is not None and tracing.encoded
+        assert "OTLP spans encoded in C (telemetry/otlp_native.c)" in caplog.text
+        assert otlp._native is not None
+    finally:
+        otlp.prefer_native(False)
+        assert tracing is not None
+        tracing.shutdown()

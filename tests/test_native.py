@@ -1,0 +1,63 @@
+"""C extensions built on first use: built once into the cache folder and loaded; a
+missing compiler or a source that does not compile is an error that says so."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from sendpath.native import NativeBuildError, build_extension
+
+SOURCE = """
+#include <Python.h>
+static PyObject *answer(PyObject *self, PyObject *args) { return PyLong_FromLong(42); }
+static PyMethodDef methods[] = {{"answer", answer, METH_NOARGS, NULL}, {NULL, NULL, 0, NULL}};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "NAME", NULL, -1, methods};
+PyMODINIT_FUNC PyInit_NAME(void) { return PyModule_Create(&module); }
+"""
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("SENDPATH_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "native"
+
+
+def test_an_extension_is_built_once_and_loaded(
+    tmp_path: Path, cache: Path, native: ModuleType
+) -> None:
+    source = tmp_path / "tiny.c"
+    source.write_text(SOURCE.replace("NAME", "_tiny"))
+    assert build_extension("_tiny", source).answer() == 42
+    (built,) = cache.iterdir()  # one file, no partial one left
+    stamp = built.stat().st_mtime_ns
+    assert build_extension("_tiny", source).answer() == 42
+    assert built.stat().st_mtime_ns == stamp  # not built again
+    source.write_text(SOURCE.replace("NAME", "_tiny").replace("42", "43"))
+    assert build_extension("_tiny", source).answer() == 43  # an edit builds anew
+
+
+def test_a_source_that_does_not_compile_says_where(
+    tmp_path: Path, cache: Path, native: ModuleType
+) -> None:
+    source = tmp_path / "broken.c"
+    source.write_text("#include <Python.h>\nthis is not C;\n")
+    with pytest.raises(NativeBuildError, match=r"failed on broken\.c: .*error"):
+        build_extension("_broken", source)
+    assert not cache.exists() or not list(cache.iterdir())  # nothing half-built kept
+
+
+def test_no_compiler_is_an_error_that_names_it(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch, native: ModuleType
+) -> None:
+    source = tmp_path / "tiny.c"
+    source.write_text(SOURCE.replace("NAME", "_tiny"))
+    real = sysconfig.get_config_var
+    monkeypatch.setattr(
+        sysconfig, "get_config_var", lambda name: "/no/such/cc" if name == "CC" else real(name)
+    )
+    with pytest.raises(NativeBuildError, match=r"/no/such/cc could not compile tiny\.c"):
+        build_extension("_tiny", source)
