@@ -39,7 +39,8 @@ def cache_dir() -> Path:
 
 def build_extension(name: str, source: Path) -> ModuleType:
     """The extension module ``name`` (its C source defines ``PyInit_<name>``) built from
-    ``source``, compiled here once; raises ``NativeBuildError`` saying what is missing."""
+    ``source``, compiled here once; raises ``NativeBuildError`` saying what is missing.
+    A built file that does not load (cut short, say) is built again, once."""
     include = sysconfig.get_paths()["include"]
     if not (Path(include) / "Python.h").exists():
         raise NativeBuildError(
@@ -50,17 +51,31 @@ def build_extension(name: str, source: Path) -> ModuleType:
     for part in (sys.version, sys.prefix, include, " ".join(compiler)):
         key.update(part.encode())
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    target = cache_dir() / "native" / f"{name}-{key.hexdigest()[:12]}{suffix}"
-    if not target.exists():
+    try:
+        target = cache_dir() / "native" / f"{name}-{key.hexdigest()[:12]}{suffix}"
+        if not target.exists():
+            _compile(compiler, include, source, target)
+        try:
+            return _load(name, target)
+        except ImportError:  # cut short, say: built again, once
+            target.unlink(missing_ok=True)
         _compile(compiler, include, source, target)
+        try:
+            return _load(name, target)
+        except ImportError as exc:
+            raise NativeBuildError(f"{target} does not load: {exc}") from exc
+    except NativeBuildError:
+        raise
+    except (OSError, RuntimeError) as exc:  # no home, a cache folder that cannot be written
+        raise NativeBuildError(f"cannot keep a built {source.name}: {exc}") from exc
+
+
+def _load(name: str, target: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, target)
     if spec is None or spec.loader is None:
-        raise NativeBuildError(f"{target} is not a loadable extension")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except ImportError as exc:
-        raise NativeBuildError(f"{target} does not load: {exc}") from exc
+        raise ImportError(f"{target} is not a loadable extension")
+    module = importlib.util.module_from_spec(spec)  # an extension is opened here
+    spec.loader.exec_module(module)
     return module
 
 
@@ -73,15 +88,18 @@ def _compile(compiler: list[str], include: str, source: Path, target: Path) -> N
         "-o", partial,
     ]  # fmt: skip
     try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        os.unlink(partial)
-        raise NativeBuildError(f"{compiler[0]} could not compile {source.name}: {exc}") from exc
-    if done.returncode != 0:
-        os.unlink(partial)
-        lines = done.stderr.strip().splitlines() or ["no message"]
-        first = next((line for line in lines if "error" in line), lines[-1]).strip()
-        raise NativeBuildError(f"{compiler[0]} failed on {source.name}: {first}")
-    os.replace(partial, target)
+        try:
+            done = subprocess.run(
+                command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise NativeBuildError(f"{compiler[0]} could not compile {source.name}: {exc}") from exc
+        if done.returncode != 0:
+            lines = done.stderr.strip().splitlines() or ["no message"]
+            first = next((line for line in lines if "error" in line), lines[-1]).strip()
+            raise NativeBuildError(f"{compiler[0]} failed on {source.name}: {first}")
+        os.chmod(partial, 0o755)  # mkstemp made it 0600: others sharing the cache load it
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)

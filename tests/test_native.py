@@ -3,6 +3,8 @@ missing compiler or a source that does not compile is an error that says so."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 from types import ModuleType
@@ -60,4 +62,32 @@ def test_no_compiler_is_an_error_that_names_it(
         sysconfig, "get_config_var", lambda name: "/no/such/cc" if name == "CC" else real(name)
     )
     with pytest.raises(NativeBuildError, match=r"/no/such/cc could not compile tiny\.c"):
+        build_extension("_tiny", source)
+
+
+def test_a_built_file_that_does_not_load_is_built_again(
+    tmp_path: Path, cache: Path, native: ModuleType
+) -> None:
+    source = tmp_path / "tiny.c"
+    source.write_text(SOURCE.replace("NAME", "_cut"))
+    build = (
+        "from pathlib import Path; from sendpath.native import build_extension as b; "
+        f"b('_cut', Path({str(source)!r}))"
+    )
+    subprocess.run([sys.executable, "-c", build], check=True)  # built, never loaded here
+    (built,) = cache.iterdir()
+    built.write_bytes(built.read_bytes()[:100])  # cut short
+    assert build_extension("_cut", source).answer() == 42
+    assert built.stat().st_mode & 0o044 == 0o044  # others sharing the cache can read it
+
+
+def test_a_cache_folder_that_cannot_be_written_is_an_error_that_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native: ModuleType
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("SENDPATH_CACHE_DIR", str(blocker))
+    source = tmp_path / "tiny.c"
+    source.write_text(SOURCE.replace("NAME", "_tiny"))
+    with pytest.raises(NativeBuildError, match=r"cannot keep a built tiny\.c"):
         build_extension("_tiny", source)

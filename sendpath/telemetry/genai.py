@@ -29,6 +29,8 @@ _NUMBERS = {
 
 
 MAX_MODEL = 256  # characters of a client's model name kept in a span
+# stop sequences kept only within the API's own bounds (api/schema.py: 16 of 1,024)
+MAX_STOP, MAX_STOP_CHARS = 16, 1024
 
 
 def operation_of(path: str) -> str | None:
@@ -64,7 +66,11 @@ def request_attributes(operation: str, body: Mapping[str, Any] | None) -> dict[s
         out["gen_ai.request.choice.count"] = n
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop
-    if isinstance(stops, list) and stops and all(isinstance(s, str) for s in stops):
+    if (
+        isinstance(stops, list)
+        and 0 < len(stops) <= MAX_STOP
+        and all(isinstance(s, str) and len(s) <= MAX_STOP_CHARS for s in stops)
+    ):  # what the API takes; a body past it is refused, and its span waits in the queue
         out["gen_ai.request.stop_sequences"] = stops
     return out
 

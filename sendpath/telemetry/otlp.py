@@ -46,6 +46,7 @@ _FLAGS = struct.Struct("<I").pack
 _KINDS = {"internal": b"\x30\x01", "server": b"\x30\x02", "client": b"\x30\x03"}
 _HAS_IS_REMOTE, _IS_REMOTE = 0x100, 0x200  # Span.flags: whether the parent is remote
 _CACHE_LIMIT = 4096  # key-value pairs kept encoded; past it the cache starts again
+_CACHED_BYTES = 320  # longer pairs are not kept (a client's model name: 256 characters)
 # attributes whose values differ from request to request: not worth keeping encoded
 UNCACHED = frozenset({"sendpath.request_id", "gen_ai.response.id", "sendpath.client_id"})
 
@@ -97,6 +98,15 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
+def _utf8(text: str) -> bytes:
+    """``text`` as UTF-8; a lone surrogate (a client's JSON can carry one) as "?", so
+    a client cannot drop its own trace (``otlp_native.c`` does the same)."""
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace")
+
+
 def _field(tag: bytes, data: bytes) -> bytes:
     """A length-delimited field."""
     n = len(data)
@@ -105,7 +115,7 @@ def _field(tag: bytes, data: bytes) -> bytes:
 
 def _any_value(value: AttributeValue) -> bytes:
     if isinstance(value, str):
-        return _field(b"\x0a", value.encode())
+        return _field(b"\x0a", _utf8(value))
     if isinstance(value, bool):
         return b"\x10\x01" if value else b"\x10\x00"
     if isinstance(value, int):
@@ -117,22 +127,19 @@ def _any_value(value: AttributeValue) -> bytes:
 
 
 _keys: dict[str, bytes] = {}  # attribute key -> its KeyValue.key field
-# (key, value: a list as a tuple) -> its KeyValue field
+# (key, a string or int value) -> its KeyValue field
 _pairs: dict[tuple[str, object], bytes] = {}
 
 
 def _key_value(tag: bytes, key: str, value: AttributeValue) -> bytes:
-    """One attribute (a ``KeyValue`` field of ``tag``); a key's pairs with a string, an
-    int or a list of strings are kept encoded unless its values are each request's own
-    (``UNCACHED``)."""
+    """One attribute (a ``KeyValue`` field of ``tag``); a key's pairs with a string or an
+    int are kept encoded unless its values are each request's own (``UNCACHED``) or the
+    pair is long. Not lists: a client's stop strings are one, and [1] and [True] would be
+    equal keys."""
     pair: tuple[str, object] | None = None
-    if key not in UNCACHED:
-        cls = value.__class__
-        if cls is str or cls is int:  # not bool: (k, True) and (k, 1) are equal keys
-            pair = (key, value)
-        elif isinstance(value, list):
-            pair = (key, tuple(value))
-    if pair is not None:
+    cls = value.__class__
+    if (cls is str or cls is int) and key not in UNCACHED:  # not bool: (k, 1) == (k, True)
+        pair = (key, value)
         encoded = _pairs.get(pair)
         if encoded is not None:
             return encoded
@@ -140,9 +147,9 @@ def _key_value(tag: bytes, key: str, value: AttributeValue) -> bytes:
     if head is None:
         if len(_keys) >= _CACHE_LIMIT:
             _keys.clear()
-        head = _keys[key] = _field(b"\x0a", key.encode())
+        head = _keys[key] = _field(b"\x0a", _utf8(key))
     encoded = _field(tag, head + _field(b"\x12", _any_value(value)))
-    if pair is not None:
+    if pair is not None and len(encoded) <= _CACHED_BYTES:
         if len(_pairs) >= _CACHE_LIMIT:
             _pairs.clear()
         _pairs[pair] = encoded
@@ -170,7 +177,7 @@ def _head(name: str, kind: str) -> bytes:
     """A span's name and kind fields (few pairs: kept encoded)."""
     encoded = _heads.get((name, kind))
     if encoded is None:
-        encoded = _field(b"\x2a", name.encode()) + _KINDS.get(kind, b"\x30\x01")
+        encoded = _field(b"\x2a", _utf8(name)) + _KINDS.get(kind, b"\x30\x01")
         if len(_heads) >= _CACHE_LIMIT:
             _heads.clear()
         _heads[name, kind] = encoded
@@ -184,7 +191,7 @@ def _span(record: SpanRecord, pre: bytes, span_id: bytes, tail: bytes, offset: f
     end = int((record.end + offset) * 1e9)
     times = _TIMES(0x39, start, 0x41, end if end > start else start)
     head = _head(record.name, record.kind)
-    if not (record.attributes or record.events or record.error):  # a stage: most spans
+    if not (record.attributes or record.events) and record.error is None:  # a stage: most spans
         body = b"".join((pre, b"\x12\x08", span_id, head, times, tail))
         n = len(body)
         return b"\x12" + (_SMALL[n] if n < 0x80 else _varint(n)) + body
@@ -196,11 +203,11 @@ def _span(record: SpanRecord, pre: bytes, span_id: bytes, tail: bytes, offset: f
     if record.events:
         for event_name, t in record.events:
             at = struct.pack("<BQ", 0x09, int((t + offset) * 1e9))
-            parts.append(_field(b"\x5a", at + _field(b"\x12", event_name.encode())))
+            parts.append(_field(b"\x5a", at + _field(b"\x12", _utf8(event_name))))
     if record.error is None:
         parts.append(tail)
     else:  # Status: its message, and code ERROR (2)
-        parts.append(_field(b"\x7a", _field(b"\x12", record.error.encode()) + b"\x18\x02"))
+        parts.append(_field(b"\x7a", _field(b"\x12", _utf8(record.error)) + b"\x18\x02"))
         parts.append(tail[2:])  # the flags only
     body = b"".join(parts)
     n = len(body)
@@ -325,7 +332,7 @@ def encode_resource(
 ) -> tuple[bytes, bytes]:
     """A process's ``Resource`` and ``InstrumentationScope``, encoded once."""
     resource = b"".join(_key_value(b"\x0a", k, v) for k, v in attributes.items())
-    scope = _field(b"\x0a", scope_name.encode()) + _field(b"\x12", scope_version.encode())
+    scope = _field(b"\x0a", _utf8(scope_name)) + _field(b"\x12", _utf8(scope_version))
     return resource, scope
 
 

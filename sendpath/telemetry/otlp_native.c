@@ -9,14 +9,20 @@
  *   offset    seconds that turn the records' clock readings into Unix time
  *
  * Spans without an id of their own (bare stages, children whose span_id is None) get
- * one from a xorshift generator seeded from the OS, seeded again after a fork. */
+ * one from a xorshift generator seeded from the OS, seeded again in a forked child.
+ * Text that is not valid UTF-8 (a lone surrogate a client's JSON can carry) is written
+ * with "?" in its place, as otlp.py does: a client cannot drop its own trace.
+ * Items of the record's lists are held while they are read, and nesting is bounded by
+ * Python's recursion limit: whatever the records hold, a bad one is an exception. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/random.h>
-#include <unistd.h>
+#include <time.h>
 
 typedef struct {
     char *data;
@@ -79,7 +85,7 @@ static Py_ssize_t open_field(Buf *b, uint8_t tag) {
 }
 
 static void close_field(Buf *b, Py_ssize_t body) {
-    size_t n = b->len - (size_t)body;
+    size_t n = b->len - (size_t)body;  /* ROOM's 5 bytes hold lengths below 32 GiB */
     uint8_t tmp[10];
     size_t k = varint_to(tmp, n);
     char *room = b->data + body - ROOM;
@@ -94,24 +100,42 @@ static int put_bytes_field(Buf *b, uint8_t tag, const char *s, Py_ssize_t n) {
 }
 
 static int put_str_field(Buf *b, uint8_t tag, PyObject *str) {
+    if (!PyUnicode_Check(str)) {
+        PyErr_Format(PyExc_TypeError, "a span's text cannot be %.100s", Py_TYPE(str)->tp_name);
+        return -1;
+    }
     Py_ssize_t n;
     const char *s = PyUnicode_AsUTF8AndSize(str, &n);
-    if (s == NULL) return -1;
-    return put_bytes_field(b, tag, s, n);
+    if (s != NULL) return put_bytes_field(b, tag, s, n);
+    if (!PyErr_ExceptionMatches(PyExc_UnicodeEncodeError)) return -1;
+    PyErr_Clear();  /* a lone surrogate: replaced, as otlp.py's _utf8 does */
+    PyObject *replaced = PyUnicode_AsEncodedString(str, "utf-8", "replace");
+    if (replaced == NULL) return -1;
+    int rc = put_bytes_field(b, tag, PyBytes_AS_STRING(replaced), PyBytes_GET_SIZE(replaced));
+    Py_DECREF(replaced);
+    return rc;
 }
 
 /* ids for spans that have none: never zero (not a valid span id) */
 static uint64_t rng_state;
-static pid_t rng_pid = -1;
+static int rng_seeded;
+
+static void forked(void) { rng_seeded = 0; }  /* a child does not repeat its parent's ids */
+
+static void seed_ids(void) {
+    uint64_t seed = 0;
+    if (getrandom(&seed, sizeof seed, GRND_NONBLOCK) != sizeof seed) {
+        struct timespec now;  /* no entropy call: the clock and an address, mixed */
+        clock_gettime(CLOCK_REALTIME, &now);
+        seed = (uint64_t)now.tv_nsec ^ ((uint64_t)now.tv_sec << 30) ^ (uint64_t)(uintptr_t)&now;
+        seed *= 0x9E3779B97F4A7C15u;
+    }
+    rng_state = seed ? seed : 0x9E3779B97F4A7C15u;
+    rng_seeded = 1;
+}
 
 static uint64_t next_id(void) {
-    pid_t pid = getpid();
-    if (pid != rng_pid) {  /* first use, or a forked child: not its parent's sequence */
-        uint64_t seed = 0;
-        if (getrandom(&seed, sizeof seed, 0) != sizeof seed) seed = (uint64_t)pid * 0x9E3779B97F4A7C15u;
-        rng_state = seed | 1;
-        rng_pid = pid;
-    }
+    if (!rng_seeded) seed_ids();
     uint64_t x;
     do {  /* xorshift64* */
         rng_state ^= rng_state >> 12;
@@ -171,7 +195,12 @@ static int any_value(Buf *b, PyObject *value) {
         memcpy(&bits, &d, 8);
         return put_fixed64(b, 0x21, bits);
     }
-    if (PyList_Check(value)) return array_value(b, value);
+    if (PyList_Check(value)) {
+        if (Py_EnterRecursiveCall(" in a span attribute's lists")) return -1;
+        int rc = array_value(b, value);
+        Py_LeaveRecursiveCall();
+        return rc;
+    }
     PyErr_Format(PyExc_TypeError, "a span attribute cannot be %.100s", Py_TYPE(value)->tp_name);
     return -1;
 }
@@ -193,13 +222,18 @@ static int key_value(Buf *b, PyObject *key, PyObject *value) {
 static int unix_nanos(PyObject *seconds, double offset, uint64_t *out) {
     double t = PyFloat_AsDouble(seconds);
     if (t == -1.0 && PyErr_Occurred()) return -1;
-    *out = (uint64_t)(int64_t)((t + offset) * 1e9);  /* int(): toward zero, as Python's */
+    double ns = (t + offset) * 1e9;
+    if (!(ns >= 0.0 && ns < 18446744073709551616.0)) {  /* NaN fails too */
+        PyErr_SetString(PyExc_OverflowError, "a span's time is not a Unix time in nanoseconds");
+        return -1;
+    }
+    *out = (uint64_t)ns;  /* int(): toward zero, as Python's */
     return 0;
 }
 
 static int times(Buf *b, uint64_t start, uint64_t end) {
     if (put_fixed64(b, 0x39, start) < 0) return -1;
-    return put_fixed64(b, 0x41, (int64_t)end > (int64_t)start ? end : start);
+    return put_fixed64(b, 0x41, end > start ? end : start);
 }
 
 static int kind_field(Buf *b, PyObject *kind) {
@@ -246,26 +280,27 @@ static int stages(Buf *b, const Tree *t, PyObject *list, const uint8_t *parent) 
         PyErr_SetString(PyExc_TypeError, "SpanRecord.stages is a list");
         return -1;
     }
-    Py_ssize_t n = PyList_GET_SIZE(list);
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
         PyObject *stage = PyList_GET_ITEM(list, i);
         if (!PyTuple_Check(stage) || PyTuple_GET_SIZE(stage) != 3) {
             PyErr_SetString(PyExc_TypeError, "a stage is (name, start, end)");
             return -1;
         }
+        Py_INCREF(stage);  /* reading its times can run Python code */
         uint8_t id[8];
         id_bytes(id, next_id());
         uint64_t t0, t1;
+        uint8_t internal[2] = {0x30, 1}, unset[2] = {0x7a, 0x00};  /* Status: unset */
         Py_ssize_t field = open_field(b, 0x12);  /* ScopeSpans.spans */
-        if (field < 0 || span_lead(b, t, parent, id) < 0) return -1;
-        if (put_str_field(b, 0x2a, PyTuple_GET_ITEM(stage, 0)) < 0) return -1;
-        uint8_t internal[2] = {0x30, 1};
-        if (put(b, internal, 2) < 0) return -1;
-        if (unix_nanos(PyTuple_GET_ITEM(stage, 1), t->offset, &t0) < 0) return -1;
-        if (unix_nanos(PyTuple_GET_ITEM(stage, 2), t->offset, &t1) < 0) return -1;
-        uint8_t unset[2] = {0x7a, 0x00};  /* Status: unset */
-        if (times(b, t0, t1) < 0 || put(b, unset, 2) < 0) return -1;
-        if (flags_field(b, HAS_IS_REMOTE) < 0) return -1;
+        int rc = field < 0 || span_lead(b, t, parent, id) < 0 ||
+                 put_str_field(b, 0x2a, PyTuple_GET_ITEM(stage, 0)) < 0 ||
+                 put(b, internal, 2) < 0 ||
+                 unix_nanos(PyTuple_GET_ITEM(stage, 1), t->offset, &t0) < 0 ||
+                 unix_nanos(PyTuple_GET_ITEM(stage, 2), t->offset, &t1) < 0 ||
+                 times(b, t0, t1) < 0 || put(b, unset, 2) < 0 ||
+                 flags_field(b, HAS_IS_REMOTE) < 0;
+        Py_DECREF(stage);
+        if (rc) return -1;
         close_field(b, field);
     }
     return 0;
@@ -282,21 +317,27 @@ static int children(Buf *b, const Tree *t, PyObject *record, const uint8_t *own)
     }
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(kids); i++) {
         PyObject *child = PyList_GET_ITEM(kids, i);
+        Py_INCREF(child);  /* reading it can run Python code */
         PyObject *known = PyObject_GetAttr(child, s_span_id);
-        if (known == NULL) goto fail;
         uint64_t value = 0;
-        if (known != Py_None) {
+        int rc = known == NULL;
+        if (!rc && known != Py_None) {
             value = PyLong_AsUnsignedLongLongMask(known);
-            if (value == (uint64_t)-1 && PyErr_Occurred()) {
-                Py_DECREF(known);
-                goto fail;
+            rc = value == (uint64_t)-1 && PyErr_Occurred();
+        }
+        Py_XDECREF(known);
+        if (!rc) {
+            uint8_t id[8];
+            id_bytes(id, value ? value : next_id());
+            rc = span(b, t, child, own, id, HAS_IS_REMOTE) < 0;
+            if (!rc && Py_EnterRecursiveCall(" in a span's children")) rc = 1;
+            else if (!rc) {
+                rc = children(b, t, child, id) < 0;
+                Py_LeaveRecursiveCall();
             }
         }
-        Py_DECREF(known);
-        uint8_t id[8];
-        id_bytes(id, value ? value : next_id());
-        if (span(b, t, child, own, id, HAS_IS_REMOTE) < 0) goto fail;
-        if (children(b, t, child, id) < 0) goto fail;
+        Py_DECREF(child);
+        if (rc) goto fail;
     }
     Py_DECREF(kids);
     PyObject *bare = PyObject_GetAttr(record, s_stages);
@@ -320,11 +361,14 @@ static int events(Buf *b, const Tree *t, PyObject *list) {
             PyErr_SetString(PyExc_TypeError, "an event is (name, time)");
             return -1;
         }
+        Py_INCREF(event);  /* reading its time can run Python code */
         uint64_t at;
-        if (unix_nanos(PyTuple_GET_ITEM(event, 1), t->offset, &at) < 0) return -1;
-        Py_ssize_t field = open_field(b, 0x5a);  /* Span.events */
-        if (field < 0 || put_fixed64(b, 0x09, at) < 0) return -1;
-        if (put_str_field(b, 0x12, PyTuple_GET_ITEM(event, 0)) < 0) return -1;
+        Py_ssize_t field = -1;
+        int rc = unix_nanos(PyTuple_GET_ITEM(event, 1), t->offset, &at) < 0 ||
+                 (field = open_field(b, 0x5a)) < 0 ||  /* Span.events */
+                 put_fixed64(b, 0x09, at) < 0 || put_str_field(b, 0x12, PyTuple_GET_ITEM(event, 0)) < 0;
+        Py_DECREF(event);
+        if (rc) return -1;
         close_field(b, field);
     }
     return 0;
@@ -427,7 +471,8 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_sendpath_otlp", NULL, -1, methods};
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_sendpath_otlp", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__sendpath_otlp(void) {
 #define INTERN(var, text) \
@@ -445,5 +490,9 @@ PyMODINIT_FUNC PyInit__sendpath_otlp(void) {
     INTERN(s_server, "server")
     INTERN(s_client, "client")
 #undef INTERN
+    if (pthread_atfork(NULL, NULL, forked) != 0) {
+        PyErr_SetString(PyExc_OSError, "pthread_atfork failed");
+        return NULL;
+    }
     return PyModule_Create(&module);
 }

@@ -88,3 +88,55 @@ def test_the_c_encoder_refuses_what_is_not_an_attribute(
         native.encode_tree(root, bytes(16), bytes(8), None, 0.0)
     with pytest.raises(ValueError, match="trace id: 16 bytes"):
         native.encode_tree(SpanRecord("chat", 0.0, 1.0), bytes(15), bytes(8), None, 0.0)
+
+
+def _both(tree: SpanTree) -> tuple[bytes, bytes]:
+    python = encode_tree_python(tree)
+    otlp.prefer_native()
+    try:
+        return python, encode_tree(tree)
+    finally:
+        otlp.prefer_native(False)
+
+
+def test_both_encoders_agree_on_edge_cases(native: ModuleType) -> None:
+    root = SpanRecord("chat \ud800", 10.0, 11.0, "server", {"model": "bad \udfff text"})
+    root.children = [
+        SpanRecord("empty error", 10.0, 10.5, span_id=3, error=""),  # still an error
+        # lists of other than strings (outside the type, written all the same): not
+        # kept encoded, where [1] and [True] would be one key
+        SpanRecord("lists", 10.0, 10.5, span_id=4, attributes={"a": [1], "b": [True]}),  # type: ignore[list-item]
+        SpanRecord("lists again", 10.0, 10.5, span_id=5, attributes={"a": [True], "b": [1]}),  # type: ignore[list-item]
+    ]
+    python, c = _both(SpanTree(root, 1, 2, None, 1, 0.0))
+    assert python == c
+    spans = ScopeSpans.FromString(c).spans
+    assert spans[0].name == "chat ?" and spans[0].attributes[0].value.string_value == (
+        "bad ? text"
+    )  # a lone surrogate a client sent does not cost the trace
+    assert spans[1].status.code == 2  # ERROR
+    values = [[kv.value.array_value.values[0] for kv in s.attributes] for s in spans[2:]]
+    assert [v.WhichOneof("value") for v in values[0]] == ["int_value", "bool_value"]
+    assert [v.WhichOneof("value") for v in values[1]] == ["bool_value", "int_value"]
+
+
+def test_the_c_encoder_refuses_bad_records_without_crashing(native: ModuleType) -> None:
+    cycle = SpanRecord("cycle", 0.0, 1.0)
+    cycle.children = [cycle]
+    with pytest.raises(RecursionError):
+        native.encode_tree(cycle, bytes(16), bytes(8), None, 0.0)
+    with pytest.raises(OverflowError, match="not a Unix time"):
+        native.encode_tree(SpanRecord("past", -5.0, 1.0), bytes(16), bytes(8), None, 0.0)
+    with pytest.raises(OverflowError, match="not a Unix time"):
+        native.encode_tree(SpanRecord("nan", float("nan"), 1.0), bytes(16), bytes(8), None, 0.0)
+
+    root = SpanRecord("r", 1.0, 2.0)
+
+    class Clearing:  # a time whose reading drops the list being read
+        def __float__(self) -> float:
+            root.stages.clear()
+            return 1.0
+
+    root.stages = [(f"s{i}", Clearing(), 2.0) for i in range(100)]  # type: ignore[misc]
+    spans = ScopeSpans.FromString(native.encode_tree(root, bytes(16), bytes(8), None, 0.0))
+    assert [s.name for s in spans.spans] == ["r", "s0"]
