@@ -135,7 +135,12 @@ class LocalFleet:
         cmd = [sys.executable, "-m", "sendpath.cli", "replica", "--port", str(port)]
         if self.kv_events is not None:
             cmd += ["--kv-events-config", self.kv_events.for_replica(index).to_json()]
-        return subprocess.Popen(cmd + self.engine_args, env=env, preexec_fn=_die_with_parent)
+        # a process group of its own: a terminal's Ctrl-C reaches `serve` alone, whose
+        # gateway finishes its requests before it stops the replicas (not all at once,
+        # nor a replica restarted while the gateway winds down); it dies with `serve`
+        return subprocess.Popen(
+            cmd + self.engine_args, env=env, preexec_fn=_die_with_parent, process_group=0
+        )
 
     def start(self) -> None:
         for i in range(self.count):

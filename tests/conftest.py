@@ -197,7 +197,9 @@ class Served:
     secret: str | None
 
 
-def start_serve(model_dir: Path, data_dir: Path, *flags: str, replicas: int = 2) -> Served:
+def start_serve(
+    model_dir: Path, data_dir: Path, *flags: str, replicas: int = 2, session: bool = False
+) -> Served:
     """Start `sendpath serve` on the tiny model and wait until it says it serves (the CPU
     kernels built here first: its replicas find them instead of each building them). It
     takes a free port itself (--port 0) before its replicas take theirs, and prints it."""
@@ -212,6 +214,7 @@ def start_serve(model_dir: Path, data_dir: Path, *flags: str, replicas: int = 2)
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=session,  # its own process group, as a terminal would start it
     )  # fmt: skip
     assert proc.stdout is not None
     lines: list[str] = []

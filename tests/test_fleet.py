@@ -117,3 +117,19 @@ def test_serve_on_a_taken_port_fails_at_once_without_starting_replicas(
     assert f"error: cannot listen on 127.0.0.1:{port} (Address already in use)" in proc.stderr
     assert "or pick another with --port" in proc.stderr
     assert "starting" not in proc.stdout  # no replica was started
+
+
+def test_ctrl_c_in_a_terminal_stops_serve_and_then_its_replicas(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    served = start_serve(tiny_llama_dir, tmp_path, "--no-auth", replicas=1, session=True)
+    proc = served.proc
+    (replica,) = child_pids(proc.pid)
+    # the terminal signals its foreground group: serve's; the replica has its own group,
+    # so only serve hears it and stops the replica once its gateway is done
+    assert os.getpgid(replica) != os.getpgid(proc.pid) == proc.pid
+    assert httpx.get(served.url + "/health").status_code == 200  # uvicorn's handlers are in
+    os.killpg(proc.pid, signal.SIGINT)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0 and "sendpath serve: stopped" in out
+    assert "starting it again" not in out and not _alive(replica)
