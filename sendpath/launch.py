@@ -135,10 +135,10 @@ def run_serve(args: argparse.Namespace) -> int:
                     flush=True,
                 )
 
+            settle_heap()  # before Ctrl-C is uvicorn's: a press meanwhile stops the start
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, ignore)
             fleet.supervise()  # a replica that exits is started again
-            settle_heap()
             http_server.run(app, sock, config.connection, listening)
     except KeyboardInterrupt:
         print("sendpath serve: interrupted while starting; replicas stopped", flush=True)

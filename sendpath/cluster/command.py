@@ -167,9 +167,9 @@ def run_ray_serve(args: argparse.Namespace) -> int:
                 flush=True,
             )
 
+        settle_heap()  # before Ctrl-C is uvicorn's: a press meanwhile stops the start
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, ignore)
-        settle_heap()
         http_server.run(app, sock, config.connection, listening)
     except KeyboardInterrupt:
         print("sendpath serve: interrupted while starting", flush=True)
