@@ -275,18 +275,29 @@ static int span_lead(Buf *b, const Tree *t, const uint8_t *parent, const uint8_t
 static int span(Buf *b, const Tree *t, PyObject *record, const uint8_t *parent,
                 const uint8_t *id, uint32_t flags);
 
-static int stages(Buf *b, const Tree *t, PyObject *list, const uint8_t *parent) {
-    if (!PyList_Check(list)) {
-        PyErr_SetString(PyExc_TypeError, "SpanRecord.stages is a list");
-        return -1;
+/* item i of a list of ``size``-tuples, held (reading it can run Python code, which may
+ * drop it from the list), or NULL with a TypeError naming ``what`` */
+static PyObject *held_tuple(PyObject *list, Py_ssize_t i, Py_ssize_t size, const char *what) {
+    PyObject *item = PyList_GET_ITEM(list, i);
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != size) {
+        PyErr_Format(PyExc_TypeError, "%s", what);
+        return NULL;
     }
+    Py_INCREF(item);
+    return item;
+}
+
+static int is_list(PyObject *obj, const char *field) {
+    if (PyList_Check(obj)) return 1;
+    PyErr_Format(PyExc_TypeError, "SpanRecord.%s is a list", field);
+    return 0;
+}
+
+static int stages(Buf *b, const Tree *t, PyObject *list, const uint8_t *parent) {
+    if (!is_list(list, "stages")) return -1;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
-        PyObject *stage = PyList_GET_ITEM(list, i);
-        if (!PyTuple_Check(stage) || PyTuple_GET_SIZE(stage) != 3) {
-            PyErr_SetString(PyExc_TypeError, "a stage is (name, start, end)");
-            return -1;
-        }
-        Py_INCREF(stage);  /* reading its times can run Python code */
+        PyObject *stage = held_tuple(list, i, 3, "a stage is (name, start, end)");
+        if (stage == NULL) return -1;
         uint8_t id[8];
         id_bytes(id, next_id());
         uint64_t t0, t1;
@@ -310,9 +321,8 @@ static int stages(Buf *b, const Tree *t, PyObject *list, const uint8_t *parent) 
 static int children(Buf *b, const Tree *t, PyObject *record, const uint8_t *own) {
     PyObject *kids = PyObject_GetAttr(record, s_children);
     if (kids == NULL) return -1;
-    if (!PyList_Check(kids)) {
+    if (!is_list(kids, "children")) {
         Py_DECREF(kids);
-        PyErr_SetString(PyExc_TypeError, "SpanRecord.children is a list");
         return -1;
     }
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(kids); i++) {
@@ -351,17 +361,10 @@ fail:
 }
 
 static int events(Buf *b, const Tree *t, PyObject *list) {
-    if (!PyList_Check(list)) {
-        PyErr_SetString(PyExc_TypeError, "SpanRecord.events is a list");
-        return -1;
-    }
+    if (!is_list(list, "events")) return -1;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
-        PyObject *event = PyList_GET_ITEM(list, i);
-        if (!PyTuple_Check(event) || PyTuple_GET_SIZE(event) != 2) {
-            PyErr_SetString(PyExc_TypeError, "an event is (name, time)");
-            return -1;
-        }
-        Py_INCREF(event);  /* reading its time can run Python code */
+        PyObject *event = held_tuple(list, i, 2, "an event is (name, time)");
+        if (event == NULL) return -1;
         uint64_t at;
         Py_ssize_t field = -1;
         int rc = unix_nanos(PyTuple_GET_ITEM(event, 1), t->offset, &at) < 0 ||

@@ -51,6 +51,8 @@ from typing import Any
 
 import torch
 
+from sendpath.native import cache_dir
+
 __all__ = ["cpu_kernels", "kernel_dir"]
 
 logger = logging.getLogger("sendpath.model.kernels")
@@ -99,12 +101,11 @@ def kernel_dir() -> Path:
     and kernel source. Two checkouts (or venvs) share none, so neither rebuilds the
     other's (a build's command line names its venv's torch headers and the sources' paths,
     and ninja rebuilds everything when that changes: a minute and more on 2 cores)."""
-    base = os.environ.get("SENDPATH_CACHE_DIR") or str(Path.home() / ".cache" / "sendpath")
     key = hashlib.sha256(sys.prefix.encode())
     for source in _SOURCES + _HEADERS:
         key.update(str(source).encode())
         key.update(source.read_bytes())
-    return Path(base) / "kernels" / f"torch-{torch.__version__}-{key.hexdigest()[:12]}"
+    return cache_dir() / "kernels" / f"torch-{torch.__version__}-{key.hexdigest()[:12]}"
 
 
 def cpu_kernels() -> Any | None:
