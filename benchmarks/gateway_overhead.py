@@ -23,11 +23,12 @@ Aims (issue 21): at most 1 ms added at p50; at least 1,000 requests/s per worker
 With ``--otlp`` the gateway exports every request's spans over OTLP/HTTP to a sink this
 script serves (it reads and discards them; its CPU is not the gateway's); aim (issue 40):
 at most 5% more gateway CPU per request; ``--side-by-side ROUNDS`` measures that ratio in
-one run, two gateways (without and with export) in alternating rounds, since this host's
-drift between separate runs is larger than the difference; where ``py-spy`` is installed it
-also samples the exporting gateway's stacks and reports the export path's own CPU over the
-rest (``export_extra_cpu_*``), a direct attribution that drift does not blur (it leaves out
-indirect costs such as more garbage collection).
+one run, two gateways (without and with export) loaded at once in each round, so the
+host's drift, larger here than the difference, is the same for both; where ``py-spy`` is
+installed it also samples the exporting gateway's stacks, in rounds of its own (its
+sampling takes CPU), and reports the export path's own CPU over the rest
+(``export_extra_cpu_*``), a direct attribution (it leaves out indirect costs such as more
+garbage collection).
 Results: ``benchmarks/results/gateway_overhead.json`` (``gateway_overhead_otlp_<ratio>.json``,
 ``gateway_overhead_otlp_side_by_side_<ratio>_c<concurrency>.json``).
 """
@@ -187,30 +188,48 @@ def start_gateway(
     )
 
 
+def measure_together(
+    loads: tuple[Load, Load], concurrency: int, seconds: float, pids: tuple[int, int]
+) -> tuple[float, float]:
+    """Both loads at once, ``concurrency`` connections each, over the same window: each
+    gateway's CPU ms per request (the host's drift is the same for both)."""
+
+    async def both(seconds: float) -> list[list[float]]:
+        return list(await asyncio.gather(*(load.run(concurrency, seconds) for load in loads)))
+
+    asyncio.run(both(min(2.0, seconds / 4)))  # warm: connections, caches
+    cpu0 = [cpu_seconds(pid) for pid in pids]
+    done = asyncio.run(both(seconds))
+    cpu = [cpu_seconds(pid) - c for pid, c in zip(pids, cpu0, strict=True)]
+    off, on = (c / len(lat) * 1e3 for c, lat in zip(cpu, done, strict=True))
+    return round(off, 4), round(on, 4)
+
+
 def side_by_side(
     gateways: tuple[tuple[int, int], tuple[int, int]],
     body: bytes,
     secrets: dict[str, str],
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    """Gateway CPU per request without and with export (``gateways``: their port and pid),
-    in alternating rounds at ``--concurrency``; both run at once, only the one measured
-    has load."""
+    """Gateway CPU per request without and with export (``gateways``: their port and
+    pid), both loaded at once at ``--concurrency`` each in each round, so both see the
+    same host; the exporting one is sampled by py-spy in rounds of its own."""
     rounds: dict[str, dict[str, list[float]]] = {
         k: {"off": [], "on": [], "share": []} for k in secrets
     }
     pieces: dict[str, Counter[str]] = {k: Counter() for k in secrets}
     spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
-    for n in range(args.side_by_side):
+    pids = (gateways[0][1], gateways[1][1])
+    for _ in range(args.side_by_side):
         for kind, secret in secrets.items():
-            order = (("off", 0), ("on", 1)) if n % 2 == 0 else (("on", 1), ("off", 0))
-            for which, index in order:
-                port, pid = gateways[index]
-                load = Load(port, body, f"authorization: Bearer {secret}\r\n")
-                spied = spy if which == "on" else None
-                with sampled(spied, pid, args.seconds, pieces[kind]) as share:
-                    row = measure(load, args.concurrency, args.seconds, pid)
-                rounds[kind][which].append(row["gateway_cpu_ms_per_request"])
+            header = f"authorization: Bearer {secret}\r\n"
+            loads = (Load(gateways[0][0], body, header), Load(gateways[1][0], body, header))
+            off, on = measure_together(loads, args.concurrency, args.seconds, pids)
+            rounds[kind]["off"].append(off)
+            rounds[kind]["on"].append(on)
+            if spy is not None:  # py-spy takes CPU of its own: not in the rounds compared
+                with sampled(spy, pids[1], args.seconds, pieces[kind]) as share:
+                    measure(loads[1], args.concurrency, args.seconds, pids[1])
                 rounds[kind]["share"] += share
     out: dict[str, Any] = {"concurrency": args.concurrency, "py_spy": spy is not None}
     for kind, pair in rounds.items():

@@ -4,8 +4,9 @@
 its run-to-run drift is larger than the difference; this times each piece alone, with
 ``time.process_time`` over many requests: building a request's span tree from its context
 (``gateway/spans.py``), and encoding it to OTLP protobuf, by the SDK's encoder (through
-``ReadableSpan`` records) and by ``telemetry/otlp.py`` (what the gateway uses: in C where
-it builds, ``otlp_native.c``, else in Python; both timed).
+``ReadableSpan`` records) and by ``telemetry/otlp.py`` (in C, ``otlp_native.c``, and in
+Python; both timed); and both in one C call (``gateway/spans_native.c``: what the
+gateway does where it builds).
 
     .venv/bin/python benchmarks/span_export.py
 
@@ -21,11 +22,11 @@ import time
 from pathlib import Path
 
 from sendpath.clock import RealClock
+from sendpath.gateway import spans
 from sendpath.gateway.context import AttemptRecord, GatewayContext
 from sendpath.gateway.spans import gateway_span
 from sendpath.telemetry.export import _resource, _resource_attributes, readable_spans
 from sendpath.telemetry.otlp import (
-    EncodedSpans,
     SpanTree,
     encode_request,
     encode_resource,
@@ -93,9 +94,20 @@ def main() -> None:
             print(f"the C encoder is not timed: encoded {how}")
             continue
         t0 = time.process_time()
-        encoded = [EncodedSpans(encode_tree(tree_of(ctx))) for ctx in contexts]  # Tracing.emit
+        encoded = [encode_tree(tree_of(ctx)) for ctx in contexts]
         at_end[encoder] = per_request_us(time.process_time() - t0)
     prefer_native(False)
+    how = spans.prefer_native()
+    if how.startswith("in C"):  # what the gateway does: build and encode in one C call
+        native, own = spans.native_spans(), spans._OWN
+        t0 = time.process_time()
+        for ctx in contexts:
+            assert ctx.trace is not None
+            ids = ctx.trace.trace_id.to_bytes(16, "big"), ctx.trace.span_id.to_bytes(8, "big")
+            native.encode_gateway(ctx, "chat", clock.now(), own, *ids, None, 0.0)
+        at_end["c_in_one_call"] = per_request_us(time.process_time() - t0)
+    else:
+        print(f"the one-call C build is not timed: spans built {how}")
     t0 = time.process_time()
     direct = sum(len(encode_request(*parts, encoded[i : i + BATCH])) for i in range(0, N, BATCH))
     batches = time.process_time() - t0

@@ -172,19 +172,33 @@ def require_program(name: str, package: str) -> str:
     return path
 
 
-@pytest.fixture(scope="session")
-def native() -> ModuleType:
-    """The C OTLP encoder (telemetry/otlp_native.c), built here: skip where it cannot be,
-    except in CI, where it fails (the machine's C compiler builds the kernels too)."""
+def built(build: Callable[[], ModuleType], what: str) -> ModuleType:
+    """A C extension of ours built here: skip where it cannot be, except in CI, where it
+    fails (the machine's C compiler builds the kernels too)."""
     from sendpath.native import NativeBuildError
-    from sendpath.telemetry.otlp import native_encoder
 
     try:
-        return native_encoder()
+        return build()
     except NativeBuildError as exc:
         if os.environ.get("CI"):
-            pytest.fail(f"CI must build the C encoder: {exc}")
-        pytest.skip(f"the C encoder cannot be built here: {exc}")
+            pytest.fail(f"CI must build {what}: {exc}")
+        pytest.skip(f"{what} cannot be built here: {exc}")
+
+
+@pytest.fixture(scope="session")
+def native() -> ModuleType:
+    """The C OTLP encoder (telemetry/otlp_native.c)."""
+    from sendpath.telemetry.otlp import native_encoder
+
+    return built(native_encoder, "the C encoder")
+
+
+@pytest.fixture(scope="session")
+def native_spans() -> ModuleType:
+    """The gateway's spans in one C call (gateway/spans_native.c)."""
+    from sendpath.gateway.spans import native_spans
+
+    return built(native_spans, "the gateway's C span builder")
 
 
 @dataclass

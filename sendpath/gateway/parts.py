@@ -19,6 +19,7 @@ from starlette.requests import Request
 
 from sendpath.clock import Clock
 from sendpath.config import GatewayConfig
+from sendpath.gateway import spans
 from sendpath.gateway.admission import AdmissionQueue
 from sendpath.gateway.context import GatewayContext
 from sendpath.gateway.keys import KeyStore, default_data_dir
@@ -28,7 +29,7 @@ from sendpath.gateway.metrics import GatewayMetrics
 from sendpath.gateway.proxy import KEEPALIVE_S, Proxy, ProxyTimeouts
 from sendpath.gateway.ratelimit import RateLimiter, make_limiter
 from sendpath.gateway.safety import DEFAULT_RULES, OutputGuard, RulesFilter, SafetyCheck
-from sendpath.gateway.spans import gateway_span, span_error
+from sendpath.gateway.spans import export_spans, span_error
 from sendpath.gateway.tokens import ReplicaText
 from sendpath.gateway.tracing import GatewayTrace, record
 from sendpath.gateway.upstream import UpstreamClient
@@ -97,11 +98,10 @@ class GatewayParts:
             _ttft(ctx),
             ctx.usage[1] if ctx.usage is not None else ctx.streamed_chunks,
         )
-        if self.tracing is None or ctx.trace is None or not ctx.trace.sampled:
+        if self.tracing is None:
             return
         try:
-            span = gateway_span(ctx, operation, end)
-            self.tracing.emit(span, ctx.trace, ctx.parent_span_id, self.clock)
+            export_spans(self.tracing, ctx, operation, end, self.clock)
         except Exception:  # a trace is never worth a request
             logger.exception("request %s: its spans could not be exported", ctx.request_id)
 
@@ -199,8 +199,17 @@ def build_parts(
         fleet_status=fleet_status,
         members=members(router, queue) if members is not None else None,
         traces=traces,
-        tracing=tracing or Tracing.configured(config.otlp_traces_endpoint, "sendpath-gateway"),
+        tracing=tracing or _tracing(config),
     )
+
+
+def _tracing(config: GatewayConfig) -> Tracing | None:
+    """Span export as the config and the environment say (``None``: off); where spans go
+    out as bytes, built in C where it builds (the process logs which)."""
+    tracing = Tracing.configured(config.otlp_traces_endpoint, "sendpath-gateway")
+    if tracing is not None and tracing.encoded:
+        logger.info("gateway spans built %s", spans.prefer_native())
+    return tracing
 
 
 def parts_of(request: Request) -> GatewayParts:

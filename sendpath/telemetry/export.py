@@ -11,12 +11,13 @@ A finished request's spans (a ``SpanRecord`` tree, with the times the request's 
 list already holds: no span is started live, so there is no second clock and nothing to
 end on every path) are encoded to OTLP protobuf there and then (``otlp.py``, in C where
 it builds, which the process logs: a few microseconds a request, and bytes, not objects,
-wait in the queue) and handed to the SDK's
-``BatchSpanProcessor`` as one item. It queues them (bounded: past ``MAX_QUEUE`` requests
-it drops, never blocks) and a thread of its own sends them in batches of ``EXPORT_BATCH``
-requests over the SDK's OTLP/HTTP exporter's client, so a collector that refuses or
-hangs costs a request nothing. ``OTEL_BSP_MAX_QUEUE_SIZE``, ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE``
-and ``OTEL_BSP_SCHEDULE_DELAY`` set these as they do for the SDK's processor.
+wait in the queue; the gateway builds and encodes its spans in one C call,
+``gateway/spans.py``) and appended to a ``SpanQueue`` (``batching.py``: bounded, past
+``MAX_QUEUE`` requests it drops, never blocks), whose thread sends them in batches of
+``EXPORT_BATCH`` requests over the SDK's OTLP/HTTP exporter's client, so a collector
+that refuses or hangs costs a request nothing. ``OTEL_BSP_MAX_QUEUE_SIZE``,
+``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` and ``OTEL_BSP_SCHEDULE_DELAY`` set these as they do
+for the SDK's batch processor.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from urllib.parse import urlsplit
 from sendpath import __version__
 from sendpath.clock import Clock
 from sendpath.extras import require
+from sendpath.telemetry.batching import SpanQueue
 from sendpath.telemetry.otlp import (
-    EncodedSpans,
     SpanTree,
     encode_request,
     encode_resource,
@@ -93,18 +94,22 @@ def _protocol() -> str:
 
 
 class Tracing:
-    """Where one process's spans go: its resource (service name), and the processor."""
+    """Where one process's spans go: its resource (service name), and either a queue of
+    encoded spans (``queue``: what ``configured`` makes) or an SDK span processor fed
+    ``SpanTree`` records (``processor``: any SDK exporter, the tests' in-memory one)."""
 
     def __init__(
         self,
         resource: Resource,
-        processor: SpanProcessor,
+        processor: SpanProcessor | None = None,
         sampler: Sampler | None = None,
-        encoded: bool = False,
+        queue: SpanQueue | None = None,
     ) -> None:
-        self.resource, self.processor = resource, processor
+        if (processor is None) == (queue is None):
+            raise ValueError("a Tracing sends through a processor or a queue, one of them")
+        self.resource, self.processor, self.queue = resource, processor, queue
         self.sampler = sampler or Sampler.from_env()
-        self.encoded = encoded  # the processor takes EncodedSpans, not SpanTrees
+        self.encoded = queue is not None  # spans go out as bytes (``emit_encoded``)
 
     @classmethod
     def configured(cls, endpoint: str | None, service: str) -> Tracing | None:
@@ -124,14 +129,15 @@ class Tracing:
         resource = _resource(service)
         otlp = OTLPSpanExporter(endpoint=endpoint)  # endpoint None: the environment's
         client = getattr(otlp, "_client", None)
-        encoded = client is not None and hasattr(client, "export")
-        # where that client is not there (another SDK version), trees go through the
-        # exporter's own export as ReadableSpan records (slower, the same spans)
-        exporter = _OTLPBytes(client, otlp, resource) if encoded else _Readable(otlp, resource)
-        if encoded:
-            logger.info("OTLP spans encoded %s", prefer_native())
-        processor = BatchSpanProcessor(exporter, **_batching())  # type: ignore[arg-type]
-        return cls(resource, processor, encoded=encoded)
+        if client is None or not hasattr(client, "export"):
+            # not there (another SDK version): trees go through the exporter's own export
+            # as ReadableSpan records, from the SDK's batch processor (slower, the same spans)
+            batching = _batching()
+            processor = BatchSpanProcessor(_Readable(otlp, resource), **batching)  # type: ignore[arg-type]
+            return cls(resource, processor)
+        logger.info("OTLP spans encoded %s", prefer_native())
+        sender = _OTLPBytes(client, otlp, resource)
+        return cls(resource, queue=SpanQueue(sender, MAX_QUEUE, EXPORT_BATCH))
 
     @classmethod
     def to(cls, exporter: SpanExporter, service: str) -> Tracing:
@@ -150,23 +156,42 @@ class Tracing:
         queued for a trace that is not sampled."""
         if not context.sampled:
             return
-        offset = time.time() - clock.now()  # this clock's readings as Unix time
+        offset = self.unix_offset(clock)
         tree = SpanTree(
             root, context.trace_id, context.span_id, parent_span_id, context.flags, offset
         )
-        item = EncodedSpans(encode_tree(tree)) if self.encoded else tree
-        self.processor.on_end(item)  # type: ignore[arg-type]  # the processor only queues it
+        if self.queue is not None:
+            self.queue.put(encode_tree(tree))
+        elif self.processor is not None:
+            self.processor.on_end(tree)  # type: ignore[arg-type]  # the processor only queues it
+
+    def emit_encoded(self, spans: bytes) -> None:
+        """Queue spans already encoded (``otlp.encode_tree``'s bytes, of a sampled
+        trace); only where ``encoded``."""
+        if self.queue is None:
+            raise RuntimeError("this Tracing takes span records: use emit")
+        self.queue.put(spans)
+
+    @staticmethod
+    def unix_offset(clock: Clock) -> float:
+        """What turns ``clock``'s readings into Unix time, now."""
+        return time.time() - clock.now()
 
     def shutdown(self) -> None:
         """Send what is queued, for at most ``SHUTDOWN_S`` (a hung collector does not hold
         the process: the export thread is a daemon)."""
-        done = threading.Thread(target=self.processor.shutdown, daemon=True)
+        if self.queue is not None:
+            self.queue.shutdown(SHUTDOWN_S)
+            return
+        processor = self.processor
+        assert processor is not None
+        done = threading.Thread(target=processor.shutdown, daemon=True)
         done.start()
         done.join(SHUTDOWN_S)
 
 
 def _batching() -> dict[str, int | None]:
-    """The batch processor's queue and batch sizes: ours unless the environment sets
+    """The SDK batch processor's queue and batch sizes: ours unless the environment sets
     them (``None``: the SDK reads, checks and defaults it)."""
     if os.environ.get("OTEL_BSP_MAX_QUEUE_SIZE"):
         return {"max_queue_size": None, "max_export_batch_size": None}
@@ -201,17 +226,11 @@ class _OTLPBytes:
         self.client, self.otlp = client, otlp
         self.parts = encode_resource(_resource_attributes(resource), "sendpath", __version__)
 
-    def export(self, batch: Sequence[EncodedSpans]) -> Any:
-        from opentelemetry.sdk.trace.export import SpanExportResult
-
-        result = self.client.export(encode_request(*self.parts, batch))
-        return SpanExportResult.SUCCESS if result.success else SpanExportResult.FAILURE
+    def send(self, batch: list[bytes]) -> bool:
+        return bool(self.client.export(encode_request(*self.parts, batch)).success)
 
     def shutdown(self) -> None:
         self.otlp.shutdown()
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return True
 
 
 class _Readable:

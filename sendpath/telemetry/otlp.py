@@ -52,7 +52,7 @@ UNCACHED = frozenset({"sendpath.request_id", "gen_ai.response.id", "sendpath.cli
 
 
 class _Sampled:
-    """What the SDK's span processors read of a queued item (``context.trace_flags
+    """What the SDK's span processors read of a queued tree (``context.trace_flags
     .sampled``): only sampled trees are queued."""
 
     class trace_flags:  # the SDK's attribute name
@@ -75,13 +75,6 @@ class SpanTree:
     @property
     def context(self) -> type[_Sampled]:
         return _Sampled
-
-
-class EncodedSpans(bytes):
-    """One tree's spans, encoded (``encode_tree``), as the batch processor queues them."""
-
-    __slots__ = ()
-    context = _Sampled
 
 
 _SMALL = [bytes((n,)) for n in range(0x80)]  # the varints of one byte
@@ -225,7 +218,8 @@ _native: ModuleType | None = None  # the C encoder, once ``prefer_native`` loade
 def native_encoder() -> ModuleType:
     """The C encoder (``otlp_native.c``), built here on first use; raises
     ``NativeBuildError`` saying why it cannot be."""
-    return build_extension("_sendpath_otlp", Path(__file__).with_name("otlp_native.c"))
+    here = Path(__file__).parent
+    return build_extension("_sendpath_otlp", [here / "otlp_native.c", here / "otlp_wire.c"])
 
 
 def prefer_native(native: bool = True) -> str:

@@ -1,0 +1,223 @@
+"""The gateway's spans built and encoded in one C call (gateway/spans_native.c) are the
+spans ``gateway_span`` builds and ``otlp.encode_tree`` writes, for any context a request
+can leave behind: decoded with opentelemetry-proto and compared span for span (the ids
+drawn at random on either side, bare stages' and attempts' without one, set aside)."""
+
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from opentelemetry.proto.trace.v1.trace_pb2 import ScopeSpans, Span
+
+from sendpath.clock import VirtualClock
+from sendpath.gateway import spans
+from sendpath.gateway.context import AttemptRecord, GatewayContext
+from sendpath.gateway.keys import ApiKey
+from sendpath.telemetry.export import Tracing
+from sendpath.telemetry.otlp import SpanTree, encode_tree_python
+from sendpath.telemetry.trace_context import TraceParent
+from sendpath.trace import Stage
+
+TRACE, ROOT, CALLER = 0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7, 0x77
+
+text = st.text(max_size=40) | st.sampled_from(["", "x\ud800y", "é" * 300, "m" * 257])
+anything = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | text
+edges = [None, True, False, 0, 1, 2, -1, 1.0, 0.5, -0.0, 2**63, 2**64, "1", [1]]
+numbers = st.sampled_from(edges) | st.integers(-5, 2**64) | st.floats(allow_nan=False) | text
+stops = (
+    text
+    | st.lists(text, max_size=18)
+    | st.lists(st.text(min_size=1020, max_size=1030), min_size=1, max_size=2)
+    | st.lists(anything, max_size=3)
+    | anything
+)
+body_fields = {
+    "model": text | anything,
+    "max_tokens": numbers,
+    "max_completion_tokens": numbers,
+    "temperature": numbers,
+    "top_p": numbers,
+    "top_k": numbers,
+    "frequency_penalty": numbers,
+    "presence_penalty": numbers,
+    "seed": numbers,
+    "n": numbers,
+    "stop": stops,
+}
+bodies = st.none() | st.fixed_dictionaries({}, optional=body_fields)
+statuses = st.none() | st.sampled_from([200, 400, 429, 499, 502, 503])
+times = st.floats(0.0, 10.0, allow_nan=False)
+attempts = st.builds(
+    AttemptRecord,
+    replica=st.sampled_from(["replica-0", "replica-1", "r\ud800"]),
+    url=st.sampled_from(["http://127.0.0.1:9001", "http://10.0.0.2:8000"]),
+    start=times,
+    span_id=st.sampled_from([0, 1, 0x1234, 2**64 - 1]),
+    end=st.none() | times,
+    status=statuses,
+    error=st.none() | st.sampled_from(["timeout", "connect_error"]),
+)
+routings = st.none() | st.fixed_dictionaries(
+    {},
+    optional={
+        "policy": st.sampled_from(["prefix_aware", "round_robin"]),
+        "match": text | anything,
+        "predicted_cached_tokens": numbers,
+        "runs_on": st.none() | text,
+    },
+)
+
+
+@st.composite
+def contexts(draw: st.DrawFn) -> GatewayContext:
+    clock = VirtualClock(draw(st.floats(1.0, 1e6)))
+    ctx = GatewayContext(clock, clock.now(), request_id=draw(st.sampled_from(["req-1", "r\ud800"])))
+    at = ctx.start
+    for stage in (Stage.GATEWAY_AUTH, Stage.GATEWAY_RATELIMIT, Stage.GATEWAY_SAFETY):
+        if draw(st.booleans()):
+            at += draw(times)
+            ctx.marks[stage] = at
+    ctx.body = draw(bodies)
+    ctx.status = draw(statuses)
+    ctx.error_type = draw(st.none() | st.sampled_from(["stream_broken", "output_filter"]))
+    if draw(st.booleans()):
+        ctx.key = ApiKey(draw(st.sampled_from(["team-a", "é"])), "sk-", None, None, None, 0.0, None)
+    ctx.client_id = draw(st.none() | text)
+    ctx.response_id = draw(st.none() | st.just("chatcmpl-1"))
+    ctx.finish_reasons = draw(st.lists(st.sampled_from(["stop", "length"]), max_size=2))
+    ctx.usage = draw(st.none() | st.tuples(st.integers(0, 10**6), st.integers(0, 10**6)))
+    ctx.cached_tokens = draw(st.none() | st.integers(0, 10**6))
+    ctx.first_token_at = draw(st.none() | times.map(lambda t: ctx.start + t))
+    ctx.first_token_held = draw(st.none() | st.integers(0, 5))
+    ctx.attempts = [
+        AttemptRecord(**{**a.__dict__, "start": ctx.start + a.start})
+        for a in draw(st.lists(attempts, max_size=3))
+    ]
+    ctx.routing = draw(routings)
+    if draw(st.booleans()) and ctx.attempts:
+        ctx.replica_arrival = ctx.start + draw(times)
+        ctx.replica_timings = {"tokenize": 0.5, "prefill": draw(times), "decode": 3.0}
+    clock.advance(draw(times))
+    if draw(st.booleans()):
+        ctx.finish()  # else ``final`` is None and the stages are computed now
+    return ctx
+
+
+def decoded(data: bytes) -> list[Span]:
+    """The spans, with the ids drawn at random (bare stages', attempts' without one) unset."""
+    scope = ScopeSpans()
+    scope.MergeFromString(data)
+    for span in scope.spans:
+        if span.kind == Span.SPAN_KIND_INTERNAL or span.span_id in (bytes(8),):
+            span.span_id = b""
+    return list(scope.spans)
+
+
+def both(native: ModuleType, ctx: GatewayContext, caller: int | None) -> tuple[bytes, bytes]:
+    end, offset = ctx.clock.now() + 1.0, 1.7e9
+    tree = SpanTree(spans.gateway_span(ctx, "chat", end), TRACE, ROOT, caller, 1, offset)
+    python = encode_tree_python(tree)
+    c = native.encode_gateway(
+        ctx,
+        "chat",
+        end,
+        spans._OWN,
+        TRACE.to_bytes(16, "big"),
+        ROOT.to_bytes(8, "big"),
+        None if caller is None else caller.to_bytes(8, "big"),
+        offset,
+    )
+    return python, c
+
+
+def unset_random_attempt_ids(ctx: GatewayContext, found: list[Span]) -> None:
+    for span, attempt in zip(found[1 : 1 + len(ctx.attempts)], ctx.attempts, strict=True):
+        if not attempt.span_id:
+            span.span_id = b""
+
+
+@settings(max_examples=400, deadline=None)
+@given(ctx=contexts(), caller=st.none() | st.just(CALLER))
+def test_the_c_build_writes_what_gateway_span_and_encode_tree_write(
+    native_spans: ModuleType, ctx: GatewayContext, caller: int | None
+) -> None:
+    python, c = both(native_spans, ctx, caller)
+    ours, theirs = decoded(python), decoded(c)
+    unset_random_attempt_ids(ctx, ours)
+    unset_random_attempt_ids(ctx, theirs)
+    assert ours == theirs
+    assert len(python) == len(c)
+
+
+def test_the_c_build_refuses_a_context_it_cannot_read(native_spans: ModuleType) -> None:
+    clock = VirtualClock(5.0)
+    ctx = GatewayContext(clock, 5.0, request_id="r")
+    ctx.usage = (1, 2, 3)  # type: ignore[assignment]
+    with pytest.raises(TypeError, match="usage"):
+        native_spans.encode_gateway(ctx, "chat", 6.0, {}, bytes(16), bytes(8), None, 0.0)
+    ctx.usage, ctx.body = None, ["not", "a", "dict"]  # type: ignore[assignment]
+    with pytest.raises(TypeError, match="body"):
+        native_spans.encode_gateway(ctx, "chat", 6.0, {}, bytes(16), bytes(8), None, 0.0)
+    ctx.body, ctx.start = None, float("nan")
+    with pytest.raises(OverflowError):
+        native_spans.encode_gateway(ctx, "chat", 6.0, {}, bytes(16), bytes(8), None, 0.0)
+    with pytest.raises(ValueError, match="16 bytes"):
+        native_spans.encode_gateway(ctx, "chat", 6.0, {}, bytes(15), bytes(8), None, 0.0)
+
+
+class Queued:
+    """A Tracing that takes bytes, keeping what it is given."""
+
+    encoded = True
+
+    def __init__(self) -> None:
+        self.items: list[bytes] = []
+
+    def emit_encoded(self, data: bytes) -> None:
+        self.items.append(data)
+
+    @staticmethod
+    def unix_offset(clock: Any) -> float:
+        return 0.0
+
+
+def test_export_spans_uses_the_c_build_once_preferred_and_python_otherwise(
+    native_spans: ModuleType, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = VirtualClock(5.0)
+    ctx = GatewayContext(clock, 5.0, request_id="r", status=200)
+    ctx.trace = TraceParent(TRACE, ROOT)
+    tracing: Any = Queued()
+    try:
+        assert spans.prefer_native() == "in C (gateway/spans_native.c)"
+        spans.export_spans(tracing, ctx, "chat", 6.0, clock)
+        assert spans.prefer_native(False) == "in Python"
+        spans.export_spans(tracing, ctx, "chat", 6.0, clock)
+        ctx.trace = TraceParent(TRACE, ROOT, 0)  # not sampled: nothing
+        spans.export_spans(tracing, ctx, "chat", 6.0, clock)
+    finally:
+        spans.prefer_native(False)
+    c, python = (decoded(item) for item in tracing.items)
+    assert len(tracing.items) == 2 and c == python
+
+
+def test_the_gateway_says_how_it_builds_its_spans(
+    native_spans: ModuleType, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sendpath.config import GatewayConfig
+    from sendpath.gateway.parts import _tracing
+
+    config = GatewayConfig(otlp_traces_endpoint="http://127.0.0.1:1/v1/traces")
+    try:
+        with caplog.at_level(logging.INFO, logger="sendpath.gateway"):
+            tracing = _tracing(config)
+        assert isinstance(tracing, Tracing) and tracing.encoded
+        assert "gateway spans built in C (gateway/spans_native.c)" in caplog.text
+        tracing.shutdown()
+    finally:
+        spans.prefer_native(False)
