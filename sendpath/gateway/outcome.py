@@ -92,7 +92,9 @@ class Outcome:
         timings, which are taken off it and returned (the answer's last event carries the
         stitched ones instead)."""
         ctx = self.ctx
-        ctx.response_id = ctx.response_id or chunk.get("id")
+        if ctx.response_id is None:  # the first id the replica sent, if it is text
+            answer_id = chunk.get("id")
+            ctx.response_id = answer_id if isinstance(answer_id, str) and answer_id else None
         timings = chunk.pop("timings", None)
         self._replica_timings = timings or self._replica_timings
         usage = chunk.get("usage")

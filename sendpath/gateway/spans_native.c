@@ -50,6 +50,14 @@ static const char *const ROUTING[][2] = {
 
 static int is_int(PyObject *v) { return PyLong_Check(v) && !PyBool_Check(v); }
 
+/* two floats, as float() reads them; -1 with the exception of the first that fails */
+static int two_doubles(PyObject *a, PyObject *b, double *x, double *y) {
+    *x = PyFloat_AsDouble(a);
+    if (*x == -1.0 && PyErr_Occurred()) return -1;
+    *y = PyFloat_AsDouble(b);
+    return *y == -1.0 && PyErr_Occurred() ? -1 : 0;
+}
+
 /* ctx.<name>, a new reference (NULL: an exception) */
 static PyObject *field(PyObject *obj, PyObject *name) { return PyObject_GetAttr(obj, name); }
 
@@ -121,8 +129,11 @@ static int request_attrs(Buf *b, PyObject *body, PyObject **model) {
         if ((overflow || n != 1) && attr(b, "gen_ai.request.choice.count", v) < 0) return -1;
     }
     v = PyDict_GetItemWithError(body, s_stop);
-    if (v == NULL && PyErr_Occurred()) return -1;
-    return v != NULL ? stops_attr(b, v) : 0;
+    if (v == NULL) return PyErr_Occurred() ? -1 : 0;
+    Py_INCREF(v); /* held: making a list can collect garbage, which runs Python code */
+    int rc = stops_attr(b, v);
+    Py_DECREF(v);
+    return rc;
 }
 
 /* spans._answer_attributes */
@@ -163,9 +174,10 @@ static int answer_attrs(Buf *b, PyObject *ctx, PyObject *start, PyObject *attemp
         return -1;
     if ((v = field(ctx, s_first_token_at)) == NULL) return -1;
     if (v != Py_None) { /* to the microsecond, half to even: as Python's round() */
-        double first = PyFloat_AsDouble(v), begin = PyFloat_AsDouble(start);
-        PyObject *rounded =
-            PyErr_Occurred() ? NULL : PyFloat_FromDouble(rint((first - begin) * 1e6) / 1e6);
+        double first, begin;
+        PyObject *rounded = two_doubles(v, start, &first, &begin) < 0
+                                ? NULL
+                                : PyFloat_FromDouble(rint((first - begin) * 1e6) / 1e6);
         rc = rounded == NULL ? -1 : attr(b, "gen_ai.response.time_to_first_chunk", rounded);
         Py_XDECREF(rounded);
     }
@@ -186,9 +198,13 @@ static int answer_attrs(Buf *b, PyObject *ctx, PyObject *start, PyObject *attemp
             v = PyDict_GetItemString(routing, ROUTING[i][0]);
             if (v != NULL && (PyUnicode_Check(v) || is_int(v))) rc = attr(b, ROUTING[i][1], v);
         }
-    } else if (routing != Py_None && PyObject_IsTrue(routing)) {
-        PyErr_SetString(PyExc_TypeError, "GatewayContext.routing is a dict or None");
-        rc = -1;
+    } else if (routing != Py_None) {
+        int truthy = PyObject_IsTrue(routing); /* ``ctx.routing or {}`` */
+        if (truthy != 0) {
+            if (truthy > 0)
+                PyErr_SetString(PyExc_TypeError, "GatewayContext.routing is a dict or None");
+            rc = -1;
+        }
     }
     Py_DECREF(routing);
     return rc;
@@ -321,14 +337,16 @@ static int stage_spans(Buf *b, const Tree *t, PyObject *ctx, PyObject *own, doub
         Py_INCREF(stage);
         PyObject *name = PyDict_GetItemWithError(own, PyTuple_GET_ITEM(stage, 0));
         if (name != NULL) { /* (name, begin + start, begin + start + duration) */
-            double from = PyFloat_AsDouble(PyTuple_GET_ITEM(stage, 1)), took = -1.0;
+            Py_INCREF(name); /* reading the times can run Python code */
+            double from, took;
             uint64_t t0, t1;
-            if (!(from == -1.0 && PyErr_Occurred()))
-                took = PyFloat_AsDouble(PyTuple_GET_ITEM(stage, 2));
-            if (PyErr_Occurred() || unix_nanos(begin + from, t->offset, &t0) < 0 ||
+            if (two_doubles(PyTuple_GET_ITEM(stage, 1), PyTuple_GET_ITEM(stage, 2), &from, &took) <
+                    0 ||
+                unix_nanos(begin + from, t->offset, &t0) < 0 ||
                 unix_nanos(begin + from + took, t->offset, &t1) < 0 ||
                 bare_span(b, t, root, name, t0, t1) < 0)
                 rc = -1;
+            Py_DECREF(name);
         } else if (PyErr_Occurred())
             rc = -1;
         Py_DECREF(stage);
@@ -363,9 +381,8 @@ static PyObject *encode_gateway(PyObject *self, PyObject *const *args, Py_ssize_
         PyErr_SetString(PyExc_TypeError, "GatewayContext.attempts is a list");
         goto done;
     }
-    double end = PyFloat_AsDouble(ended != Py_None ? ended : args[2]);
-    double begin = PyFloat_AsDouble(start);
-    if (PyErr_Occurred()) goto done;
+    double end, begin;
+    if (two_doubles(ended != Py_None ? ended : args[2], start, &end, &begin) < 0) goto done;
     if (root_span(&b, &t, ctx, operation, start, end, attempts, parent, id) < 0) goto done;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(attempts); i++) {
         PyObject *attempt = PyList_GET_ITEM(attempts, i);

@@ -4,10 +4,16 @@ What the SDK's ``BatchSpanProcessor`` does, for spans that are bytes already: a 
 only appends to a deque (the SDK's ``on_end`` reads the item's context, the process id
 and a lock-guarded event: 1.5 us a request alone, three times that in a loaded
 gateway); the thread wakes when a batch is full or ``delay_s`` has passed, and sends
-what is queued, a batch at a time. Past ``max_queue`` waiting, spans are dropped (a
-collector that is down or slow never holds a request or grows the process). Sizes and
-the delay come from ``OTEL_BSP_MAX_QUEUE_SIZE``, ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` and
-``OTEL_BSP_SCHEDULE_DELAY`` (milliseconds) where set, as for the SDK's processor.
+what is queued, a batch at a time. Past ``max_queue`` requests or ``MAX_QUEUE_BYTES``
+waiting, spans are dropped (a collector that is down or slow never holds a request or
+grows the process), and a batch is cut at ``MAX_BATCH_BYTES`` too (a client's largest
+allowed request has 68 kB of spans: 2,048 of them would be a post collectors refuse).
+Sizes and the delay come from ``OTEL_BSP_MAX_QUEUE_SIZE``,
+``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` and ``OTEL_BSP_SCHEDULE_DELAY`` (milliseconds) where
+set, as for the SDK's processor.
+
+A forked child does not send: its parent's sender (its connections) is not its own; the
+servers here start their processes fresh, never forked from a running one.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ __all__ = ["Sender", "SpanQueue"]
 logger = logging.getLogger("sendpath.telemetry")
 
 DELAY_S = 5.0  # the SDK's OTEL_BSP_SCHEDULE_DELAY default
+MAX_QUEUE_BYTES = 64 << 20  # spans waiting, at most (typically 1.3 kB a request)
+MAX_BATCH_BYTES = 8 << 20  # a post, at most (the SDK's own limit is 64 MiB; collectors' 4-32)
 DROP_LOG_S = 60.0  # at most one warning a minute about dropped spans
 
 
@@ -71,6 +79,8 @@ class SpanQueue:
         self.max_batch = min(batch, self.max_queue)
         self.delay_s = _env_int("OTEL_BSP_SCHEDULE_DELAY", int(DELAY_S * 1000)) / 1000
         self.dropped = 0  # spans dropped because the queue was full
+        # bytes queued = in - out: each counter has one writer (put's thread, the sender)
+        self._bytes_in = self._bytes_out = 0
         self._dropped_logged_at = float("-inf")
         self._queue: collections.deque[bytes] = collections.deque()
         self._wake = threading.Event()
@@ -80,13 +90,16 @@ class SpanQueue:
         os.register_at_fork(after_in_child=functools.partial(_forked, weakref.ref(self)))
 
     def put(self, spans: bytes) -> None:
-        """Queue one request's spans (dropped if the queue is full or shut down)."""
+        """Queue one request's spans (dropped if the queue is full or shut down); from
+        one thread at a time (a server's event loop)."""
         queue = self._queue
-        if len(queue) >= self.max_queue:
+        queued = self._bytes_in - self._bytes_out
+        if len(queue) >= self.max_queue or queued + len(spans) > MAX_QUEUE_BYTES:
             self._drop()
             return
-        if self._stopping:  # at exit: too late to be sent
+        if self._stopping:  # at exit, or in a forked child: not sent
             return
+        self._bytes_in += len(spans)
         queue.append(spans)
         if self._thread is None:
             self._start()
@@ -109,10 +122,11 @@ class SpanQueue:
     def _start(self) -> None:
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(
+                thread = threading.Thread(
                     target=self._run, name="sendpath-span-export", daemon=True
                 )
-                self._thread.start()
+                thread.start()  # may raise (no threads left): the next put tries again
+                self._thread = thread
 
     def _run(self) -> None:
         while not self._stopping:
@@ -124,8 +138,15 @@ class SpanQueue:
     def _send_queued(self) -> None:
         queue = self._queue
         while queue:
-            n = min(len(queue), self.max_batch)
-            batch = [queue.popleft() for _ in range(n)]
+            first = queue.popleft()  # one at least, whatever its size
+            batch, size = [first], len(first)
+            while queue and len(batch) < self.max_batch:
+                if size + len(queue[0]) > MAX_BATCH_BYTES:
+                    break
+                spans = queue.popleft()
+                batch.append(spans)
+                size += len(spans)
+            self._bytes_out += size
             try:
                 with self._lock:
                     self.sender.send(batch)
@@ -144,11 +165,11 @@ class SpanQueue:
             )
 
     def _forked(self) -> None:
-        """In a forked child: the parent's thread is not there; start afresh."""
+        """In a forked child: the parent's thread and connections are not its own; it
+        sends nothing (module docstring)."""
         self._queue = collections.deque()
-        self._wake = threading.Event()
-        self._lock = threading.Lock()
-        self._thread = None
+        self._bytes_in = self._bytes_out = 0
+        self._stopping = True
 
 
 def _forked(ref: weakref.ReferenceType[SpanQueue]) -> None:

@@ -163,7 +163,13 @@ def test_the_c_build_refuses_a_context_it_cannot_read(native_spans: ModuleType) 
     ctx.usage, ctx.body = None, ["not", "a", "dict"]  # type: ignore[assignment]
     with pytest.raises(TypeError, match="body"):
         native_spans.encode_gateway(ctx, "chat", 6.0, {}, bytes(16), bytes(8), None, 0.0)
-    ctx.body, ctx.start = None, float("nan")
+    ctx.body, ctx.end = None, "x"  # type: ignore[assignment]  # not a time: a TypeError
+    with pytest.raises(TypeError):
+        native_spans.encode_gateway(ctx, "chat", 6.0, {}, bytes(16), bytes(8), None, 0.0)
+    ctx.end, ctx.routing = None, ["not", "a", "dict"]  # type: ignore[assignment]
+    with pytest.raises(TypeError, match="routing"):
+        native_spans.encode_gateway(ctx, "chat", 6.0, {}, bytes(16), bytes(8), None, 0.0)
+    ctx.routing, ctx.start = None, float("nan")
     with pytest.raises(OverflowError):
         native_spans.encode_gateway(ctx, "chat", 6.0, {}, bytes(16), bytes(8), None, 0.0)
     with pytest.raises(ValueError, match="16 bytes"):

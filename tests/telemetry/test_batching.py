@@ -120,3 +120,33 @@ def test_the_delay_sends_a_batch_that_is_not_full(monkeypatch: pytest.MonkeyPatc
     queue.put(b"one")
     wait_for(lambda: sink.batches == [[b"one"]])
     queue.shutdown(5.0)
+
+
+def test_bytes_bound_the_queue_and_each_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sendpath.telemetry import batching
+
+    monkeypatch.setattr(batching, "MAX_QUEUE_BYTES", 1000)
+    monkeypatch.setattr(batching, "MAX_BATCH_BYTES", 250)
+    gate = threading.Event()
+    sink = Sink(gate=gate)
+    queue = SpanQueue(sink, max_queue=100, max_batch=50)
+    big = b"x" * 100
+    for _ in range(12):  # 1,200 bytes: the last two do not fit
+        queue.put(big)
+    assert queue.dropped == 2
+    gate.set()
+    queue.shutdown(5.0)
+    assert [len(batch) for batch in sink.batches] == [2, 2, 2, 2, 2]  # 200 bytes each
+    queue = SpanQueue(Sink(), max_queue=100, max_batch=50)
+    queue.put(b"y" * 300)  # larger than a batch alone: sent alone
+    queue.shutdown(5.0)
+    assert [len(b[0]) for b in queue.sender.batches] == [300]  # type: ignore[attr-defined]
+
+
+def test_a_forked_child_sends_nothing() -> None:
+    sink = Sink()
+    queue = SpanQueue(sink, max_queue=10, max_batch=1)
+    queue._forked()  # what os.fork's child runs
+    queue.put(b"from the child")
+    queue.shutdown(1.0)
+    assert sink.batches == [] and queue._thread is None
