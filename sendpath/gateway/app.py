@@ -125,6 +125,8 @@ def create_gateway_app(
             await parts.ledger.flush()
             await parts.proxy.aclose()
             await parts.client.aclose()
+            if parts.spans is not None:
+                parts.spans.flush()
             if parts.tracing is not None:
                 await asyncio.to_thread(parts.tracing.shutdown)
 

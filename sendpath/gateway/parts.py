@@ -29,7 +29,7 @@ from sendpath.gateway.metrics import GatewayMetrics
 from sendpath.gateway.proxy import KEEPALIVE_S, Proxy, ProxyTimeouts
 from sendpath.gateway.ratelimit import RateLimiter, make_limiter
 from sendpath.gateway.safety import DEFAULT_RULES, OutputGuard, RulesFilter, SafetyCheck
-from sendpath.gateway.spans import export_spans, span_error
+from sendpath.gateway.spans import SpanExport, span_error
 from sendpath.gateway.tokens import ReplicaText
 from sendpath.gateway.tracing import GatewayTrace, record
 from sendpath.gateway.upstream import UpstreamClient
@@ -84,6 +84,7 @@ class GatewayParts:
         default_factory=lambda: TraceStore(1024)
     )
     whatif_slot: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
+    spans: SpanExport | None = field(init=False)  # from ``tracing``
 
     def ended(self, ctx: GatewayContext, operation: str) -> None:
         """A generation request's response ended (answered or refused): the GenAI
@@ -98,12 +99,15 @@ class GatewayParts:
             _ttft(ctx),
             ctx.usage[1] if ctx.usage is not None else ctx.streamed_chunks,
         )
-        if self.tracing is None:
+        if self.spans is None:
             return
         try:
-            export_spans(self.tracing, ctx, operation, end, self.clock)
+            self.spans.ended(ctx, operation, end)
         except Exception:  # a trace is never worth a request
             logger.exception("request %s: its spans could not be exported", ctx.request_id)
+
+    def __post_init__(self) -> None:
+        self.spans = SpanExport(self.tracing, self.clock) if self.tracing is not None else None
 
 
 def _ttft(ctx: GatewayContext) -> float | None:

@@ -5,6 +5,7 @@ drawn at random on either side, bare stages' and attempts' without one, set asid
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from types import ModuleType
 from typing import Any
@@ -192,24 +193,67 @@ class Queued:
         return 0.0
 
 
-def test_export_spans_uses_the_c_build_once_preferred_and_python_otherwise(
+def traced_context(i: int, clock: VirtualClock) -> GatewayContext:
+    ctx = GatewayContext(clock, clock.now(), request_id=f"r{i}", status=200)
+    ctx.trace = TraceParent(TRACE + i, ROOT)
+    return ctx
+
+
+def test_spans_are_built_in_c_a_batch_at_a_time_and_in_python_at_once(
+    native_spans: ModuleType,
+) -> None:
+    clock = VirtualClock(5.0)
+    tracing: Any = Queued()
+    export = spans.SpanExport(tracing, clock)
+
+    async def run() -> None:
+        for i in range(3):
+            export.ended(traced_context(i, clock), "chat", 6.0)
+        assert tracing.items == []  # they wait for more, at most FLUSH_S
+        for _ in range(2000):  # the event loop runs the flush when its time comes
+            if len(tracing.items) == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert len(tracing.items) == 3
+        for i in range(3, 3 + spans.BATCH):
+            export.ended(traced_context(i, clock), "chat", 6.0)
+        assert len(tracing.items) == 3 + spans.BATCH  # a full batch goes at once
+        unsampled = traced_context(99, clock)
+        unsampled.trace = TraceParent(TRACE, ROOT, 0)
+        export.ended(unsampled, "chat", 6.0)
+        export.flush()
+        assert len(tracing.items) == 3 + spans.BATCH
+
+    try:
+        assert spans.prefer_native() == "in C (gateway/spans_native.c)"
+        asyncio.run(run())
+        c = [decoded(item) for item in tracing.items]
+        assert spans.prefer_native(False) == "in Python"
+        export.ended(traced_context(0, clock), "chat", 6.0)  # at once: nothing to wait for
+        assert decoded(tracing.items[-1]) == c[0]
+    finally:
+        spans.prefer_native(False)
+    trace_ids = [found[0].trace_id for found in c]
+    assert trace_ids == [(TRACE + i).to_bytes(16, "big") for i in range(3 + spans.BATCH)]
+
+
+def test_a_request_whose_spans_cannot_be_built_costs_the_others_nothing(
     native_spans: ModuleType, caplog: pytest.LogCaptureFixture
 ) -> None:
     clock = VirtualClock(5.0)
-    ctx = GatewayContext(clock, 5.0, request_id="r", status=200)
-    ctx.trace = TraceParent(TRACE, ROOT)
     tracing: Any = Queued()
+    export = spans.SpanExport(tracing, clock)
+    bad = traced_context(1, clock)
+    bad.usage = (1, 2, 3)  # type: ignore[assignment]
     try:
-        assert spans.prefer_native() == "in C (gateway/spans_native.c)"
-        spans.export_spans(tracing, ctx, "chat", 6.0, clock)
-        assert spans.prefer_native(False) == "in Python"
-        spans.export_spans(tracing, ctx, "chat", 6.0, clock)
-        ctx.trace = TraceParent(TRACE, ROOT, 0)  # not sampled: nothing
-        spans.export_spans(tracing, ctx, "chat", 6.0, clock)
+        spans.prefer_native()
+        with caplog.at_level(logging.ERROR, logger="sendpath.gateway"):
+            export.ended(traced_context(0, clock), "chat", 6.0)  # no event loop: at once
+            export.ended(bad, "chat", 6.0)
+            export.ended(traced_context(2, clock), "chat", 6.0)
     finally:
         spans.prefer_native(False)
-    c, python = (decoded(item) for item in tracing.items)
-    assert len(tracing.items) == 2 and c == python
+    assert len(tracing.items) == 2 and "request r1: its spans could not be exported" in caplog.text
 
 
 def test_the_gateway_says_how_it_builds_its_spans(
