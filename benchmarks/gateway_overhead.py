@@ -18,6 +18,7 @@ window, read from ``/proc``, gives its CPU per request and so requests/s per wor
     .venv/bin/python benchmarks/gateway_overhead.py --otlp     # with span export on
     .venv/bin/python benchmarks/gateway_overhead.py --otlp --sample 0.1
     .venv/bin/python benchmarks/gateway_overhead.py --side-by-side 4 --seconds 6
+    .venv/bin/python benchmarks/gateway_overhead.py --side-by-side 6 --seconds 6 --rate 800
 
 Aims (issue 21): at most 1 ms added at p50; at least 1,000 requests/s per worker core.
 With ``--otlp`` the gateway exports every request's spans over OTLP/HTTP to a sink this
@@ -28,9 +29,10 @@ host's drift, larger here than the difference, is the same for both; where ``py-
 installed it also samples the exporting gateway's stacks, in rounds of its own (its
 sampling takes CPU), and reports the export path's own CPU over the rest
 (``export_extra_cpu_*``), a direct attribution (it leaves out indirect costs such as more
-garbage collection).
+garbage collection). With ``--rate`` both get the same requests a second (an open loop);
+in the closed loop the slower one also gets fewer, which costs it CPU per request too.
 Results: ``benchmarks/results/gateway_overhead.json`` (``gateway_overhead_otlp_<ratio>.json``,
-``gateway_overhead_otlp_side_by_side_<ratio>_c<concurrency>.json``).
+``gateway_overhead_otlp_side_by_side_<ratio>_c<concurrency>.json`` or ``_r<rate>.json``).
 """
 
 from __future__ import annotations
@@ -60,13 +62,17 @@ RESULTS = ROOT / "benchmarks" / "results" / "gateway_overhead.json"
 
 @dataclass
 class Load:
-    """A closed-loop client: ``concurrency`` keep-alive connections, each one request at a time."""
+    """``concurrency`` keep-alive connections, each one request at a time: a closed loop,
+    or with ``rate``, an open one (requests due at that rate, each taken by a free
+    connection; ones due while all are busy wait for one)."""
 
     port: int
     body: bytes
     headers: str
 
-    async def one_connection(self, until: float, latencies: list[float]) -> None:
+    async def one_connection(
+        self, until: float, latencies: list[float], due: asyncio.Queue[None] | None
+    ) -> None:
         reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
         request = (
             f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n{self.headers}"
@@ -74,6 +80,11 @@ class Load:
         ).encode() + self.body
         try:
             while time.perf_counter() < until:
+                if due is not None:  # an open loop: the next request due
+                    try:
+                        await asyncio.wait_for(due.get(), until - time.perf_counter())
+                    except TimeoutError:
+                        break
                 start = time.perf_counter()
                 writer.write(request)
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -86,11 +97,26 @@ class Load:
         finally:
             writer.close()
 
-    async def run(self, concurrency: int, seconds: float) -> list[float]:
+    async def run(self, concurrency: int, seconds: float, rate: float | None = None) -> list[float]:
         latencies: list[float] = []
         until = time.perf_counter() + seconds
-        await asyncio.gather(*(self.one_connection(until, latencies) for _ in range(concurrency)))
+        due: asyncio.Queue[None] | None = None if rate is None else asyncio.Queue()
+        clients = [self.one_connection(until, latencies, due) for _ in range(concurrency)]
+        if due is not None and rate is not None:
+            clients.append(_due_at(rate, until, due))
+        await asyncio.gather(*clients)
         return latencies
+
+
+async def _due_at(rate: float, until: float, due: asyncio.Queue[None]) -> None:
+    """A request due every 1/``rate`` s until ``until`` (late ones at once)."""
+    start, n = time.perf_counter(), 0
+    while (now := time.perf_counter()) < until:
+        wait = start + n / rate - now
+        if wait > 0:
+            await asyncio.sleep(wait)
+        due.put_nowait(None)
+        n += 1
 
 
 def cpu_seconds(pid: int) -> float:
@@ -99,11 +125,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(load: Load, concurrency: int, seconds: float, pid: int | None) -> dict[str, Any]:
-    asyncio.run(load.run(concurrency, min(2.0, seconds / 4)))  # warm: connections, caches
+def measure(
+    load: Load, concurrency: int, seconds: float, pid: int | None, rate: float | None = None
+) -> dict[str, Any]:
+    asyncio.run(load.run(concurrency, min(2.0, seconds / 4), rate))  # warm: connections, caches
     cpu0 = cpu_seconds(pid) if pid else 0.0
     start = time.perf_counter()
-    latencies = asyncio.run(load.run(concurrency, seconds))
+    latencies = asyncio.run(load.run(concurrency, seconds, rate))
     wall = time.perf_counter() - start
     cpu = cpu_seconds(pid) - cpu0 if pid else None
     latencies.sort()
@@ -189,13 +217,19 @@ def start_gateway(
 
 
 def measure_together(
-    loads: tuple[Load, Load], concurrency: int, seconds: float, pids: tuple[int, int]
+    loads: tuple[Load, Load],
+    concurrency: int,
+    seconds: float,
+    pids: tuple[int, int],
+    rate: float | None,
 ) -> tuple[float, float]:
-    """Both loads at once, ``concurrency`` connections each, over the same window: each
-    gateway's CPU ms per request (the host's drift is the same for both)."""
+    """Both loads at once, ``concurrency`` connections each (at ``rate`` requests/s each,
+    if given), over the same window: each gateway's CPU ms per request (the host's drift
+    is the same for both)."""
 
     async def both(seconds: float) -> list[list[float]]:
-        return list(await asyncio.gather(*(load.run(concurrency, seconds) for load in loads)))
+        runs = (load.run(concurrency, seconds, rate) for load in loads)
+        return list(await asyncio.gather(*runs))
 
     asyncio.run(both(min(2.0, seconds / 4)))  # warm: connections, caches
     cpu0 = [cpu_seconds(pid) for pid in pids]
@@ -224,14 +258,18 @@ def side_by_side(
         for kind, secret in secrets.items():
             header = f"authorization: Bearer {secret}\r\n"
             loads = (Load(gateways[0][0], body, header), Load(gateways[1][0], body, header))
-            off, on = measure_together(loads, args.concurrency, args.seconds, pids)
+            off, on = measure_together(loads, args.concurrency, args.seconds, pids, args.rate)
             rounds[kind]["off"].append(off)
             rounds[kind]["on"].append(on)
             if spy is not None:  # py-spy takes CPU of its own: not in the rounds compared
                 with sampled(spy, pids[1], args.seconds, pieces[kind]) as share:
-                    measure(loads[1], args.concurrency, args.seconds, pids[1])
+                    measure(loads[1], args.concurrency, args.seconds, pids[1], args.rate)
                 rounds[kind]["share"] += share
-    out: dict[str, Any] = {"concurrency": args.concurrency, "py_spy": spy is not None}
+    out: dict[str, Any] = {
+        "concurrency": args.concurrency,
+        "rate_per_gateway": args.rate,
+        "py_spy": spy is not None,
+    }
     for kind, pair in rounds.items():
         ratios = [on / off for off, on in zip(pair["off"], pair["on"], strict=True)]
         out[f"{kind}_key"] = {
@@ -329,6 +367,13 @@ def main() -> None:
         help="two gateways, without and with --otlp export, measured in alternating rounds "
         "at --concurrency: gateway CPU per request and the ratio, in one run",
     )
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="with --side-by-side: requests/s sent to each gateway (an open loop, so both "
+        "serve the same load) instead of a closed loop at --concurrency",
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     from benchmarks.mock_replica import PROMPT
@@ -374,7 +419,7 @@ def main() -> None:
                 pair = ((gateway_port, gateway.pid), (exporting_port, exporting.pid))
                 compared = side_by_side(pair, body, secrets, args)
                 name = f"gateway_overhead_otlp_side_by_side_{args.sample:g}"
-                name += f"_c{args.concurrency}.json"
+                name += f"_r{args.rate:g}.json" if args.rate else f"_c{args.concurrency}.json"
                 result = {
                     "cpu": cpu_model(),
                     "cpu_count": os.cpu_count(),
