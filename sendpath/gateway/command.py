@@ -255,6 +255,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         print("error: give the replicas: --replica URL (repeatable) or --ray ADDRESS",
               file=sys.stderr)  # fmt: skip
         return 2
+    log_setup()  # before the app: what it builds says how (the span export's path)
     try:
         config = replace(gateway_config(args, args.replica), ray_address=args.ray)
         if args.workers < 1:
@@ -276,7 +277,6 @@ def run_gateway(args: argparse.Namespace) -> int:
         f"({args.workers} worker{'s' if args.workers > 1 else ''})",
         flush=True,
     )
-    log_setup()
     if sock is not None:
         settle_heap()
         with sock:
