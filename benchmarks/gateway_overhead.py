@@ -222,10 +222,10 @@ def measure_together(
     seconds: float,
     pids: tuple[int, int],
     rate: float | None,
-) -> tuple[float, float]:
+) -> tuple[float, float, list[int]]:
     """Both loads at once, ``concurrency`` connections each (at ``rate`` requests/s each,
     if given), over the same window: each gateway's CPU ms per request (the host's drift
-    is the same for both)."""
+    is the same for both), and the requests each served."""
 
     async def both(seconds: float) -> list[list[float]]:
         runs = (load.run(concurrency, seconds, rate) for load in loads)
@@ -236,7 +236,7 @@ def measure_together(
     done = asyncio.run(both(seconds))
     cpu = [cpu_seconds(pid) - c for pid, c in zip(pids, cpu0, strict=True)]
     off, on = (c / len(lat) * 1e3 for c, lat in zip(cpu, done, strict=True))
-    return round(off, 4), round(on, 4)
+    return round(off, 4), round(on, 4), [len(lat) for lat in done]
 
 
 def side_by_side(
@@ -248,8 +248,8 @@ def side_by_side(
     """Gateway CPU per request without and with export (``gateways``: their port and
     pid), both loaded at once at ``--concurrency`` each in each round, so both see the
     same host; the exporting one is sampled by py-spy in rounds of its own."""
-    rounds: dict[str, dict[str, list[float]]] = {
-        k: {"off": [], "on": [], "share": []} for k in secrets
+    rounds: dict[str, dict[str, list[Any]]] = {
+        k: {"off": [], "on": [], "share": [], "served": []} for k in secrets
     }
     pieces: dict[str, Counter[str]] = {k: Counter() for k in secrets}
     spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
@@ -258,9 +258,12 @@ def side_by_side(
         for kind, secret in secrets.items():
             header = f"authorization: Bearer {secret}\r\n"
             loads = (Load(gateways[0][0], body, header), Load(gateways[1][0], body, header))
-            off, on = measure_together(loads, args.concurrency, args.seconds, pids, args.rate)
+            off, on, served = measure_together(
+                loads, args.concurrency, args.seconds, pids, args.rate
+            )
             rounds[kind]["off"].append(off)
             rounds[kind]["on"].append(on)
+            rounds[kind]["served"].append(served)
             if spy is not None:  # py-spy takes CPU of its own: not in the rounds compared
                 with sampled(spy, pids[1], args.seconds, pieces[kind]) as share:
                     measure(loads[1], args.concurrency, args.seconds, pids[1], args.rate)
@@ -277,7 +280,18 @@ def side_by_side(
             "cpu_ms_per_request_on": pair["on"],
             "ratio_per_round": [round(r, 3) for r in ratios],
             "ratio_median": round(statistics.median(ratios), 3),
+            "served_per_round": pair["served"],
         }
+        if args.rate:  # an open loop is only fair while both keep up with it
+            due = args.rate * args.seconds
+            held = all(min(served) >= 0.99 * due for served in pair["served"])
+            out[f"{kind}_key"]["rate_held"] = held
+            if not held:
+                print(
+                    f"warning: {kind} key: a gateway served fewer than 99% of the "
+                    f"{due:.0f} requests due in a round: lower --rate",
+                    file=sys.stderr,
+                )
         if pair["share"]:  # export's CPU over the rest of the exporting gateway's
             extra = [s / (1 - s) for s in pair["share"]]
             out[f"{kind}_key"]["export_extra_cpu_per_round"] = [round(e, 4) for e in extra]
@@ -375,6 +389,8 @@ def main() -> None:
         "serve the same load) instead of a closed loop at --concurrency",
     )
     args = parser.parse_args()
+    if args.rate is not None and (args.rate <= 0 or not args.side_by_side):
+        parser.error("--rate takes a positive number of requests/s, with --side-by-side")
     sys.path.insert(0, str(ROOT))
     from benchmarks.mock_replica import PROMPT
     from sendpath.fleet import free_port

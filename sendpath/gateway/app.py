@@ -120,15 +120,17 @@ def create_gateway_app(
             checks.cancel()
             if following is not None:
                 following.cancel()
-            if parts.follower is not None:
-                await parts.follower.aclose()
-            await parts.ledger.flush()
-            await parts.proxy.aclose()
-            await parts.client.aclose()
-            if parts.spans is not None:
-                parts.spans.flush()
-            if parts.tracing is not None:
-                await asyncio.to_thread(parts.tracing.shutdown)
+            try:
+                if parts.follower is not None:
+                    await parts.follower.aclose()
+                await parts.ledger.flush()
+                await parts.proxy.aclose()
+                await parts.client.aclose()
+            finally:  # the spans waiting go out whatever failed above
+                if parts.spans is not None:
+                    parts.spans.close()
+                if parts.tracing is not None:
+                    await asyncio.to_thread(parts.tracing.shutdown)
 
     app = GatewayApp(title="sendpath gateway", lifespan=lifespan)
     app.state.parts = parts

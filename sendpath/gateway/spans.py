@@ -41,6 +41,7 @@ __all__ = [
 
 BATCH = 32  # requests whose spans are built in one go (SpanExport)
 FLUSH_S = 0.05  # and how long the first of them waits at most
+HOLD_TOKENS = 65_536  # or until their prompts add up to this (a context holds its body)
 
 logger = logging.getLogger("sendpath.gateway")
 
@@ -206,12 +207,17 @@ class SpanExport:
     in C ``BATCH`` requests at a time, or ``FLUSH_S`` after the first of them, whichever
     comes first: from one to the next the C build's code stays in the CPU's caches, 6 µs
     a request in a loaded gateway instead of 10 one at a time. The requests' contexts
-    wait that long (a few dozen at most); ``flush`` at shutdown."""
+    wait that long, a few dozen at most and fewer when their prompts are long
+    (``HOLD_TOKENS``: a context holds its request's body). Called from the event loop
+    only; ``close`` at shutdown sends what waits, and later requests' spans go at once."""
 
     def __init__(self, tracing: Tracing, clock: Clock) -> None:
         self.tracing, self.clock = tracing, clock
         self._pending: list[tuple[GatewayContext, str, float, float]] = []
+        self._held_tokens = 0  # the waiting requests' prompt estimates, summed
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
 
     def ended(self, ctx: GatewayContext, operation: str, end: float) -> None:
         """A request's response ended at ``end``: its spans, if its trace is sampled."""
@@ -221,29 +227,40 @@ class SpanExport:
         if not tracing.encoded:
             tracing.emit(gateway_span(ctx, operation, end), trace, ctx.parent_span_id, self.clock)
             return
-        if _native is None:  # nothing to gain from waiting
-            tracing.emit_encoded(
-                encoded_spans(ctx, operation, end, tracing.unix_offset(self.clock))
-            )
-            return
+        if ctx.end is None:  # its stages end here, not when the batch is built
+            ctx.end = end
         pending = self._pending
         pending.append((ctx, operation, end, tracing.unix_offset(self.clock)))
-        if len(pending) >= BATCH:
+        self._held_tokens += ctx.prompt_tokens
+        if (
+            _native is None  # nothing to gain from waiting
+            or self._closed
+            or len(pending) >= BATCH
+            or self._held_tokens > HOLD_TOKENS
+        ):
             self.flush()
-        elif self._timer is None:
-            try:
-                self._timer = asyncio.get_running_loop().call_later(FLUSH_S, self.flush)
-            except RuntimeError:  # no event loop here: at once
-                self.flush()
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop here: at once
+            self.flush()
+            return
+        if self._timer is None or self._timer_loop is not loop:  # (a stopped loop's is not)
+            self._timer, self._timer_loop = loop.call_later(FLUSH_S, self.flush), loop
 
     def flush(self) -> None:
         """Encode and queue what waits."""
         if self._timer is not None:
             self._timer.cancel()
-            self._timer = None
-        pending, self._pending = self._pending, []
+            self._timer = self._timer_loop = None
+        pending, self._pending, self._held_tokens = self._pending, [], 0
         for ctx, operation, end, offset in pending:
             try:
                 self.tracing.emit_encoded(encoded_spans(ctx, operation, end, offset))
             except Exception:  # a trace is never worth a request, nor another's trace
                 logger.exception("request %s: its spans could not be exported", ctx.request_id)
+
+    def close(self) -> None:
+        """Send what waits; from now on each request's spans go at once."""
+        self._closed = True
+        self.flush()

@@ -271,3 +271,63 @@ def test_the_gateway_says_how_it_builds_its_spans(
         tracing.shutdown()
     finally:
         spans.prefer_native(False)
+
+
+def test_held_spans_end_when_their_request_did_and_long_prompts_are_not_held(
+    native_spans: ModuleType,
+) -> None:
+    clock = VirtualClock(5.0)
+    tracing: Any = Queued()
+    export = spans.SpanExport(tracing, clock)
+    cut = traced_context(0, clock)  # a stream cut short: never finished, so no ``final``
+    cut.attempts = [AttemptRecord("replica-0", "http://r", 5.0, 0x42)]
+    cut.replica_arrival = 5.001
+
+    async def run() -> None:
+        export.ended(cut, "chat", 5.01)
+        clock.advance(1.0)  # the batch is built a second later
+        export.flush()
+        long = traced_context(1, clock)
+        long.prompt_tokens = spans.HOLD_TOKENS + 1  # its body is large: not held
+        export.ended(long, "chat", 6.0)
+        assert len(tracing.items) == 2
+        export.ended(traced_context(2, clock), "chat", 6.0)
+        assert len(tracing.items) == 2  # held
+        export.close()
+        assert len(tracing.items) == 3
+        export.ended(traced_context(3, clock), "chat", 6.0)  # after close: at once
+        assert len(tracing.items) == 4
+
+    try:
+        spans.prefer_native()
+        asyncio.run(run())
+    finally:
+        spans.prefer_native(False)
+    stream = next(s for s in decoded(tracing.items[0]) if s.name == "stream")
+    assert stream.end_time_unix_nano / 1e9 < 5.02  # not a second later
+
+
+def test_a_batch_waiting_on_a_stopped_event_loop_is_sent_from_the_next(
+    native_spans: ModuleType,
+) -> None:
+    clock = VirtualClock(5.0)
+    tracing: Any = Queued()
+    export = spans.SpanExport(tracing, clock)
+
+    async def one(i: int) -> None:
+        export.ended(traced_context(i, clock), "chat", 6.0)
+
+    async def then_wait() -> None:
+        export.ended(traced_context(1, clock), "chat", 6.0)
+        for _ in range(2000):
+            if len(tracing.items) == 2:
+                return
+            await asyncio.sleep(0.01)
+
+    try:
+        spans.prefer_native()
+        asyncio.run(one(0))  # its loop stops before the flush is due
+        asyncio.run(then_wait())
+    finally:
+        spans.prefer_native(False)
+    assert len(tracing.items) == 2
