@@ -4,10 +4,11 @@ kept in sendpath's cache folder (``SENDPATH_CACHE_DIR``, else ``~/.cache/sendpat
 For code that runs in a server's hot path but needs no torch (the model's kernels,
 ``model/kernels``, build through torch's extension builder instead): ``.c`` files and
 the headers beside them, Python's own headers, no other library. The built file's name
-carries a hash of the sources, those headers, the Python build and the compiler, so an
-edit, another Python or another venv
-builds its own; several processes starting at once each compile to a file of their
-own and rename it into place, so none loads a half-written one.
+carries a hash of the sources, those headers, the Python build, the compiler and its
+flags, so an edit, another Python or another venv builds its own; several processes
+starting at once each compile to a file of their own and rename it into place, so none
+loads a half-written one. ``prefer`` is how a caller with a Python path beside the C
+one picks between them.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["NativeBuildError", "build_extension", "cache_dir"]
+__all__ = ["NativeBuildError", "build_extension", "cache_dir", "prefer"]
 
 COMPILE_TIMEOUT_S = 120
 # part of the built file's hash. -Os: these run once a request amid a server's other
@@ -41,6 +42,15 @@ class NativeBuildError(RuntimeError):
 def cache_dir() -> Path:
     """sendpath's cache folder (built kernels and extensions)."""
     return Path(os.environ.get("SENDPATH_CACHE_DIR") or Path.home() / ".cache" / "sendpath")
+
+
+def prefer(build: Callable[[], ModuleType], source: str) -> tuple[ModuleType | None, str]:
+    """``build``'s extension and "in C (``source``)", or ``None`` and "in Python (why)"
+    where it cannot be built: what a caller with both paths uses, and logs."""
+    try:
+        return build(), f"in C ({source})"
+    except NativeBuildError as exc:
+        return None, f"in Python ({exc})"
 
 
 def build_extension(name: str, source: Path | Sequence[Path]) -> ModuleType:

@@ -23,7 +23,7 @@ from types import ModuleType
 
 from sendpath.clock import Clock
 from sendpath.gateway.context import AttemptRecord, GatewayContext
-from sendpath.native import NativeBuildError, build_extension
+from sendpath.native import build_extension, prefer
 from sendpath.telemetry.export import Tracing
 from sendpath.telemetry.genai import request_attributes, span_name, usage_attributes
 from sendpath.telemetry.otlp import SpanTree, encode_tree
@@ -167,14 +167,8 @@ def prefer_native(native: bool = True) -> str:
     """Build spans in C from now on where it can be built (``native=False``: in Python);
     says which and, for Python, why."""
     global _native
-    _native = None
-    if not native:
-        return "in Python"
-    try:
-        _native = native_spans()
-    except NativeBuildError as exc:
-        return f"in Python ({exc})"
-    return "in C (gateway/spans_native.c)"
+    _native, how = prefer(native_spans, "gateway/spans_native.c") if native else (None, "in Python")
+    return how
 
 
 def encoded_spans(ctx: GatewayContext, operation: str, end: float, offset: float) -> bytes:

@@ -86,7 +86,7 @@ class SpanQueue:
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None  # started by the first put
-        self._lock = threading.Lock()  # starting the thread, sending
+        self._lock = threading.Lock()  # starting the thread
         os.register_at_fork(after_in_child=functools.partial(_forked, weakref.ref(self)))
 
     def put(self, spans: bytes) -> None:
@@ -148,8 +148,7 @@ class SpanQueue:
                 size += len(spans)
             self._bytes_out += size
             try:
-                with self._lock:
-                    self.sender.send(batch)
+                self.sender.send(batch)
             except Exception:  # a collector's failure is never the process's
                 logger.exception("%d requests' spans could not be sent", len(batch))
 

@@ -109,7 +109,11 @@ class Tracing:
             raise ValueError("a Tracing sends through a processor or a queue, one of them")
         self.resource, self.processor, self.queue = resource, processor, queue
         self.sampler = sampler or Sampler.from_env()
-        self.encoded = queue is not None  # spans go out as bytes (``emit_encoded``)
+
+    @property
+    def encoded(self) -> bool:
+        """Spans go out as bytes (``emit_encoded``), not records."""
+        return self.queue is not None
 
     @classmethod
     def configured(cls, endpoint: str | None, service: str) -> Tracing | None:

@@ -27,7 +27,7 @@ from pathlib import Path
 from random import randbytes
 from types import ModuleType
 
-from sendpath.native import NativeBuildError, build_extension
+from sendpath.native import build_extension, prefer
 from sendpath.telemetry.spans import AttributeValue, SpanRecord
 
 __all__ = [
@@ -226,14 +226,10 @@ def prefer_native(native: bool = True) -> str:
     """Encode in C from now on where it can be built (``native=False``: in Python);
     says which encoder is used and, for Python, why."""
     global _native
-    _native = None
-    if not native:
-        return "in Python"
-    try:
-        _native = native_encoder()
-    except NativeBuildError as exc:
-        return f"in Python ({exc})"
-    return "in C (telemetry/otlp_native.c)"
+    _native, how = (
+        prefer(native_encoder, "telemetry/otlp_native.c") if native else (None, "in Python")
+    )
+    return how
 
 
 def encode_tree(tree: SpanTree) -> bytes:

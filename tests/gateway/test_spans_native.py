@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -193,6 +194,26 @@ class Queued:
         return 0.0
 
 
+@pytest.fixture
+def in_c(native_spans: ModuleType) -> Iterator[tuple[VirtualClock, Any, spans.SpanExport]]:
+    """A clock, a Tracing that keeps what it is given, and a SpanExport building in C."""
+    clock = VirtualClock(5.0)
+    tracing = Queued()
+    assert spans.prefer_native() == "in C (gateway/spans_native.c)"
+    try:
+        yield clock, tracing, spans.SpanExport(tracing, clock)  # type: ignore[arg-type]
+    finally:
+        spans.prefer_native(False)
+
+
+async def until(cond: Callable[[], bool]) -> None:
+    """Let the event loop run until ``cond`` holds (its timers fire), 20 s at most."""
+    for _ in range(2000):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+
+
 def traced_context(i: int, clock: VirtualClock) -> GatewayContext:
     ctx = GatewayContext(clock, clock.now(), request_id=f"r{i}", status=200)
     ctx.trace = TraceParent(TRACE + i, ROOT)
@@ -200,20 +221,15 @@ def traced_context(i: int, clock: VirtualClock) -> GatewayContext:
 
 
 def test_spans_are_built_in_c_a_batch_at_a_time_and_in_python_at_once(
-    native_spans: ModuleType,
+    in_c: tuple[VirtualClock, Any, spans.SpanExport],
 ) -> None:
-    clock = VirtualClock(5.0)
-    tracing: Any = Queued()
-    export = spans.SpanExport(tracing, clock)
+    clock, tracing, export = in_c
 
     async def run() -> None:
         for i in range(3):
             export.ended(traced_context(i, clock), "chat", 6.0)
         assert tracing.items == []  # they wait for more, at most FLUSH_S
-        for _ in range(2000):  # the event loop runs the flush when its time comes
-            if len(tracing.items) == 3:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: len(tracing.items) == 3)  # the flush when its time comes
         assert len(tracing.items) == 3
         for i in range(3, 3 + spans.BATCH):
             export.ended(traced_context(i, clock), "chat", 6.0)
@@ -224,40 +240,30 @@ def test_spans_are_built_in_c_a_batch_at_a_time_and_in_python_at_once(
         export.flush()
         assert len(tracing.items) == 3 + spans.BATCH
 
-    try:
-        assert spans.prefer_native() == "in C (gateway/spans_native.c)"
-        asyncio.run(run())
-        c = [decoded(item) for item in tracing.items]
-        assert spans.prefer_native(False) == "in Python"
-        export.ended(traced_context(0, clock), "chat", 6.0)  # at once: nothing to wait for
-        assert decoded(tracing.items[-1]) == c[0]
-    finally:
-        spans.prefer_native(False)
+    asyncio.run(run())
+    c = [decoded(item) for item in tracing.items]
+    assert spans.prefer_native(False) == "in Python"
+    export.ended(traced_context(0, clock), "chat", 6.0)  # at once: nothing to wait for
+    assert decoded(tracing.items[-1]) == c[0]
     trace_ids = [found[0].trace_id for found in c]
     assert trace_ids == [(TRACE + i).to_bytes(16, "big") for i in range(3 + spans.BATCH)]
 
 
 def test_a_request_whose_spans_cannot_be_built_costs_the_others_nothing(
-    native_spans: ModuleType, caplog: pytest.LogCaptureFixture
+    in_c: tuple[VirtualClock, Any, spans.SpanExport], caplog: pytest.LogCaptureFixture
 ) -> None:
-    clock = VirtualClock(5.0)
-    tracing: Any = Queued()
-    export = spans.SpanExport(tracing, clock)
+    clock, tracing, export = in_c
     bad = traced_context(1, clock)
     bad.usage = (1, 2, 3)  # type: ignore[assignment]
-    try:
-        spans.prefer_native()
-        with caplog.at_level(logging.ERROR, logger="sendpath.gateway"):
-            export.ended(traced_context(0, clock), "chat", 6.0)  # no event loop: at once
-            export.ended(bad, "chat", 6.0)
-            export.ended(traced_context(2, clock), "chat", 6.0)
-    finally:
-        spans.prefer_native(False)
+    with caplog.at_level(logging.ERROR, logger="sendpath.gateway"):
+        export.ended(traced_context(0, clock), "chat", 6.0)  # no event loop: at once
+        export.ended(bad, "chat", 6.0)
+        export.ended(traced_context(2, clock), "chat", 6.0)
     assert len(tracing.items) == 2 and "request r1: its spans could not be exported" in caplog.text
 
 
 def test_the_gateway_says_how_it_builds_its_spans(
-    native_spans: ModuleType, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    native_spans: ModuleType, caplog: pytest.LogCaptureFixture
 ) -> None:
     from sendpath.config import GatewayConfig
     from sendpath.gateway.parts import _tracing
@@ -274,11 +280,9 @@ def test_the_gateway_says_how_it_builds_its_spans(
 
 
 def test_held_spans_end_when_their_request_did_and_long_prompts_are_not_held(
-    native_spans: ModuleType,
+    in_c: tuple[VirtualClock, Any, spans.SpanExport],
 ) -> None:
-    clock = VirtualClock(5.0)
-    tracing: Any = Queued()
-    export = spans.SpanExport(tracing, clock)
+    clock, tracing, export = in_c
     cut = traced_context(0, clock)  # a stream cut short: never finished, so no ``final``
     cut.attempts = [AttemptRecord("replica-0", "http://r", 5.0, 0x42)]
     cut.replica_arrival = 5.001
@@ -298,36 +302,23 @@ def test_held_spans_end_when_their_request_did_and_long_prompts_are_not_held(
         export.ended(traced_context(3, clock), "chat", 6.0)  # after close: at once
         assert len(tracing.items) == 4
 
-    try:
-        spans.prefer_native()
-        asyncio.run(run())
-    finally:
-        spans.prefer_native(False)
+    asyncio.run(run())
     stream = next(s for s in decoded(tracing.items[0]) if s.name == "stream")
     assert stream.end_time_unix_nano / 1e9 < 5.02  # not a second later
 
 
 def test_a_batch_waiting_on_a_stopped_event_loop_is_sent_from_the_next(
-    native_spans: ModuleType,
+    in_c: tuple[VirtualClock, Any, spans.SpanExport],
 ) -> None:
-    clock = VirtualClock(5.0)
-    tracing: Any = Queued()
-    export = spans.SpanExport(tracing, clock)
+    clock, tracing, export = in_c
 
     async def one(i: int) -> None:
         export.ended(traced_context(i, clock), "chat", 6.0)
 
     async def then_wait() -> None:
         export.ended(traced_context(1, clock), "chat", 6.0)
-        for _ in range(2000):
-            if len(tracing.items) == 2:
-                return
-            await asyncio.sleep(0.01)
+        await until(lambda: len(tracing.items) == 2)
 
-    try:
-        spans.prefer_native()
-        asyncio.run(one(0))  # its loop stops before the flush is due
-        asyncio.run(then_wait())
-    finally:
-        spans.prefer_native(False)
+    asyncio.run(one(0))  # its loop stops before the flush is due
+    asyncio.run(then_wait())
     assert len(tracing.items) == 2
