@@ -1,6 +1,6 @@
 """What publishing KV events costs the engine step, measured on the KV manager itself.
 
-A step's share of the work is what the block pool does to record events and what the
+A step's share of the work is what the KV manager does to record events and what the
 engine does to hand them over (``KVEventPublisher.publish``: one ``put_nowait``);
 encoding and sending happen on the publisher's own thread, timed here separately since
 that thread shares the interpreter with the engine's. The workload is the KV side of a
@@ -35,7 +35,7 @@ PROMPT, CHUNK, BLOCK, BLOCKS = 1024, 512, 16, 1024
 def run(steps: int, publish: KVEventPublisher | None) -> tuple[float, list[list[KVEvent]]]:
     """Seconds per step of the KV work (and the handing over), and the batches made."""
     kv = KVCacheManager(BLOCKS, BLOCK)
-    kv.pool.events = [] if publish is not None else None
+    kv.events = [] if publish is not None else None
     batches: list[list[KVEvent]] = []
     live: list[Request] = []
     start = time.perf_counter()
@@ -51,8 +51,8 @@ def run(steps: int, publish: KVEventPublisher | None) -> tuple[float, list[list[
         kv.cache_computed_blocks(request)
         if step % 2 == 1:  # prefilled: its blocks go back (still cached, evictable)
             kv.free(request)
-        if publish is not None and kv.pool.events:
-            events, kv.pool.events = kv.pool.events, []
+        if publish is not None and kv.events:
+            events, kv.events = kv.events, []
             publish.publish(events)
             batches.append(events)
     return (time.perf_counter() - start) / steps, batches

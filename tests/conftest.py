@@ -201,6 +201,14 @@ def native_spans() -> ModuleType:
     return built(native_spans, "the gateway's C span builder")
 
 
+@pytest.fixture(scope="session")
+def native_kv() -> ModuleType:
+    """The prefix cache's block hashes and block pool in C (kvcache/kv_native.c)."""
+    from sendpath.kvcache.native import build
+
+    return built(build, "the C block pool")
+
+
 @dataclass
 class Served:
     """`sendpath serve` started by a test: its process, URL, output so far and first key."""

@@ -294,8 +294,8 @@ class EngineCore:
             busy = self.scheduler.has_unfinished_requests()
             shape = StepShape.of(plan)
             self.steps.record(start, self.clock.now() - start, busy, shape)
-        if self._kv_sink is not None and (pool := self.scheduler.kv.pool).events:
-            events, pool.events = pool.events, []
+        if self._kv_sink is not None and (kv := self.scheduler.kv).events:
+            events, kv.events = kv.events, []
             self._kv_sink(events)
         return outputs
 
@@ -327,7 +327,7 @@ class EngineCore:
         at the end of that step, starting with ``AllBlocksCleared``: a subscriber forgets
         what it knew of this replica before (a restart). Call it before serving, on the
         engine's thread (``AsyncEngine.call``)."""
-        self.scheduler.kv.pool.events = [AllBlocksCleared()]
+        self.scheduler.kv.events = [AllBlocksCleared()]
         self._kv_sink = sink
 
     def stats(self) -> SchedulerStats:

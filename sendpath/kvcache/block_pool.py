@@ -1,42 +1,68 @@
 """The block pool: fixed-size KV blocks with ref counts, a prefix-hash index and an LRU queue.
 
-A block is *free* when no request holds it (``ref_cnt == 0``). Free blocks wait in an LRU
-queue, oldest-freed first out; a free block that still has a hash stays findable in the
-prefix index until it is taken for new data, which is when its hash is dropped. So a
-request that finished a moment ago still lends its prefix to the next one.
+A block is an int id. It is *free* when no request holds it (ref count 0). Free blocks
+wait in an LRU queue, oldest-freed first out; a free block that still has a hash stays
+findable in the prefix index until it is taken for new data, which is when its hash is
+dropped. So a request that finished a moment ago still lends its prefix to the next one.
 
-While ``events`` is a list, the pool appends to it what a router outside would need to
-know of the index (``kvcache/events.py``): the blocks ``cache_all`` indexes and the hashes
-``allocate`` evicts. ``None`` (the default, and the simulator's) records nothing.
+Two implementations with one behaviour: ``kv_native.c``'s (built where a C compiler is
+found, ``kvcache/native.py``) and ``BlockPool`` here, the reference the tests hold the C
+one to. ``make_pool`` gives the C one where it was built. Where a caller wants the prefix
+index's changes (KV events), ``allocate`` reports the hashes it evicts and ``cache_all``
+which blocks it indexed; the manager turns them into events.
 """
 
 from __future__ import annotations
 
-import itertools
-from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import Protocol
 
-from sendpath.kvcache.events import BlockRemoved, BlockStored, KVEvent, WireHash
+from sendpath.kvcache.events import WireHash
 from sendpath.kvcache.hashing import BlockHash
 
-__all__ = ["BlockPool", "KVBlock"]
+__all__ = ["BlockPool", "Pool", "make_pool"]
 
 
-@dataclass(eq=False, slots=True)
-class KVBlock:
-    """One block of ``block_size`` token slots in the KV cache tensors."""
+class Pool(Protocol):
+    """What the manager asks of a block pool (both implementations)."""
 
-    block_id: int
-    ref_cnt: int = 0
-    block_hash: BlockHash | None = None
-    tokens: bytes = b""  # set once full and hashed: its token ids packed, for hit checks
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def num_free_blocks(self) -> int: ...
+    @property
+    def num_cached_blocks(self) -> int: ...
+    @property
+    def usage(self) -> float: ...
+    @property
+    def enable_caching(self) -> bool: ...
+    def allocate(self, n: int, evicted: list[WireHash] | None = None, /) -> list[int] | None: ...
+    def touch(self, block_ids: Iterable[int], /) -> None: ...
+    def release(self, block_ids: Iterable[int], /) -> None: ...
+    def lookup(self, block_hash: BlockHash, packed: bytes, /) -> int: ...
+    def cache_all(
+        self,
+        block_ids: Sequence[int],
+        hashes: Sequence[BlockHash],
+        packed: Sequence[bytes],
+        indexed: list[bool] | None = None,
+        /,
+    ) -> None: ...
+    def num_free_of(self, block_ids: Iterable[int], /) -> int: ...
+    def ref_cnt(self, block_id: int, /) -> int: ...
+    def block_hash(self, block_id: int, /) -> BlockHash | None: ...
+    def free_block_ids(self) -> list[int]: ...
 
 
-def _pack(token_ids: Sequence[int]) -> bytes:
-    """Token ids as int64 bytes: a full cache's worth of blocks holds no int objects."""
-    return array("q", token_ids).tobytes()
+def make_pool(num_blocks: int, enable_caching: bool = True) -> Pool:
+    """The C pool where ``kv_native.c`` was built, else ``BlockPool``."""
+    from sendpath.kvcache.native import kv_native
+
+    if kv_native is not None:
+        pool: Pool = kv_native.BlockPool(num_blocks, enable_caching)
+        return pool
+    return BlockPool(num_blocks, enable_caching)
 
 
 class BlockPool:
@@ -45,23 +71,27 @@ class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        self.enable_caching = enable_caching
-        # Blocks are made when first handed out (a simulated fleet has millions): ids from
-        # ``_fresh`` on were never used and come first, in id order; then the freed ones,
-        # least recently freed first (an OrderedDict as an LRU set; values unused).
-        self._blocks: list[KVBlock | None] = [None] * num_blocks
+        if num_blocks > 2**31 - 1:
+            raise ValueError(f"num_blocks must be < 2**31, got {num_blocks}")
+        self._caching = bool(enable_caching)
+        self._n = num_blocks
+        # ids from ``_fresh`` on were never handed out and come first, in id order (a
+        # simulated fleet has millions); then the freed ones, least recently freed first
+        # (an OrderedDict as an LRU set; values unused)
         self._fresh = 0
+        self._ref: list[int] = []  # of the blocks handed out so far
+        self._hash: list[BlockHash | None] = []
+        self._tokens: list[bytes] = []  # an indexed block's token ids, packed: hit checks
         self._free: OrderedDict[int, None] = OrderedDict()
-        self._cached: dict[BlockHash, KVBlock] = {}
-        self.events: list[KVEvent] | None = None  # a list: record index changes into it
+        self._cached: dict[BlockHash, int] = {}
 
     @property
     def num_blocks(self) -> int:
-        return len(self._blocks)
+        return self._n
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._blocks) - self._fresh + len(self._free)
+        return self._n - self._fresh + len(self._free)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -69,136 +99,122 @@ class BlockPool:
         return len(self._cached)
 
     @property
-    def blocks(self) -> list[KVBlock]:
-        """Every block, in id order (made now if never used); for tests and stats."""
-        return [b if b is not None else KVBlock(i) for i, b in enumerate(self._blocks)]
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (0.0 - 1.0)."""
+        return 1.0 - self.num_free_blocks / self._n
+
+    @property
+    def enable_caching(self) -> bool:
+        return self._caching
 
     def free_block_ids(self) -> list[int]:
         """Free block ids in eviction order (first out first); for tests and stats."""
-        return [*range(self._fresh, len(self._blocks)), *self._free]
+        return [*range(self._fresh, self._n), *self._free]
 
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks held by requests (0.0 - 1.0)."""
-        return 1.0 - self.num_free_blocks / len(self._blocks)
+    def _checked(self, block_ids: Iterable[int]) -> list[int]:
+        """The ids, every one handed out before (else ``ValueError``, and nothing changed)."""
+        ids = list(block_ids)
+        for block in ids:
+            if not 0 <= block < self._fresh:
+                raise ValueError(f"block {block} was never handed out")
+        return ids
 
-    def lookup(self, block_hash: BlockHash, token_ids: Sequence[int] | bytes) -> KVBlock | None:
-        """The cached block with this hash whose tokens really are ``token_ids`` (or these
-        int64 bytes), if any."""
+    def ref_cnt(self, block_id: int) -> int:
+        if not 0 <= block_id < self._n:
+            raise IndexError(f"no block {block_id} in a pool of {self._n}")
+        return self._ref[block_id] if block_id < self._fresh else 0
+
+    def block_hash(self, block_id: int) -> BlockHash | None:
+        """The hash the block is indexed under, if it is."""
+        if not 0 <= block_id < self._n:
+            raise IndexError(f"no block {block_id} in a pool of {self._n}")
+        return self._hash[block_id] if block_id < self._fresh else None
+
+    def num_free_of(self, block_ids: Iterable[int]) -> int:
+        """How many of these (handed out before) are free now."""
+        ref = self._ref
+        return sum(1 for b in self._checked(block_ids) if ref[b] == 0)
+
+    def lookup(self, block_hash: BlockHash, packed: bytes) -> int:
+        """The cached block with this hash whose token ids really are ``packed`` (int64
+        bytes), or -1."""
         block = self._cached.get(block_hash)
-        if block is None:
-            return None
-        packed = token_ids if isinstance(token_ids, bytes) else _pack(token_ids)
-        return block if block.tokens == packed else None
+        if block is None or self._tokens[block] != packed:
+            return -1
+        return block
 
-    def allocate(self, n: int) -> list[KVBlock] | None:
-        """Take ``n`` free blocks (evicting their cached hashes), or ``None`` if too few."""
+    def allocate(self, n: int, evicted: list[WireHash] | None = None) -> list[int] | None:
+        """Take ``n`` free blocks, or ``None`` if too few. The hashes of indexed blocks
+        taken leave the index (appended to ``evicted`` if given)."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
         if n > self.num_free_blocks:
             return None
-        blocks, free, cached = self._blocks, self._free, self._cached
         start = self._fresh
-        end = min(start + n, len(blocks))
-        out = list(map(KVBlock, range(start, end), itertools.repeat(1, end - start)))
-        if out:  # never used before: made now, in id order
-            blocks[start:end] = out
+        end = min(start + n, self._n)
+        out = list(range(start, end))
+        if out:  # never used before: in id order
             self._fresh = end
-        evicted: list[WireHash] = []
+            self._ref += [1] * len(out)
+            self._hash += [None] * len(out)
+            self._tokens += [b""] * len(out)
+        free, ref, hashes = self._free, self._ref, self._hash
         for _ in range(n - len(out)):
-            block_id, _ = free.popitem(last=False)
-            block = blocks[block_id]
-            assert block is not None  # it was handed out before it was freed
-            if block.block_hash is not None:
-                cached.pop(block.block_hash, None)
-                evicted.append(block.block_hash)
-                block.block_hash, block.tokens = None, b""
-            block.ref_cnt = 1
+            block, _ = free.popitem(last=False)
+            block_hash = hashes[block]
+            if block_hash is not None:
+                del self._cached[block_hash]
+                if evicted is not None:
+                    evicted.append(block_hash)
+                hashes[block], self._tokens[block] = None, b""
+            ref[block] = 1
             out.append(block)
-        if evicted and self.events is not None:
-            self.events.append(BlockRemoved(evicted))
         return out
 
-    def touch(self, blocks: Iterable[KVBlock]) -> None:
+    def touch(self, block_ids: Iterable[int]) -> None:
         """Take one more reference on each block (a prefix-cache hit); free ones leave the LRU."""
-        for block in blocks:
-            if block.ref_cnt == 0:
-                del self._free[block.block_id]
-            block.ref_cnt += 1
+        ref = self._ref
+        for block in self._checked(block_ids):
+            if ref[block] == 0:
+                del self._free[block]
+            ref[block] += 1
 
-    def release(self, blocks: Iterable[KVBlock]) -> None:
+    def release(self, block_ids: Iterable[int]) -> None:
         """Drop one reference on each block, in the order given; ones reaching 0 join the LRU tail.
 
         Callers pass a request's blocks last-first, so a prefix's tail is evicted before its
         head, and the head (shared by the most requests) stays cached longest.
         """
-        for block in blocks:
-            if block.ref_cnt <= 0:
-                raise RuntimeError(f"block {block.block_id} released more often than taken")
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self._free[block.block_id] = None
-
-    def cache(
-        self,
-        block: KVBlock,
-        block_hash: BlockHash,
-        token_ids: Sequence[int] | bytes,
-        parent: BlockHash | None = None,
-    ) -> None:
-        """Index a full block under its hash (first writer wins: duplicates stay private);
-        ``token_ids`` may come packed already (int64 bytes)."""
-        if self.enable_caching:
-            packed = token_ids if isinstance(token_ids, bytes) else _pack(token_ids)
-            self.cache_all([block], [block_hash], [packed], parent)
+        ref = self._ref
+        for block in self._checked(block_ids):
+            count = ref[block]
+            if count <= 0:
+                raise RuntimeError(f"block {block} released more often than taken")
+            ref[block] = count - 1
+            if count == 1:
+                self._free[block] = None
 
     def cache_all(
         self,
-        blocks: Sequence[KVBlock],
+        block_ids: Sequence[int],
         hashes: Sequence[BlockHash],
         packed: Sequence[bytes],
-        parent: BlockHash | None = None,
+        indexed: list[bool] | None = None,
     ) -> None:
-        """``cache`` for each block, in order, with its hash and its token ids packed;
-        ``parent`` is the hash of the block before the first (for the events)."""
-        if not self.enable_caching:
+        """Index each block under its hash with its token ids packed, in order (first
+        writer wins: a block already indexed, or a hash already known, stays as it is);
+        ``indexed`` gets, for each, whether it was indexed now."""
+        if not self._caching:
             return
-        cached, events = self._cached, self.events
-        if events is not None:
-            self._record_stored(blocks, hashes, packed, parent, events)
-            return
-        for block, block_hash, tokens in zip(blocks, hashes, packed, strict=True):
-            if block.block_hash is None and block_hash not in cached:
-                block.block_hash, block.tokens = block_hash, tokens
+        if not len(block_ids) == len(hashes) == len(packed):
+            raise ValueError(
+                f"cache_all: {len(block_ids)} blocks, {len(hashes)} hashes, {len(packed)} packed"
+            )
+        cached, own = self._cached, self._hash
+        for block, block_hash, tokens in zip(self._checked(block_ids), hashes, packed, strict=True):
+            now = own[block] is None and block_hash not in cached
+            if now:
+                own[block], self._tokens[block] = block_hash, tokens
                 cached[block_hash] = block
-
-    def _record_stored(
-        self,
-        blocks: Sequence[KVBlock],
-        hashes: Sequence[BlockHash],
-        packed: Sequence[bytes],
-        parent: BlockHash | None,
-        events: list[KVEvent],
-    ) -> None:
-        """``cache_all``, recording one ``BlockStored`` per run of blocks it indexes (a
-        block already indexed under its hash, by another request, breaks the run)."""
-        cached = self._cached
-        run: list[WireHash] = []
-        run_tokens: list[bytes] = []
-        run_parent = parent
-
-        def close() -> None:
-            if run:
-                ids = array("q", b"".join(run_tokens)).tolist()
-                events.append(BlockStored(run.copy(), run_parent, ids, len(run_tokens[0]) // 8))
-                run.clear()
-                run_tokens.clear()
-
-        for block, block_hash, tokens in zip(blocks, hashes, packed, strict=True):
-            if block.block_hash is None and block_hash not in cached:
-                block.block_hash, block.tokens = block_hash, tokens
-                cached[block_hash] = block
-                run.append(block_hash)
-                run_tokens.append(tokens)
-            else:
-                close()
-                run_parent = block_hash
-        close()
+            if indexed is not None:
+                indexed.append(now)

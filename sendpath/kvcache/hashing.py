@@ -3,7 +3,8 @@
 ``hash(block i) = H(hash(block i-1), token ids of block i, salt)``, so equal hashes mean
 equal prefixes (up to a verified collision), and a tenant salt keeps one tenant's cached
 prefix invisible to another. Hashes are stable across processes (BLAKE2b, not ``hash()``),
-so a router in another process can compute the same ones.
+so a router in another process can compute the same ones. ``block_hashes`` runs in C
+(``kv_native.c``) where that was built; ``python_block_hashes`` is the reference.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from array import array
 from collections.abc import Sequence
 from hashlib import blake2b
 
-__all__ = ["BlockHash", "block_hashes", "hash_block"]
+from sendpath.kvcache.native import kv_native
+
+__all__ = ["BlockHash", "block_hashes", "hash_block", "python_block_hashes"]
 
 BlockHash = bytes
 
@@ -29,7 +32,7 @@ def hash_block(
     return h.digest()
 
 
-def block_hashes(
+def python_block_hashes(
     token_ids: Sequence[int],
     block_size: int,
     salt: str | None = None,
@@ -57,3 +60,8 @@ def block_hashes(
         if packed is not None:
             packed.append(chunk)
     return out
+
+
+block_hashes = python_block_hashes
+if kv_native is not None:
+    block_hashes = kv_native.block_hashes

@@ -6,6 +6,10 @@ The scheduler asks two questions and never sees a free list:
 cannot, preempt someone). Full blocks become findable by later requests once computed
 (``cache_computed_blocks``). The last prompt token is never served from cache: its forward
 pass is what produces the first output token.
+
+While ``events`` is a list, the manager appends to it what a router outside would need to
+know of the prefix index (``kvcache/events.py``): the blocks it indexes and the hashes
+the pool evicts. ``None`` (the default, and the simulator's) records nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from sendpath.kvcache.block_pool import BlockPool, KVBlock
+from sendpath.kvcache.block_pool import Pool, make_pool
+from sendpath.kvcache.events import BlockRemoved, KVEvent, WireHash, stored_runs
 from sendpath.kvcache.hashing import BlockHash, block_hashes
 from sendpath.request import Request
 
@@ -24,8 +29,7 @@ __all__ = ["KVCacheManager"]
 class _RequestBlocks:
     """What the manager keeps for one request, from its first lookup until ``free``."""
 
-    blocks: list[KVBlock] = field(default_factory=list)  # its block table, in token order
-    block_ids: list[int] = field(default_factory=list)  # the same table as block ids
+    blocks: list[int] = field(default_factory=list)  # its block table, in token order
     hashes: list[BlockHash] = field(default_factory=list)  # of its full blocks' tokens so far
     packed: list[bytes] = field(default_factory=list)  # and those blocks' token ids, packed
     num_cached: int = 0  # leading blocks already offered to the prefix cache
@@ -41,7 +45,8 @@ class KVCacheManager:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.pool: Pool = make_pool(num_blocks, enable_prefix_caching)
+        self.events: list[KVEvent] | None = None  # a list: record index changes into it
         self._requests: dict[str, _RequestBlocks] = {}
         self.num_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_hits = 0  # of those, tokens served from it
@@ -61,7 +66,7 @@ class KVCacheManager:
         when the request is freed. Read it before the next ``allocate_slots``/``free``.
         """
         record = self._requests.get(request_id)
-        return record.block_ids if record is not None else []
+        return record.blocks if record is not None else []
 
     def _record(self, request_id: str) -> _RequestBlocks:
         """The request's record, made empty on first use."""
@@ -82,7 +87,7 @@ class KVCacheManager:
             hashes += block_hashes(new, bs, request.cache_salt, 0, parent, record.packed)
         return record
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """The longest cached prefix of the request (blocks, tokens), leaving one token to compute.
 
         Mutates nothing: the blocks are only taken by a successful ``allocate_slots``.
@@ -90,12 +95,12 @@ class KVCacheManager:
         if not self.enable_prefix_caching or request.num_computed_tokens > 0:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVBlock] = []
+        hits: list[int] = []
         record = self._request_hashes(request)
-        hashes, packed = record.hashes, record.packed
+        hashes, packed, lookup = record.hashes, record.packed, self.pool.lookup
         for i in range(min(max_blocks, len(hashes))):
-            block = self.pool.lookup(hashes[i], packed[i])
-            if block is None:
+            block = lookup(hashes[i], packed[i])
+            if block < 0:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
@@ -106,8 +111,8 @@ class KVCacheManager:
         self.num_hits += num_hit_tokens
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVBlock] = ()
-    ) -> list[KVBlock] | None:
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()
+    ) -> list[int] | None:
         """Room for ``num_new_tokens`` beyond what is computed (and hit); ``None`` if it can't fit.
 
         On success the hit blocks are taken (ref count +1) and appended to the request's
@@ -120,18 +125,15 @@ class KVCacheManager:
             return []  # most decode steps: the last block still has room
         total_blocks = -(-(computed + num_new_tokens) // bs)
         needed = max(0, total_blocks - len(held) - len(new_computed_blocks))
-        hits_now_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if needed > self.pool.num_free_blocks - hits_now_free:
+        pool = self.pool
+        hits_now_free = pool.num_free_of(new_computed_blocks) if new_computed_blocks else 0
+        if needed > pool.num_free_blocks - hits_now_free:
             return None
-        ids = record.block_ids
         if new_computed_blocks:
-            self.pool.touch(new_computed_blocks)
+            pool.touch(new_computed_blocks)
             held += new_computed_blocks
-            ids += [b.block_id for b in new_computed_blocks]
-        new = self.pool.allocate(needed)
-        assert new is not None
+        new = self._take(needed)
         held += new
-        ids += [b.block_id for b in new]
         return new
 
     def grow_decodes(self, requests: Sequence[Request]) -> bool:
@@ -161,14 +163,24 @@ class KVCacheManager:
         """One more block for each of these requests, in this order (decodes crossing into
         a new block, as ``allocate_slots(request, 1)`` would give them one at a time); the
         caller has checked that enough blocks are free."""
-        new = self.pool.allocate(len(request_ids))
-        if new is None:
+        if len(request_ids) > self.pool.num_free_blocks:
             raise RuntimeError(f"{len(request_ids)} blocks asked for, fewer free")
         records = self._requests
-        for rid, block in zip(request_ids, new, strict=True):
-            record = records[rid]
-            record.blocks.append(block)
-            record.block_ids.append(block.block_id)
+        for rid, block in zip(request_ids, self._take(len(request_ids)), strict=True):
+            records[rid].blocks.append(block)
+
+    def _take(self, n: int) -> list[int]:
+        """``n`` blocks from the pool, which the caller has checked it has."""
+        events = self.events
+        if events is None:
+            new = self.pool.allocate(n)
+        else:
+            evicted: list[WireHash] = []
+            new = self.pool.allocate(n, evicted)
+            if evicted:
+                events.append(BlockRemoved(evicted))
+        assert new is not None
+        return new
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Make the request's full, computed blocks findable by later requests."""
@@ -180,8 +192,14 @@ class KVCacheManager:
         record = self._request_hashes(request)
         num_full = min(num_full, len(record.blocks))
         span = slice(start, num_full)
-        parent = record.hashes[start - 1] if start else None
-        self.pool.cache_all(record.blocks[span], record.hashes[span], record.packed[span], parent)
+        blocks, hashes, packed = record.blocks[span], record.hashes[span], record.packed[span]
+        if self.events is None:
+            self.pool.cache_all(blocks, hashes, packed)
+        else:
+            indexed: list[bool] = []
+            self.pool.cache_all(blocks, hashes, packed, indexed)
+            parent = record.hashes[start - 1] if start else None
+            self.events += stored_runs(hashes, packed, indexed, parent)
         record.num_cached = num_full
 
     def trim(self, request: Request) -> None:
@@ -194,11 +212,11 @@ class KVCacheManager:
         keep = -(-request.num_computed_tokens // self.block_size)
         if len(record.blocks) > keep:
             extra = record.blocks[keep:]
-            del record.blocks[keep:], record.block_ids[keep:]
-            self.pool.release(reversed(extra))
+            del record.blocks[keep:]
+            self.pool.release(extra[::-1])
 
     def free(self, request: Request) -> None:
         """Give back all of the request's blocks, last block first (its tail is evicted first)."""
         record = self._requests.pop(request.request_id, None)
         if record is not None:
-            self.pool.release(reversed(record.blocks))
+            self.pool.release(record.blocks[::-1])

@@ -58,7 +58,9 @@ def answers(
 def draft_pool_is_free(core: EngineCore) -> bool:
     assert core.speculator is not None and isinstance(core.speculator.proposer, DraftProposer)
     pool = core.speculator.proposer.kv.pool
-    return pool.num_free_blocks == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
+    return pool.num_free_blocks == pool.num_blocks and all(
+        pool.ref_cnt(b) == 0 for b in range(pool.num_blocks)
+    )
 
 
 def test_the_model_as_its_own_draft_keeps_nearly_every_draft(tiny: LoadedModel) -> None:

@@ -121,7 +121,7 @@ def make_core(
 def assert_no_leaks(core: EngineCore, blocks: int) -> None:
     pool = core.scheduler.kv.pool
     assert pool.num_free_blocks == blocks
-    assert all(b.ref_cnt == 0 for b in pool.blocks)
+    assert all(pool.ref_cnt(b) == 0 for b in range(pool.num_blocks))
 
 
 @settings(

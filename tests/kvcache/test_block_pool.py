@@ -1,105 +1,184 @@
-"""BlockPool: exact block ids, ref counts, LRU order and the hash index."""
+"""The block pool, both implementations (Python's ``BlockPool`` and ``kv_native.c``'s):
+exact block ids, ref counts, LRU order and the hash index; and the two against each other
+on random operations."""
 
 from __future__ import annotations
 
-import pytest
+from array import array
+from collections.abc import Callable
+from types import ModuleType
 
-from sendpath.kvcache.block_pool import BlockPool
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sendpath.kvcache.block_pool import BlockPool, Pool
+from sendpath.kvcache.events import WireHash
 from sendpath.kvcache.hashing import hash_block
 
+MakePool = Callable[..., Pool]
 
-def test_allocate_takes_lowest_free_ids_in_order() -> None:
-    pool = BlockPool(6)
+
+@pytest.fixture(params=["python", "c"])
+def make(request: pytest.FixtureRequest) -> MakePool:
+    if request.param == "python":
+        return BlockPool
+    native: ModuleType = request.getfixturevalue("native_kv")
+    made: MakePool = native.BlockPool
+    return made
+
+
+def _ids(*tokens: int) -> bytes:
+    return array("q", tokens).tobytes()
+
+
+def test_allocate_takes_lowest_free_ids_in_order(make: MakePool) -> None:
+    pool = make(6)
     a = pool.allocate(2)
     b = pool.allocate(3)
-    assert a is not None and b is not None
-    assert [x.block_id for x in a] == [0, 1] and [x.block_id for x in b] == [2, 3, 4]
-    assert all(x.ref_cnt == 1 for x in a + b)
+    assert a == [0, 1] and b == [2, 3, 4]
+    assert [pool.ref_cnt(x) for x in a + b] == [1] * 5 and pool.ref_cnt(5) == 0
     assert pool.num_free_blocks == 1 and pool.allocate(2) is None
     assert pool.free_block_ids() == [5]
     assert pool.usage == pytest.approx(5 / 6)
+    assert pool.allocate(0) == []
 
 
-def test_release_appends_to_lru_tail_in_given_order() -> None:
-    pool = BlockPool(5)
+def test_release_appends_to_lru_tail_in_given_order(make: MakePool) -> None:
+    pool = make(5)
     blocks = pool.allocate(4)
     assert blocks is not None
-    pool.release(reversed(blocks))  # a request frees its table last-first
+    pool.release(blocks[::-1])  # a request frees its table last-first
     assert pool.free_block_ids() == [4, 3, 2, 1, 0]
-    again = pool.allocate(2)
-    assert again is not None and [b.block_id for b in again] == [4, 3]
+    assert pool.allocate(2) == [4, 3]
 
 
-def test_shared_block_is_freed_only_when_last_holder_releases() -> None:
-    pool = BlockPool(3)
+def test_shared_block_is_freed_only_when_last_holder_releases(make: MakePool) -> None:
+    pool = make(3)
     (block,) = pool.allocate(1) or []
     pool.touch([block])
-    assert block.ref_cnt == 2
+    assert pool.ref_cnt(block) == 2
     pool.release([block])
-    assert block.ref_cnt == 1 and 0 not in pool.free_block_ids()
+    assert pool.ref_cnt(block) == 1 and 0 not in pool.free_block_ids()
     pool.release([block])
-    assert block.ref_cnt == 0 and pool.free_block_ids() == [1, 2, 0]
+    assert pool.ref_cnt(block) == 0 and pool.free_block_ids() == [1, 2, 0]
     with pytest.raises(RuntimeError, match="released more often"):
         pool.release([block])
 
 
-def test_cached_free_block_is_found_then_evicted_on_reuse() -> None:
-    pool = BlockPool(2)
+def test_cached_free_block_is_found_then_evicted_on_reuse(make: MakePool) -> None:
+    pool = make(2)
     (block,) = pool.allocate(1) or []
     h = hash_block(None, [1, 2, 3, 4])
-    pool.cache(block, h, [1, 2, 3, 4])
+    pool.cache_all([block], [h], [_ids(1, 2, 3, 4)])
     pool.release([block])
-    assert pool.lookup(h, [1, 2, 3, 4]) is block  # freed, still cached
-    assert pool.lookup(h, [1, 2, 3, 5]) is None  # tokens verified, not just the hash
+    assert pool.lookup(h, _ids(1, 2, 3, 4)) == block  # freed, still cached
+    assert pool.lookup(h, _ids(1, 2, 3, 5)) == -1  # tokens verified, not just the hash
+    assert pool.num_free_of([block]) == 1
     pool.touch([block])  # a hit takes it out of the free queue
-    assert block.ref_cnt == 1 and pool.free_block_ids() == [1]
+    assert pool.ref_cnt(block) == 1 and pool.free_block_ids() == [1]
     pool.release([block])
-    taken = pool.allocate(2)  # block 1 first (older in the LRU), then block 0: evicted
-    assert taken is not None and [b.block_id for b in taken] == [1, 0]
-    assert pool.lookup(h, [1, 2, 3, 4]) is None and block.block_hash is None
+    evicted: list[WireHash] = []
+    assert pool.allocate(2, evicted) == [1, 0]  # block 1 first (older in the LRU), then 0
+    assert evicted == [h] and pool.lookup(h, _ids(1, 2, 3, 4)) == -1
+    assert pool.block_hash(block) is None and pool.num_cached_blocks == 0
 
 
-def test_duplicate_hash_keeps_first_block() -> None:
-    pool = BlockPool(2)
+def test_duplicate_hash_keeps_first_block(make: MakePool) -> None:
+    pool = make(2)
     a, b = pool.allocate(2) or []
     h = hash_block(None, [7])
-    pool.cache(a, h, [7])
-    pool.cache(b, h, [7])
-    assert pool.lookup(h, [7]) is a and b.block_hash is None
+    indexed: list[bool] = []
+    pool.cache_all([a, b, a], [h, h, hash_block(None, [8])], [_ids(7)] * 3, indexed)
+    assert indexed == [True, False, False]  # b: the hash is a's; a: indexed already
+    assert pool.lookup(h, _ids(7)) == a and pool.block_hash(b) is None
 
 
-def test_events_record_stored_runs_and_evictions_exactly() -> None:
-    from sendpath.kvcache.events import BlockRemoved, BlockStored
-
-    pool = BlockPool(4)
-    pool.events = []
-    blocks = pool.allocate(3)
-    assert blocks is not None
-    h = [hash_block(None, [1, 2])]
-    h.append(hash_block(h[0], [3, 4]))
-    h.append(hash_block(h[1], [5, 6]))
-    pool.cache(blocks[0], h[0], [9, 9])  # block 0 is indexed already
-    pool.events.clear()
-    other = pool.allocate(1)
-    assert other is not None
-    pool.cache_all(blocks, h, [_ids(1, 2), _ids(3, 4), _ids(5, 6)])
-    # the run of newly indexed blocks starts after block 0, its parent
-    assert pool.events == [BlockStored([h[1], h[2]], h[0], [3, 4, 5, 6], 2)]
-    pool.events.clear()
-    pool.release(reversed(blocks))  # freed: still indexed, nothing to say
-    assert pool.events == []
-    assert pool.allocate(2) is not None  # evicts the two tail blocks' hashes
-    assert pool.events == [BlockRemoved([h[2], h[1]])]
+def test_a_pool_without_caching_indexes_nothing(make: MakePool) -> None:
+    pool = make(2, False)
+    (a,) = pool.allocate(1) or []
+    h = hash_block(None, [7])
+    pool.cache_all([a], [h], [_ids(7)])
+    assert not pool.enable_caching and pool.lookup(h, _ids(7)) == -1
 
 
-def test_no_events_are_recorded_unless_asked() -> None:
-    pool = BlockPool(2)
-    (block,) = pool.allocate(1) or []
-    pool.cache(block, hash_block(None, [1]), [1])
-    assert pool.events is None
+def test_bad_calls_are_refused_and_change_nothing(make: MakePool) -> None:
+    with pytest.raises(ValueError, match="num_blocks must be >= 1"):
+        make(0)
+    pool = make(4)
+    assert pool.allocate(2) == [0, 1]
+    with pytest.raises(ValueError, match="never handed out"):
+        pool.release([0, 2])  # a bad id anywhere: block 0 is not released either
+    assert pool.ref_cnt(0) == 1
+    with pytest.raises(ValueError, match="never handed out"):
+        pool.touch([-1])
+    with pytest.raises(ValueError, match="cannot allocate -1"):
+        pool.allocate(-1)
+    with pytest.raises(ValueError, match="2 blocks, 1 hashes"):
+        pool.cache_all([0, 1], [b"h"], [b"t", b"t"])
+    with pytest.raises(IndexError, match="no block 4"):
+        pool.ref_cnt(4)
+    assert pool.free_block_ids() == [2, 3] and pool.num_cached_blocks == 0
 
 
-def _ids(*tokens: int) -> bytes:
-    from array import array
+# ---------------------------------------------------------------- C against Python
 
-    return array("q", tokens).tobytes()
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("allocate"), st.integers(0, 6)),
+        st.tuples(st.just("release"), st.integers(0, 40)),
+        st.tuples(st.just("touch"), st.integers(0, 40)),
+        st.tuples(st.just("cache"), st.integers(0, 40), st.integers(0, 5)),
+        st.tuples(st.just("lookup"), st.integers(0, 5), st.integers(0, 1)),
+    ),
+    max_size=80,
+)
+
+
+def _run(pool: Pool, ops: list[tuple[int | str, ...]]) -> list[object]:
+    """Apply ``ops`` (ids picked among the blocks each one holds), recording every answer
+    and the pool's state after each."""
+    held: list[int] = []  # one entry per reference taken
+    seen: list[object] = []
+    for op, *args in ops:
+        if op == "allocate":
+            evicted: list[WireHash] = []
+            got = pool.allocate(int(args[0]), evicted)
+            held += got or []
+            seen.append((got, evicted))
+        elif op in ("release", "touch") and held:
+            block = held[int(args[0]) % len(held)]
+            if op == "release":
+                held.remove(block)
+                pool.release([block])
+            else:
+                held.append(block)
+                pool.touch([block])
+        elif op == "cache" and held:
+            block, key = held[int(args[0]) % len(held)], int(args[1])
+            indexed: list[bool] = []
+            pool.cache_all([block], [bytes([key]) * 16], [_ids(key)], indexed)
+            seen.append(indexed)
+        elif op == "lookup":
+            key, right = int(args[0]), int(args[1])
+            seen.append(pool.lookup(bytes([key]) * 16, _ids(key if right else key + 1)))
+        blocks = range(pool.num_blocks)
+        seen.append(
+            (
+                pool.free_block_ids(),
+                [pool.ref_cnt(b) for b in blocks],
+                [pool.block_hash(b) for b in blocks],
+                pool.num_free_blocks,
+                pool.num_cached_blocks,
+                pool.usage,
+            )
+        )
+    return seen
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=OPS, num_blocks=st.integers(1, 8))
+def test_the_c_pool_does_what_the_python_one_does(
+    native_kv: ModuleType, ops: list[tuple[int | str, ...]], num_blocks: int
+) -> None:
+    assert _run(native_kv.BlockPool(num_blocks), ops) == _run(BlockPool(num_blocks), ops)

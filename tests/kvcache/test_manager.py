@@ -30,12 +30,12 @@ def test_allocate_slots_rounds_up_to_blocks() -> None:
     kv = KVCacheManager(num_blocks=5, block_size=4)
     req = make_request("a", 10)
     new = kv.allocate_slots(req, 10)
-    assert new is not None and [b.block_id for b in new] == [0, 1, 2]
+    assert new is not None and new == [0, 1, 2]
     req.num_computed_tokens = 10
     assert kv.allocate_slots(req, 2) == []  # fits in the third block
     req.num_computed_tokens = 12
     new = kv.allocate_slots(req, 1)
-    assert new is not None and [b.block_id for b in new] == [3]
+    assert new is not None and new == [3]
     assert kv.block_ids("a") == [0, 1, 2, 3]
     assert kv.allocate_slots(make_request("b", 8), 8) is None  # only 1 block left
     kv.free(req)
@@ -76,10 +76,10 @@ def test_prefix_hit_lengths_and_last_token_rule() -> None:
     compute_all(kv, "first", prompt)
     # same 12 tokens: 3 full blocks cached, but the last token must be computed -> 2 blocks
     hits, n = kv.get_computed_blocks(make_request("same", prompt))
-    assert n == 8 and [b.block_id for b in hits] == [0, 1]
+    assert n == 8 and hits == [0, 1]
     # longer prompt sharing 12 tokens: all 3 blocks
     hits, n = kv.get_computed_blocks(make_request("longer", [*prompt, 50, 51]))
-    assert n == 12 and [b.block_id for b in hits] == [0, 1, 2]
+    assert n == 12 and hits == [0, 1, 2]
     # diverging inside block 2: hits stop at block 1
     _, n = kv.get_computed_blocks(make_request("diverge", [*prompt[:9], 77, 78, 79, 80]))
     assert n == 8
@@ -96,12 +96,12 @@ def test_hit_blocks_are_shared_and_ref_counted() -> None:
     hits, n = kv.get_computed_blocks(req)
     new = kv.allocate_slots(req, 10 - n, hits)
     assert new is not None and len(new) == 1
-    assert [b.ref_cnt for b in hits] == [1, 1]
-    assert kv.block_ids("second")[:2] == [b.block_id for b in hits]
+    assert [kv.pool.ref_cnt(b) for b in hits] == [1, 1]
+    assert kv.block_ids("second")[:2] == hits
     third = make_request("third", [*prompt, 3])
     hits3, _ = kv.get_computed_blocks(third)
     assert kv.allocate_slots(third, 1, hits3) is not None
-    assert [b.ref_cnt for b in hits] == [2, 2]
+    assert [kv.pool.ref_cnt(b) for b in hits] == [2, 2]
     kv.free(req)
     kv.free(third)
     assert kv.pool.num_free_blocks == 8
@@ -115,4 +115,29 @@ def test_free_cached_hits_count_against_free_space() -> None:
     assert n == 8
     # 13 tokens need 4 blocks: 2 hits + 2 new, but only 1 block is free beside the hits
     assert kv.allocate_slots(req, 5, hits) is None
-    assert [b.ref_cnt for b in hits] == [0, 0]  # a failed allocation takes nothing
+    assert [kv.pool.ref_cnt(b) for b in hits] == [0, 0]  # a failed allocation takes nothing
+
+
+def test_events_record_stored_runs_and_evictions_exactly() -> None:
+    from sendpath.kvcache.events import BlockRemoved, BlockStored
+
+    kv = KVCacheManager(num_blocks=8, block_size=2)
+    compute = make_request("other", [9, 9, 3])
+    assert kv.allocate_slots(compute, 3) == [0, 1]
+    compute.num_computed_tokens = 3
+    kv.cache_computed_blocks(compute)  # block 0 indexed under [9, 9]'s hash
+    kv.events = []
+    req = make_request("a", [9, 9, 3, 4, 5, 6, 7])
+    assert kv.allocate_slots(req, 7) == [2, 3, 4, 5]
+    assert kv.events == []  # blocks never used: nothing evicted
+    h = block_hashes([9, 9, 3, 4, 5, 6], 2)
+    req.num_computed_tokens = 7
+    kv.cache_computed_blocks(req)  # its block 2 holds [9, 9] too: a duplicate, not indexed
+    # the run of newly indexed blocks starts after the duplicate, its parent
+    assert kv.events == [BlockStored([h[1], h[2]], h[0], [3, 4, 5, 6], 2)]
+    kv.events.clear()
+    kv.free(req)  # freed: still indexed, nothing to say
+    kv.free(compute)
+    assert kv.events == [] and kv.pool.free_block_ids() == [6, 7, 5, 4, 3, 2, 1, 0]
+    assert kv.allocate_slots(make_request("b", 10), 10) == [6, 7, 5, 4, 3]
+    assert kv.events == [BlockRemoved([h[2], h[1]])]

@@ -1,0 +1,546 @@
+/* The prefix cache's two hot loops in C: chained block hashes (``hashing.block_hashes``)
+ * and the block pool (``block_pool.BlockPool``), the same behaviour as the Python
+ * versions beside them, which stay the reference (tests compare the two on random
+ * operations). A block is an int id; the pool keeps a ref count, LRU links and, once
+ * indexed, a hash and the block's packed token ids per id, in arrays made zeroed (pages
+ * of blocks never handed out cost no memory). */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+#include "blake2b.h"
+
+/* ------------------------------------------------------------------ block hashes */
+
+static PyObject *block_hashes(PyObject *module, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"token_ids", "block_size", "salt", "start", "parent", "packed", NULL};
+    PyObject *tokens, *salt = Py_None, *parent = Py_None, *packed = Py_None;
+    Py_ssize_t bs, start = 0;
+    (void)module;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "On|OnOO:block_hashes", names, &tokens, &bs,
+                                     &salt, &start, &parent, &packed))
+        return NULL;
+    if (bs < 1)
+        return PyErr_Format(PyExc_ValueError, "block_size must be >= 1, got %zd", bs);
+    if (start < 0)
+        return PyErr_Format(PyExc_ValueError, "start must be >= 0, got %zd", start);
+    if (packed != Py_None && !PyList_Check(packed))
+        return PyErr_Format(PyExc_TypeError, "packed must be a list or None");
+    const char *tail = "";
+    Py_ssize_t tail_len = 0;
+    if (salt != Py_None) { /* salt.encode() if salt else b"" */
+        if (!PyUnicode_Check(salt))
+            return PyErr_Format(PyExc_TypeError, "salt must be str or None");
+        tail = PyUnicode_AsUTF8AndSize(salt, &tail_len);
+        if (tail == NULL)
+            return NULL;
+    }
+    static const char zeros[16] = {0};
+    const char *link = zeros; /* parent or b"\0" * 16 */
+    Py_ssize_t link_len = 16;
+    if (parent != Py_None) {
+        if (!PyBytes_Check(parent))
+            return PyErr_Format(PyExc_TypeError, "parent must be bytes or None");
+        if (PyBytes_GET_SIZE(parent) > 0) {
+            link = PyBytes_AS_STRING(parent);
+            link_len = PyBytes_GET_SIZE(parent);
+        }
+    }
+    PyObject *seq = PySequence_Fast(tokens, "token_ids must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    PyObject *out = PyList_New(0);
+    uint8_t *buf = NULL;
+    if (out == NULL)
+        goto fail;
+    Py_ssize_t end = PySequence_Fast_GET_SIZE(seq) / bs;
+    if (end <= start) {
+        Py_DECREF(seq);
+        return out;
+    }
+    Py_ssize_t width = 8 * bs, head = link_len > 16 ? link_len : 16;
+    buf = PyMem_Malloc((size_t)(head + width + tail_len));
+    if (buf == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    uint8_t chained[16]; /* every block's link but the first: its parent's digest */
+    for (Py_ssize_t block = start; block < end; block++) {
+        memcpy(buf, link, (size_t)link_len);
+        uint8_t *ids = buf + link_len;
+        PyObject **from = items + block * bs;
+        for (Py_ssize_t i = 0; i < bs; i++) { /* as array("q", ...) packs them */
+            if (!PyLong_Check(from[i])) {
+                PyErr_Format(PyExc_TypeError, "token ids must be int, not %.100s",
+                             Py_TYPE(from[i])->tp_name);
+                goto fail;
+            }
+            long long id = PyLong_AsLongLong(from[i]);
+            if (id == -1 && PyErr_Occurred())
+                goto fail;
+            int64_t word = (int64_t)id;
+            memcpy(ids + 8 * i, &word, 8);
+        }
+        memcpy(ids + width, tail, (size_t)tail_len);
+        blake2b_128(buf, (size_t)(link_len + width + tail_len), chained);
+        PyObject *hash = PyBytes_FromStringAndSize((const char *)chained, 16);
+        if (hash == NULL || PyList_Append(out, hash) < 0) {
+            Py_XDECREF(hash);
+            goto fail;
+        }
+        Py_DECREF(hash);
+        if (packed != Py_None) {
+            PyObject *chunk = PyBytes_FromStringAndSize((const char *)ids, width);
+            if (chunk == NULL || PyList_Append(packed, chunk) < 0) {
+                Py_XDECREF(chunk);
+                goto fail;
+            }
+            Py_DECREF(chunk);
+        }
+        link = (const char *)chained;
+        link_len = 16;
+    }
+    PyMem_Free(buf);
+    Py_DECREF(seq);
+    return out;
+fail:
+    PyMem_Free(buf);
+    Py_XDECREF(out);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ the block pool */
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t n;       /* blocks */
+    Py_ssize_t fresh;   /* ids from here on were never handed out */
+    Py_ssize_t lru_len; /* freed blocks waiting in the LRU */
+    int32_t head, tail; /* the LRU's oldest and newest (-1: empty) */
+    int32_t *ref, *prev, *next;
+    PyObject **hash, **tokens; /* set while a block is indexed; owned */
+    PyObject *cached;          /* hash -> block id */
+    int caching;
+} Pool;
+
+static void lru_unlink(Pool *p, int32_t b) {
+    int32_t before = p->prev[b], after = p->next[b];
+    if (before >= 0)
+        p->next[before] = after;
+    else
+        p->head = after;
+    if (after >= 0)
+        p->prev[after] = before;
+    else
+        p->tail = before;
+    p->lru_len--;
+}
+
+static void lru_append(Pool *p, int32_t b) {
+    p->prev[b] = p->tail;
+    p->next[b] = -1;
+    if (p->tail >= 0)
+        p->next[p->tail] = b;
+    else
+        p->head = b;
+    p->tail = b;
+    p->lru_len++;
+}
+
+static int pool_init(Pool *p, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"num_blocks", "enable_caching", NULL};
+    Py_ssize_t n;
+    int caching = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n|p:BlockPool", names, &n, &caching))
+        return -1;
+    if (n < 1) {
+        PyErr_Format(PyExc_ValueError, "num_blocks must be >= 1, got %zd", n);
+        return -1;
+    }
+    if (n > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "num_blocks must be < 2**31, got %zd", n);
+        return -1;
+    }
+    if (p->ref != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "a BlockPool is made once");
+        return -1;
+    }
+    p->ref = PyMem_Calloc((size_t)n, sizeof(int32_t));
+    p->prev = PyMem_Calloc((size_t)n, sizeof(int32_t));
+    p->next = PyMem_Calloc((size_t)n, sizeof(int32_t));
+    p->hash = PyMem_Calloc((size_t)n, sizeof(PyObject *));
+    p->tokens = PyMem_Calloc((size_t)n, sizeof(PyObject *));
+    p->cached = PyDict_New();
+    if (!p->ref || !p->prev || !p->next || !p->hash || !p->tokens || !p->cached) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    p->n = n;
+    p->head = p->tail = -1;
+    p->caching = caching;
+    return 0;
+}
+
+static void pool_dealloc(Pool *p) {
+    if (p->hash != NULL && p->tokens != NULL)
+        for (Py_ssize_t i = 0; i < p->fresh; i++) {
+            Py_XDECREF(p->hash[i]);
+            Py_XDECREF(p->tokens[i]);
+        }
+    PyMem_Free(p->ref);
+    PyMem_Free(p->prev);
+    PyMem_Free(p->next);
+    PyMem_Free(p->hash);
+    PyMem_Free(p->tokens);
+    Py_XDECREF(p->cached);
+    Py_TYPE(p)->tp_free((PyObject *)p);
+}
+
+/* a block id from ``item`` that was handed out before, or -1 with an error set */
+static int32_t handed_out(Pool *p, PyObject *item) {
+    if (!PyLong_Check(item)) {
+        PyErr_Format(PyExc_TypeError, "block ids must be int, not %.100s", Py_TYPE(item)->tp_name);
+        return -1;
+    }
+    Py_ssize_t b = PyLong_AsSsize_t(item);
+    if (b == -1 && PyErr_Occurred())
+        return -1;
+    if (b < 0 || b >= p->fresh) {
+        PyErr_Format(PyExc_ValueError, "block %zd was never handed out", b);
+        return -1;
+    }
+    return (int32_t)b;
+}
+
+static PyObject *pool_allocate(Pool *p, PyObject *args) {
+    Py_ssize_t n;
+    PyObject *evicted = Py_None;
+    if (!PyArg_ParseTuple(args, "n|O:allocate", &n, &evicted))
+        return NULL;
+    if (n < 0)
+        return PyErr_Format(PyExc_ValueError, "cannot allocate %zd blocks", n);
+    if (evicted != Py_None && !PyList_Check(evicted))
+        return PyErr_Format(PyExc_TypeError, "evicted must be a list or None");
+    if (n > p->n - p->fresh + p->lru_len)
+        Py_RETURN_NONE;
+    /* the ids first, so a failure leaves the pool as it was: never used ones in id
+     * order, then the least recently freed */
+    Py_ssize_t unused = p->n - p->fresh < n ? p->n - p->fresh : n;
+    PyObject *out = PyList_New(n);
+    if (out == NULL)
+        return NULL;
+    int32_t b = p->head;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *id = i < unused ? PyLong_FromSsize_t(p->fresh + i) : PyLong_FromLong(b);
+        if (id == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, id);
+        if (i >= unused)
+            b = p->next[b];
+    }
+    for (Py_ssize_t i = 0; i < unused; i++)
+        p->ref[p->fresh + i] = 1;
+    p->fresh += unused;
+    for (Py_ssize_t i = unused; i < n; i++) {
+        b = p->head;
+        lru_unlink(p, b);
+        PyObject *hash = p->hash[b];
+        if (hash != NULL) { /* evicted: its hash leaves the index */
+            if (PyDict_DelItem(p->cached, hash) < 0)
+                PyErr_Clear(); /* cannot be missing: an indexed block is the one cached */
+            if (evicted != Py_None && PyList_Append(evicted, hash) < 0)
+                PyErr_Clear(); /* out of memory: the block is taken all the same */
+            Py_CLEAR(p->hash[b]);
+            Py_CLEAR(p->tokens[b]);
+        }
+        p->ref[b] = 1;
+    }
+    return out;
+}
+
+/* ``ids`` as block ids, every one handed out before (else NULL with the error set, so
+ * a bad id changes nothing); ``*count`` gets how many. PyMem_Free the result. */
+static int32_t *checked_ids(Pool *p, PyObject *ids, Py_ssize_t *count) {
+    PyObject *seq = PySequence_Fast(ids, "block ids must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    *count = PySequence_Fast_GET_SIZE(seq);
+    int32_t *out = PyMem_Malloc((size_t)(*count > 0 ? *count : 1) * sizeof(int32_t));
+    if (out == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < *count; i++) {
+        out[i] = handed_out(p, items[i]);
+        if (out[i] < 0) {
+            PyMem_Free(out);
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
+static PyObject *pool_touch(Pool *p, PyObject *ids) {
+    Py_ssize_t count;
+    int32_t *blocks = checked_ids(p, ids, &count);
+    if (blocks == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (p->ref[blocks[i]] == 0)
+            lru_unlink(p, blocks[i]);
+        p->ref[blocks[i]]++;
+    }
+    PyMem_Free(blocks);
+    Py_RETURN_NONE;
+}
+
+static PyObject *pool_release(Pool *p, PyObject *ids) {
+    Py_ssize_t count;
+    int32_t *blocks = checked_ids(p, ids, &count);
+    if (blocks == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int32_t b = blocks[i];
+        if (p->ref[b] <= 0) {
+            PyMem_Free(blocks);
+            return PyErr_Format(PyExc_RuntimeError, "block %d released more often than taken",
+                                (int)b);
+        }
+        if (--p->ref[b] == 0)
+            lru_append(p, b);
+    }
+    PyMem_Free(blocks);
+    Py_RETURN_NONE;
+}
+
+static PyObject *pool_lookup(Pool *p, PyObject *args) {
+    PyObject *hash, *packed;
+    if (!PyArg_ParseTuple(args, "SS:lookup", &hash, &packed))
+        return NULL;
+    PyObject *found = PyDict_GetItemWithError(p->cached, hash);
+    if (found == NULL)
+        return PyErr_Occurred() ? NULL : PyLong_FromLong(-1);
+    Py_ssize_t b = PyLong_AsSsize_t(found);
+    PyObject *tokens = p->tokens[b];
+    Py_ssize_t size = PyBytes_GET_SIZE(packed);
+    if (PyBytes_GET_SIZE(tokens) != size ||
+        memcmp(PyBytes_AS_STRING(tokens), PyBytes_AS_STRING(packed), (size_t)size) != 0)
+        return PyLong_FromLong(-1);
+    return PyLong_FromSsize_t(b);
+}
+
+static PyObject *pool_cache_all(Pool *p, PyObject *args) {
+    PyObject *ids, *hashes, *packed, *indexed = Py_None;
+    if (!PyArg_ParseTuple(args, "OOO|O:cache_all", &ids, &hashes, &packed, &indexed))
+        return NULL;
+    if (indexed != Py_None && !PyList_Check(indexed))
+        return PyErr_Format(PyExc_TypeError, "indexed must be a list or None");
+    if (!p->caching)
+        Py_RETURN_NONE;
+    Py_ssize_t count;
+    int32_t *blocks = checked_ids(p, ids, &count);
+    if (blocks == NULL)
+        return NULL;
+    PyObject *h = PySequence_Fast(hashes, "hashes must be a sequence");
+    PyObject *t = h ? PySequence_Fast(packed, "packed must be a sequence") : NULL;
+    PyObject *result = NULL;
+    if (t == NULL)
+        goto done;
+    if (PySequence_Fast_GET_SIZE(h) != count || PySequence_Fast_GET_SIZE(t) != count) {
+        PyErr_Format(PyExc_ValueError, "cache_all: %zd blocks, %zd hashes, %zd packed", count,
+                     PySequence_Fast_GET_SIZE(h), PySequence_Fast_GET_SIZE(t));
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *hash = PySequence_Fast_GET_ITEM(h, i), *tokens = PySequence_Fast_GET_ITEM(t, i);
+        if (!PyBytes_Check(hash) || !PyBytes_Check(tokens)) {
+            PyErr_SetString(PyExc_TypeError, "hashes and packed token ids must be bytes");
+            goto done;
+        }
+        int32_t b = blocks[i];
+        int indexes = 0;
+        if (p->hash[b] == NULL) {
+            int known = PyDict_Contains(p->cached, hash);
+            if (known < 0)
+                goto done;
+            indexes = !known;
+        }
+        if (indexes) { /* first writer wins: a duplicate stays private */
+            PyObject *id = PyLong_FromLong(b);
+            if (id == NULL || PyDict_SetItem(p->cached, hash, id) < 0) {
+                Py_XDECREF(id);
+                goto done;
+            }
+            Py_DECREF(id);
+            Py_INCREF(hash);
+            Py_INCREF(tokens);
+            p->hash[b] = hash;
+            p->tokens[b] = tokens;
+        }
+        if (indexed != Py_None && PyList_Append(indexed, indexes ? Py_True : Py_False) < 0)
+            goto done;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyMem_Free(blocks);
+    Py_XDECREF(h);
+    Py_XDECREF(t);
+    return result;
+}
+
+static PyObject *pool_num_free_of(Pool *p, PyObject *ids) {
+    Py_ssize_t count, free = 0;
+    int32_t *blocks = checked_ids(p, ids, &count);
+    if (blocks == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < count; i++)
+        free += p->ref[blocks[i]] == 0;
+    PyMem_Free(blocks);
+    return PyLong_FromSsize_t(free);
+}
+
+/* a block id in range (one never handed out is a free block with no hash) */
+static int32_t some_block(Pool *p, PyObject *arg) {
+    Py_ssize_t b = PyLong_AsSsize_t(arg);
+    if (b == -1 && PyErr_Occurred())
+        return -1;
+    if (b < 0 || b >= p->n) {
+        PyErr_Format(PyExc_IndexError, "no block %zd in a pool of %zd", b, p->n);
+        return -1;
+    }
+    return (int32_t)b;
+}
+
+static PyObject *pool_ref_cnt(Pool *p, PyObject *arg) {
+    int32_t b = some_block(p, arg);
+    return b < 0 ? NULL : PyLong_FromLong(p->ref[b]);
+}
+
+static PyObject *pool_block_hash(Pool *p, PyObject *arg) {
+    int32_t b = some_block(p, arg);
+    if (b < 0)
+        return NULL;
+    PyObject *hash = p->hash[b] ? p->hash[b] : Py_None;
+    Py_INCREF(hash);
+    return hash;
+}
+
+static PyObject *pool_free_block_ids(Pool *p, PyObject *unused) {
+    (void)unused;
+    PyObject *out = PyList_New(p->n - p->fresh + p->lru_len);
+    if (out == NULL)
+        return NULL;
+    Py_ssize_t i = 0;
+    for (Py_ssize_t b = p->fresh; b < p->n; b++, i++) {
+        PyObject *id = PyLong_FromSsize_t(b);
+        if (id == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, id);
+    }
+    for (int32_t b = p->head; b >= 0; b = p->next[b], i++) {
+        PyObject *id = PyLong_FromLong(b);
+        if (id == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, id);
+    }
+    return out;
+}
+
+static PyObject *pool_get_num_blocks(Pool *p, void *c) {
+    (void)c;
+    return PyLong_FromSsize_t(p->n);
+}
+
+static PyObject *pool_get_num_free(Pool *p, void *c) {
+    (void)c;
+    return PyLong_FromSsize_t(p->n - p->fresh + p->lru_len);
+}
+
+static PyObject *pool_get_num_cached(Pool *p, void *c) {
+    (void)c;
+    return PyLong_FromSsize_t(PyDict_GET_SIZE(p->cached));
+}
+
+static PyObject *pool_get_usage(Pool *p, void *c) {
+    (void)c;
+    return PyFloat_FromDouble(1.0 - (double)(p->n - p->fresh + p->lru_len) / (double)p->n);
+}
+
+static PyObject *pool_get_caching(Pool *p, void *c) {
+    (void)c;
+    return PyBool_FromLong(p->caching);
+}
+
+static PyMethodDef pool_methods[] = {
+    {"allocate", (PyCFunction)pool_allocate, METH_VARARGS, NULL},
+    {"touch", (PyCFunction)pool_touch, METH_O, NULL},
+    {"release", (PyCFunction)pool_release, METH_O, NULL},
+    {"lookup", (PyCFunction)pool_lookup, METH_VARARGS, NULL},
+    {"cache_all", (PyCFunction)pool_cache_all, METH_VARARGS, NULL},
+    {"num_free_of", (PyCFunction)pool_num_free_of, METH_O, NULL},
+    {"ref_cnt", (PyCFunction)pool_ref_cnt, METH_O, NULL},
+    {"block_hash", (PyCFunction)pool_block_hash, METH_O, NULL},
+    {"free_block_ids", (PyCFunction)pool_free_block_ids, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef pool_getset[] = {
+    {"num_blocks", (getter)pool_get_num_blocks, NULL, NULL, NULL},
+    {"num_free_blocks", (getter)pool_get_num_free, NULL, NULL, NULL},
+    {"num_cached_blocks", (getter)pool_get_num_cached, NULL, NULL, NULL},
+    {"usage", (getter)pool_get_usage, NULL, NULL, NULL},
+    {"enable_caching", (getter)pool_get_caching, NULL, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject PoolType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "_sendpath_kv.BlockPool",
+    .tp_basicsize = sizeof(Pool),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The block pool in C: block_pool.BlockPool's behaviour.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)pool_init,
+    .tp_dealloc = (destructor)pool_dealloc,
+    .tp_methods = pool_methods,
+    .tp_getset = pool_getset,
+};
+
+static PyMethodDef module_methods[] = {
+    {"block_hashes", (PyCFunction)(void (*)(void))block_hashes, METH_VARARGS | METH_KEYWORDS,
+     NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "_sendpath_kv", NULL, -1, module_methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__sendpath_kv(void) {
+    if (PyType_Ready(&PoolType) < 0)
+        return NULL;
+    PyObject *module = PyModule_Create(&module_def);
+    if (module == NULL)
+        return NULL;
+    Py_INCREF(&PoolType);
+    if (PyModule_AddObject(module, "BlockPool", (PyObject *)&PoolType) < 0) {
+        Py_DECREF(&PoolType);
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}
