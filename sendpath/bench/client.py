@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +34,7 @@ class RequestResult:
     cached_tokens: int | None = None  # of the prompt, served from the prefix cache (usage)
     output_tokens: int = 0  # from usage when reported, else the number of text chunks
     ttft: float | None = None  # seconds
-    itl: list[float] = field(default_factory=list)
+    itl: list[float] | array[float] = field(default_factory=list)  # the simulator's: arrays
     latency: float = 0.0
     start: float = 0.0  # perf_counter when sent (for throughput windows)
     finish_reason: str | None = None

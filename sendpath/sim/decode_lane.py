@@ -184,7 +184,7 @@ class DecodeLane:
                 self._first.append(self._parked[rid])
         sched.running[:] = keep
 
-    def _write(self, p: _Parked, base: int, sched: Scheduler, cache: bool = True) -> list[float]:
+    def _write(self, p: _Parked, base: int, sched: Scheduler, cache: bool = True) -> array[float]:
         """Bring a parked request's ``Request`` up to now (``cache``: offer its filled
         blocks to the prefix cache); its token times since parking."""
         r, k = p.request, self.step - p.step
@@ -195,7 +195,7 @@ class DecodeLane:
         if cache:
             self.kv.cache_computed_blocks(r)
         lo = p.step - self._offset
-        return self._ends[lo : lo + k].tolist()
+        return self._ends[lo : lo + k]
 
     def _drop(self, p: _Parked) -> None:
         del self._parked[p.request.request_id]
@@ -205,7 +205,7 @@ class DecodeLane:
 
     def finishing(
         self, bases: dict[str, int], sched: Scheduler, continued: Callable[[str], bool]
-    ) -> list[tuple[Request, list[float]]]:
+    ) -> list[tuple[Request, array[float]]]:
         """The parked requests whose last token came with the step just run, written up
         and back in the running list (in running order) for the scheduler to finish.
         An answer no later request continues (``continued``) is not hashed into the
@@ -223,7 +223,7 @@ class DecodeLane:
         self._trim()
         return out
 
-    def unpark(self, bases: dict[str, int], sched: Scheduler) -> dict[str, list[float]]:
+    def unpark(self, bases: dict[str, int], sched: Scheduler) -> dict[str, array[float]]:
         """Everyone back in the running list, in running order; their token times."""
         times = {}
         for rid, p in self._parked.items():

@@ -12,7 +12,10 @@ from __future__ import annotations
 import bisect
 import hashlib
 import itertools
-import operator
+from array import array
+
+import numpy as np
+from numpy.typing import NDArray
 
 from sendpath.bench.client import RequestResult
 from sendpath.request import Request
@@ -22,12 +25,12 @@ from sendpath.trace import Stage
 __all__ = ["client_view", "held_tokens", "token_times"]
 
 
-def token_times(request: Request, bulks: list[list[float]] | None) -> list[float]:
-    """The request's token times: those its timeline recorded, and its fleet-mode bulks'."""
-    times = request.timeline.token_times
+def token_times(request: Request, bulks: list[array[float]] | None) -> NDArray[np.float64]:
+    """The request's token times, in order: those its timeline recorded, and its
+    fleet-mode bulks'."""
+    times = np.array(request.timeline.token_times, dtype=np.float64)
     if bulks:
-        for ends in bulks:
-            times += ends
+        times = np.concatenate([times, *map(np.frombuffer, bulks)])
         times.sort()
     return times
 
@@ -47,7 +50,7 @@ def client_view(
     request: Request,
     sent: float,
     config: SimConfig,
-    tokens: list[float],
+    tokens: NDArray[np.float64],
     keep_itl: bool,
     held: int | None = None,
 ) -> RequestResult:
@@ -66,7 +69,7 @@ def client_view(
     for stage in (Stage.TOKENIZE, Stage.ENGINE_QUEUE, Stage.PREFILL, Stage.DECODE):
         timings[stage.value] = stages.get(stage, 0.0) * 1000
     timings[Stage.STREAM.value] = 0.0
-    end = (tl.end or tokens[-1]) + half
+    end = (tl.end or float(tokens[-1])) + half
     if held is None:
         held = held_tokens(request.request_id, config.first_token_hold)
     held = min(held, len(tokens) - 1)
@@ -77,8 +80,8 @@ def client_view(
         request_id=request.request_id,
         prompt_tokens=request.num_prompt_tokens,
         output_tokens=len(request.output_token_ids),
-        ttft=seen[0] + half - sent,
-        itl=list(map(operator.sub, seen[1:], seen[:-1])) if keep_itl else [],
+        ttft=float(seen[0]) + half - sent,
+        itl=array("d", np.diff(seen).tobytes()) if keep_itl else [],
         latency=end - sent,
         start=sent,
         finish_reason="length",

@@ -34,6 +34,7 @@ import gc
 import heapq
 import itertools
 import random
+from array import array
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -94,7 +95,8 @@ class Simulator:
         self._bases = itertools.count(TOKEN_BASE, TOKEN_BASE)
         self._base: dict[str, int] = {}
         self._inflight: dict[str, tuple[SimRequest, int, float]] = {}  # id -> req, replica, sent
-        self._bulk_tokens: dict[str, list[list[float]]] = {}  # id -> token times of its bulks
+        self._bulk_tokens: dict[str, list[array[float]]] = {}  # id -> token times of its bulks
+        self._params: dict[int, SamplingParams] = {}  # by answer length: nobody changes them
         self._finished_count = 0
         self._itl_every = 1
         self.results: list[RequestResult] = []
@@ -211,10 +213,14 @@ class Simulator:
         if rep.bulk is not None:
             self._cut(rep, index, t)
         rep.clock.set(t)
+        params = self._params.get(req.output_len)
+        if params is None:
+            params = SamplingParams(max_tokens=req.output_len, ignore_eos=True)
+            self._params[req.output_len] = params
         request = Request(
             req.request_id,
             req.prompt,
-            SamplingParams(max_tokens=req.output_len, ignore_eos=True),
+            params,
             arrival_time=t,
             cache_salt=f"tenant-{req.tenant}",
         )

@@ -25,6 +25,7 @@ from sendpath.bench.workload import LengthSpec
 __all__ = ["PATTERNS", "SimRequest", "Traffic"]
 
 PATTERNS = ("poisson", "bursty", "diurnal")
+VOCAB = (100, 30000)  # prompt token ids are drawn from this range
 
 
 @dataclass
@@ -115,6 +116,9 @@ class Traffic:
         """``first_turns``, made one at a time (a million prompts never sit in memory)."""
         rng = random.Random(self.seed)
         ids = np.random.default_rng(self.seed)  # token ids: random, and drawn in bulk
+        # each id's int object made once: a prompt's list then shares them (a million
+        # prompts' tokens would otherwise each be an int of its own, made and freed)
+        table = np.array(range(VOCAB[0], VOCAB[1]), dtype=object)
 
         pool: list[int] = []
         at = 0
@@ -122,7 +126,8 @@ class Traffic:
         def tokens(n: int) -> list[int]:
             nonlocal pool, at
             if at + n > len(pool):  # drawn 64k at a time: a prompt is then one slice
-                pool = ids.integers(100, 30000, max(n, 1 << 16)).tolist()
+                drawn = ids.integers(VOCAB[0], VOCAB[1], max(n, 1 << 16))
+                pool = table[drawn - VOCAB[0]].tolist()
                 at = 0
             at += n
             return pool[at - n : at]

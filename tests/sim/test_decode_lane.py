@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from array import array
+
 from sendpath.engine.scheduler import RunnerOutput, Scheduler
 from sendpath.engine.steps import StepShape
 from sendpath.sim.decode_lane import DecodeLane, beside, decode_seconds
@@ -31,12 +33,12 @@ def test_parked_decodes_get_blocks_when_they_cross_and_finish_at_their_step() ->
     lane.ran([1.0, 2.0])
     bases = {"a": 1000, "b": 2000}
     [(b, times)] = lane.finishing(bases, s, continued=lambda _: False)
-    assert b.request_id == "b" and times == [1.0, 2.0] and s.running == [b]
+    assert b.request_id == "b" and times.tolist() == [1.0, 2.0] and s.running == [b]
     assert b.output_token_ids == [7, 2004, 2005] and b.num_computed_tokens == 5
     assert (lane.batch, lane.context()) == (1, 8)
     s.running.remove(b)
     # the rest back in the scheduler: a, written up to the 2 steps it ran parked
-    assert lane.unpark(bases, s) == {"a": [1.0, 2.0]} and lane.batch == 0
+    assert lane.unpark(bases, s) == {"a": array("d", [1.0, 2.0])} and lane.batch == 0
     [a] = s.running
     assert a.output_token_ids == [7, 1007, 1008] and a.num_computed_tokens == 8
 
