@@ -96,7 +96,9 @@ def main() -> None:
                          args.decode))  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     RESULTS.parent.mkdir(exist_ok=True)
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}"
+    from sendpath.model.quant import cpu_model  # after the runs: torch comes with it
+
+    machine = f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()}"
     record = {
         "machine": machine,
         "python": platform.python_version(),
