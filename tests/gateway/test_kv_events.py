@@ -84,6 +84,9 @@ def converse(
         for c, messages in enumerate(conversations):
             url, parts = gateways[(c + turn) % 2]
             wait_for(lambda parts=parts: caught_up(replicas, parts))  # type: ignore[misc]
+            # the last turn is over on every replica, as this gateway sees them: a load
+            # still counted (or reported before it ended) would decide a guess instead
+            wait_for(lambda parts=parts: all(e.load == 0 for e in parts.pool.endpoints))  # type: ignore[misc]
             body = {"model": "tiny", "messages": messages, "max_tokens": 4, "ignore_eos": True}
             r = httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
             assert r.status_code == 200, r.text
