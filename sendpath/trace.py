@@ -80,27 +80,6 @@ class Timeline:
     def end(self) -> float | None:
         return self.last(EventType.FINISHED) or self.last(EventType.ABORTED)
 
-    def _waits(self) -> tuple[float, float]:
-        """Seconds spent queued before and after the first token (preemptions re-queue)."""
-        before = after = 0.0
-        since: float | None = None
-        seen_token = False
-        token, requeued = EventType.TOKEN, (EventType.QUEUED, EventType.PREEMPTED)
-        for e in self.events:
-            if e.type is token:  # most events: nothing to do
-                continue
-            if e.type in requeued:
-                since = e.time
-            elif e.type is EventType.SCHEDULED and since is not None:
-                if seen_token:
-                    after += e.time - since
-                else:
-                    before += e.time - since
-                since = None
-            elif e.type is EventType.FIRST_TOKEN:
-                seen_token = True
-        return before, after
-
     @property
     def ttft(self) -> float | None:
         """Arrival to first token."""
@@ -114,23 +93,59 @@ class Timeline:
         return [b - a for a, b in itertools.pairwise(times)]
 
     def stages(self) -> dict[Stage, float]:
-        """The engine's stage durations: tokenize, engine.queue, prefill, decode."""
+        """The engine's stage durations: tokenize, engine.queue, prefill, decode.
+
+        engine.queue is the time spent queued, before the first token and after it (a
+        preemption queues a request again); one pass over the events (the simulator asks
+        this of a million requests)."""
+        firsts: dict[EventType, float] = {}
+        finished = aborted = last_token = None
+        before = after = 0.0
+        since: float | None = None
+        seen_token = False
+        token, requeued = EventType.TOKEN, (EventType.QUEUED, EventType.PREEMPTED)
+        for e in self.events:
+            kind = e.type
+            if kind is token:  # most events
+                last_token = e.time
+                continue
+            if kind not in firsts:
+                firsts[kind] = e.time
+            if kind in requeued:
+                since = e.time
+            elif kind is EventType.SCHEDULED and since is not None:
+                if seen_token:
+                    after += e.time - since
+                else:
+                    before += e.time - since
+                since = None
+            elif kind is EventType.FIRST_TOKEN:
+                seen_token = True
+            elif kind is EventType.FINISHED:
+                finished = e.time
+            elif kind is EventType.ABORTED:
+                aborted = e.time
+        end = finished or aborted
         out: dict[Stage, float] = {}
         # tokenize runs to the queue (building the request included), so the four stages
         # tile arrival to finish exactly
-        arrived = self.first(EventType.ARRIVED)
-        queued = self.first(EventType.QUEUED) or self.first(EventType.TOKENIZED)
-        if arrived is not None and queued is not None:
-            out[Stage.TOKENIZE] = queued - arrived
-        before, after = self._waits()
+        arrived = firsts.get(EventType.ARRIVED)
+        queued = firsts.get(EventType.QUEUED)
+        queued_or_tokenized = queued or firsts.get(EventType.TOKENIZED)
+        if arrived is not None and queued_or_tokenized is not None:
+            out[Stage.TOKENIZE] = queued_or_tokenized - arrived
         out[Stage.ENGINE_QUEUE] = before + after
-        scheduled, first = self.first(EventType.SCHEDULED), self.first(EventType.FIRST_TOKEN)
-        queued = self.first(EventType.QUEUED)
+        scheduled, first = firsts.get(EventType.SCHEDULED), firsts.get(EventType.FIRST_TOKEN)
         if scheduled is not None and queued is not None:
-            end_of_prefill = first if first is not None else (self.end or scheduled)
+            end_of_prefill = first if first is not None else (end or scheduled)
             out[Stage.PREFILL] = max(0.0, end_of_prefill - queued - before)
         if first is not None:
-            last = self.end or self.token_times[-1]
+            if end:
+                last = end
+            elif last_token is not None:
+                last = last_token
+            else:
+                raise IndexError("a first token but no token event")
             out[Stage.DECODE] = max(0.0, last - first - after)
         return out
 

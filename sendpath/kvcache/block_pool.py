@@ -139,7 +139,7 @@ class BlockPool:
         """The cached block with this hash whose token ids really are ``packed`` (int64
         bytes), or -1."""
         block = self._cached.get(block_hash)
-        if block is None or self._tokens[block] != packed:
+        if block is None or type(packed) is not bytes or self._tokens[block] != packed:
             return -1
         return block
 
@@ -211,6 +211,8 @@ class BlockPool:
                 f"cache_all: {len(block_ids)} blocks, {len(hashes)} hashes, {len(packed)} packed"
             )
         cached, own = self._cached, self._hash
+        if any(type(h) is not bytes for h in hashes) or any(type(t) is not bytes for t in packed):
+            raise TypeError("hashes and packed token ids must be bytes")
         for block, block_hash, tokens in zip(self._checked(block_ids), hashes, packed, strict=True):
             now = own[block] is None and block_hash not in cached
             if now:

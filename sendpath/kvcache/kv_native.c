@@ -12,6 +12,37 @@
 
 /* ------------------------------------------------------------------ block hashes */
 
+/* item ``i`` of a PySequence_Fast result, a new reference, read afresh: an item's
+ * __index__ may have changed the list (NULL and RuntimeError if it is shorter now) */
+static PyObject *item_at(PyObject *seq, Py_ssize_t i) {
+    if (i >= PySequence_Fast_GET_SIZE(seq)) {
+        PyErr_SetString(PyExc_RuntimeError, "the sequence changed while it was read");
+        return NULL;
+    }
+    PyObject *item = PySequence_Fast_ITEMS(seq)[i];
+    Py_INCREF(item);
+    return item;
+}
+
+/* an int (or anything with __index__, as array("q") takes it) as int64; -1 with an
+ * error set where it is not one or does not fit */
+static int as_int64(PyObject *item, int64_t *out) {
+    long long value;
+    if (PyLong_Check(item)) {
+        value = PyLong_AsLongLong(item);
+    } else {
+        PyObject *index = PyNumber_Index(item);
+        if (index == NULL)
+            return -1;
+        value = PyLong_AsLongLong(index);
+        Py_DECREF(index);
+    }
+    if (value == -1 && PyErr_Occurred())
+        return -1;
+    *out = (int64_t)value;
+    return 0;
+}
+
 static PyObject *block_hashes(PyObject *module, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"token_ids", "block_size", "salt", "start", "parent", "packed", NULL};
     PyObject *tokens, *salt = Py_None, *parent = Py_None, *packed = Py_None;
@@ -24,89 +55,104 @@ static PyObject *block_hashes(PyObject *module, PyObject *args, PyObject *kwargs
         return PyErr_Format(PyExc_ValueError, "block_size must be >= 1, got %zd", bs);
     if (start < 0)
         return PyErr_Format(PyExc_ValueError, "start must be >= 0, got %zd", start);
-    if (packed != Py_None && !PyList_Check(packed))
-        return PyErr_Format(PyExc_TypeError, "packed must be a list or None");
+    PyObject *seq = PySequence_Fast(tokens, "token_ids must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t end = PySequence_Fast_GET_SIZE(seq) / bs;
+    if (end <= start) { /* no full block from ``start`` on: nothing else is looked at */
+        Py_DECREF(seq);
+        return PyList_New(0);
+    }
+    PyObject *out = NULL, *chunks = NULL;
+    uint8_t *buf = NULL;
+    int64_t *ids = NULL;
+    if (packed != Py_None && !PyList_Check(packed)) {
+        PyErr_SetString(PyExc_TypeError, "packed must be a list or None");
+        goto fail;
+    }
     const char *tail = "";
     Py_ssize_t tail_len = 0;
     if (salt != Py_None) { /* salt.encode() if salt else b"" */
-        if (!PyUnicode_Check(salt))
-            return PyErr_Format(PyExc_TypeError, "salt must be str or None");
+        if (!PyUnicode_Check(salt)) {
+            PyErr_SetString(PyExc_TypeError, "salt must be str or None");
+            goto fail;
+        }
         tail = PyUnicode_AsUTF8AndSize(salt, &tail_len);
         if (tail == NULL)
-            return NULL;
+            goto fail;
     }
     static const char zeros[16] = {0};
     const char *link = zeros; /* parent or b"\0" * 16 */
     Py_ssize_t link_len = 16;
     if (parent != Py_None) {
-        if (!PyBytes_Check(parent))
-            return PyErr_Format(PyExc_TypeError, "parent must be bytes or None");
+        if (!PyBytes_Check(parent)) {
+            PyErr_SetString(PyExc_TypeError, "parent must be bytes or None");
+            goto fail;
+        }
         if (PyBytes_GET_SIZE(parent) > 0) {
             link = PyBytes_AS_STRING(parent);
             link_len = PyBytes_GET_SIZE(parent);
         }
     }
-    PyObject *seq = PySequence_Fast(tokens, "token_ids must be a sequence");
-    if (seq == NULL)
-        return NULL;
-    PyObject *out = PyList_New(0);
-    uint8_t *buf = NULL;
-    if (out == NULL)
-        goto fail;
-    Py_ssize_t end = PySequence_Fast_GET_SIZE(seq) / bs;
-    if (end <= start) {
-        Py_DECREF(seq);
-        return out;
-    }
-    Py_ssize_t width = 8 * bs, head = link_len > 16 ? link_len : 16;
-    buf = PyMem_Malloc((size_t)(head + width + tail_len));
-    if (buf == NULL) {
+    /* every token packed before anything is made or appended: ``packed`` may be the
+     * token list itself, and an error leaves it as it was */
+    Py_ssize_t count = (end - start) * bs, width = 8 * bs;
+    ids = PyMem_Malloc((size_t)count * sizeof(int64_t));
+    if (ids == NULL) {
         PyErr_NoMemory();
         goto fail;
     }
-    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = item_at(seq, start * bs + i);
+        int bad = item == NULL || as_int64(item, ids + i) < 0;
+        Py_XDECREF(item);
+        if (bad)
+            goto fail;
+    }
+    Py_ssize_t head = link_len > 16 ? link_len : 16;
+    buf = PyMem_Malloc((size_t)(head + width + tail_len));
+    out = PyList_New(end - start);
+    chunks = packed != Py_None ? PyList_New(end - start) : NULL;
+    if (buf == NULL || out == NULL || (packed != Py_None && chunks == NULL)) {
+        if (buf == NULL)
+            PyErr_NoMemory();
+        goto fail;
+    }
     uint8_t chained[16]; /* every block's link but the first: its parent's digest */
-    for (Py_ssize_t block = start; block < end; block++) {
+    for (Py_ssize_t block = 0; block < end - start; block++) {
+        const char *block_ids = (const char *)(ids + block * bs);
         memcpy(buf, link, (size_t)link_len);
-        uint8_t *ids = buf + link_len;
-        PyObject **from = items + block * bs;
-        for (Py_ssize_t i = 0; i < bs; i++) { /* as array("q", ...) packs them */
-            if (!PyLong_Check(from[i])) {
-                PyErr_Format(PyExc_TypeError, "token ids must be int, not %.100s",
-                             Py_TYPE(from[i])->tp_name);
-                goto fail;
-            }
-            long long id = PyLong_AsLongLong(from[i]);
-            if (id == -1 && PyErr_Occurred())
-                goto fail;
-            int64_t word = (int64_t)id;
-            memcpy(ids + 8 * i, &word, 8);
-        }
-        memcpy(ids + width, tail, (size_t)tail_len);
+        memcpy(buf + link_len, block_ids, (size_t)width);
+        memcpy(buf + link_len + width, tail, (size_t)tail_len);
         blake2b_128(buf, (size_t)(link_len + width + tail_len), chained);
         PyObject *hash = PyBytes_FromStringAndSize((const char *)chained, 16);
-        if (hash == NULL || PyList_Append(out, hash) < 0) {
-            Py_XDECREF(hash);
+        if (hash == NULL)
             goto fail;
-        }
-        Py_DECREF(hash);
-        if (packed != Py_None) {
-            PyObject *chunk = PyBytes_FromStringAndSize((const char *)ids, width);
-            if (chunk == NULL || PyList_Append(packed, chunk) < 0) {
-                Py_XDECREF(chunk);
+        PyList_SET_ITEM(out, block, hash);
+        if (chunks != NULL) {
+            PyObject *chunk = PyBytes_FromStringAndSize(block_ids, width);
+            if (chunk == NULL)
                 goto fail;
-            }
-            Py_DECREF(chunk);
+            PyList_SET_ITEM(chunks, block, chunk);
         }
         link = (const char *)chained;
         link_len = 16;
     }
+    if (chunks != NULL) {
+        Py_ssize_t size = PyList_GET_SIZE(packed);
+        if (PyList_SetSlice(packed, size, size, chunks) < 0)
+            goto fail;
+        Py_DECREF(chunks);
+    }
     PyMem_Free(buf);
+    PyMem_Free(ids);
     Py_DECREF(seq);
     return out;
 fail:
     PyMem_Free(buf);
+    PyMem_Free(ids);
     Py_XDECREF(out);
+    Py_XDECREF(chunks);
     Py_DECREF(seq);
     return NULL;
 }
@@ -149,24 +195,20 @@ static void lru_append(Pool *p, int32_t b) {
     p->lru_len++;
 }
 
-static int pool_init(Pool *p, PyObject *args, PyObject *kwargs) {
+static PyObject *pool_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"num_blocks", "enable_caching", NULL};
     Py_ssize_t n;
     int caching = 1;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n|p:BlockPool", names, &n, &caching))
-        return -1;
-    if (n < 1) {
-        PyErr_Format(PyExc_ValueError, "num_blocks must be >= 1, got %zd", n);
-        return -1;
-    }
-    if (n > INT32_MAX) {
-        PyErr_Format(PyExc_ValueError, "num_blocks must be < 2**31, got %zd", n);
-        return -1;
-    }
-    if (p->ref != NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "a BlockPool is made once");
-        return -1;
-    }
+        return NULL;
+    if (n < 1)
+        return PyErr_Format(PyExc_ValueError, "num_blocks must be >= 1, got %zd", n);
+    if (n > INT32_MAX)
+        return PyErr_Format(PyExc_ValueError, "num_blocks must be < 2**31, got %zd", n);
+    Pool *p = (Pool *)type->tp_alloc(type, 0);
+    if (p == NULL)
+        return NULL;
+    p->head = p->tail = -1; /* before anything can fail: dealloc reads them */
     p->ref = PyMem_Calloc((size_t)n, sizeof(int32_t));
     p->prev = PyMem_Calloc((size_t)n, sizeof(int32_t));
     p->next = PyMem_Calloc((size_t)n, sizeof(int32_t));
@@ -174,13 +216,12 @@ static int pool_init(Pool *p, PyObject *args, PyObject *kwargs) {
     p->tokens = PyMem_Calloc((size_t)n, sizeof(PyObject *));
     p->cached = PyDict_New();
     if (!p->ref || !p->prev || !p->next || !p->hash || !p->tokens || !p->cached) {
-        PyErr_NoMemory();
-        return -1;
+        Py_DECREF(p);
+        return PyErr_NoMemory();
     }
     p->n = n;
-    p->head = p->tail = -1;
     p->caching = caching;
-    return 0;
+    return (PyObject *)p;
 }
 
 static void pool_dealloc(Pool *p) {
@@ -198,20 +239,29 @@ static void pool_dealloc(Pool *p) {
     Py_TYPE(p)->tp_free((PyObject *)p);
 }
 
-/* a block id from ``item`` that was handed out before, or -1 with an error set */
-static int32_t handed_out(Pool *p, PyObject *item) {
-    if (!PyLong_Check(item)) {
-        PyErr_Format(PyExc_TypeError, "block ids must be int, not %.100s", Py_TYPE(item)->tp_name);
+/* an int (or anything with __index__) as a block id below ``below``, or -1 with an
+ * error set (``range_error`` and ``what``, a format taking the item, where it is out of
+ * range or too large to be one) */
+static Py_ssize_t block_id(PyObject *item, Py_ssize_t below, PyObject *range_error,
+                           const char *what) {
+    PyObject *index = PyNumber_Index(item);
+    if (index == NULL)
         return -1;
-    }
-    Py_ssize_t b = PyLong_AsSsize_t(item);
+    int overflow = 0;
+    long long b = PyLong_AsLongLongAndOverflow(index, &overflow);
+    Py_DECREF(index);
     if (b == -1 && PyErr_Occurred())
         return -1;
-    if (b < 0 || b >= p->fresh) {
-        PyErr_Format(PyExc_ValueError, "block %zd was never handed out", b);
+    if (overflow || b < 0 || b >= below) {
+        PyErr_Format(range_error, what, item);
         return -1;
     }
-    return (int32_t)b;
+    return (Py_ssize_t)b;
+}
+
+/* a block id from ``item`` that was handed out before, or -1 with an error set */
+static int32_t handed_out(Pool *p, PyObject *item) {
+    return (int32_t)block_id(item, p->fresh, PyExc_ValueError, "block %R was never handed out");
 }
 
 static PyObject *pool_allocate(Pool *p, PyObject *args) {
@@ -275,9 +325,10 @@ static int32_t *checked_ids(Pool *p, PyObject *ids, Py_ssize_t *count) {
         PyErr_NoMemory();
         return NULL;
     }
-    PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < *count; i++) {
-        out[i] = handed_out(p, items[i]);
+        PyObject *item = item_at(seq, i);
+        out[i] = item != NULL ? handed_out(p, item) : -1;
+        Py_XDECREF(item);
         if (out[i] < 0) {
             PyMem_Free(out);
             Py_DECREF(seq);
@@ -323,15 +374,17 @@ static PyObject *pool_release(Pool *p, PyObject *ids) {
 
 static PyObject *pool_lookup(Pool *p, PyObject *args) {
     PyObject *hash, *packed;
-    if (!PyArg_ParseTuple(args, "SS:lookup", &hash, &packed))
+    if (!PyArg_ParseTuple(args, "OO:lookup", &hash, &packed))
         return NULL;
+    if (!PyBytes_CheckExact(hash) || !PyBytes_CheckExact(packed))
+        return PyLong_FromLong(-1); /* only bytes are ever indexed */
     PyObject *found = PyDict_GetItemWithError(p->cached, hash);
     if (found == NULL)
         return PyErr_Occurred() ? NULL : PyLong_FromLong(-1);
     Py_ssize_t b = PyLong_AsSsize_t(found);
-    PyObject *tokens = p->tokens[b];
+    PyObject *tokens = b >= 0 && b < p->n ? p->tokens[b] : NULL;
     Py_ssize_t size = PyBytes_GET_SIZE(packed);
-    if (PyBytes_GET_SIZE(tokens) != size ||
+    if (tokens == NULL || PyBytes_GET_SIZE(tokens) != size ||
         memcmp(PyBytes_AS_STRING(tokens), PyBytes_AS_STRING(packed), (size_t)size) != 0)
         return PyLong_FromLong(-1);
     return PyLong_FromSsize_t(b);
@@ -361,7 +414,8 @@ static PyObject *pool_cache_all(Pool *p, PyObject *args) {
     }
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *hash = PySequence_Fast_GET_ITEM(h, i), *tokens = PySequence_Fast_GET_ITEM(t, i);
-        if (!PyBytes_Check(hash) || !PyBytes_Check(tokens)) {
+        /* exactly bytes: no __hash__, __eq__ or __del__ of ours can run mid-change */
+        if (!PyBytes_CheckExact(hash) || !PyBytes_CheckExact(tokens)) {
             PyErr_SetString(PyExc_TypeError, "hashes and packed token ids must be bytes");
             goto done;
         }
@@ -410,14 +464,7 @@ static PyObject *pool_num_free_of(Pool *p, PyObject *ids) {
 
 /* a block id in range (one never handed out is a free block with no hash) */
 static int32_t some_block(Pool *p, PyObject *arg) {
-    Py_ssize_t b = PyLong_AsSsize_t(arg);
-    if (b == -1 && PyErr_Occurred())
-        return -1;
-    if (b < 0 || b >= p->n) {
-        PyErr_Format(PyExc_IndexError, "no block %zd in a pool of %zd", b, p->n);
-        return -1;
-    }
-    return (int32_t)b;
+    return (int32_t)block_id(arg, p->n, PyExc_IndexError, "no block %R in this pool");
 }
 
 static PyObject *pool_ref_cnt(Pool *p, PyObject *arg) {
@@ -512,8 +559,7 @@ static PyTypeObject PoolType = {
     .tp_basicsize = sizeof(Pool),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "The block pool in C: block_pool.BlockPool's behaviour.",
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)pool_init,
+    .tp_new = pool_new,
     .tp_dealloc = (destructor)pool_dealloc,
     .tp_methods = pool_methods,
     .tp_getset = pool_getset,

@@ -118,7 +118,28 @@ def test_bad_calls_are_refused_and_change_nothing(make: MakePool) -> None:
         pool.cache_all([0, 1], [b"h"], [b"t", b"t"])
     with pytest.raises(IndexError, match="no block 4"):
         pool.ref_cnt(4)
+    with pytest.raises(TypeError, match="must be bytes"):
+        pool.cache_all([0], [Hash(b"h" * 16)], [b"t"])
     assert pool.free_block_ids() == [2, 3] and pool.num_cached_blocks == 0
+    assert pool.lookup(Hash(b"h" * 16), b"t") == -1
+
+
+class Hash(bytes):
+    """A bytes subclass: its own ``__hash__`` could run mid-change, so it is refused."""
+
+    def __hash__(self) -> int:
+        return 7
+
+
+def test_the_c_pool_is_made_whole_or_not_at_all(native_kv: ModuleType) -> None:
+    with pytest.raises(TypeError):
+        native_kv.BlockPool.__new__(native_kv.BlockPool)
+    with pytest.raises(ValueError, match="num_blocks must be < 2"):
+        native_kv.BlockPool(2**31)
+    with pytest.raises(TypeError):
+
+        class Mine(native_kv.BlockPool):  # type: ignore[misc,name-defined]
+            pass
 
 
 # ---------------------------------------------------------------- C against Python
