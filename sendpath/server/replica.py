@@ -14,6 +14,7 @@ from sendpath.config import ReplicaConfig
 from sendpath.engine.async_engine import AsyncEngine
 from sendpath.engine.core import EngineCore
 from sendpath.errors import ServiceUnavailableError
+from sendpath.kvcache.native import HOW as KV_NATIVE
 from sendpath.request import Request as EngineRequest
 from sendpath.server.kv_events import KVEventPublisher
 from sendpath.server.metrics import ReplicaMetrics
@@ -150,7 +151,7 @@ class Replica:
         self.metrics.describe_engine(runs)
         logger.info(
             "%s loaded: %s, %s weights, quantization %s (%s); matrix engine: %s; attention: %s; "
-            "KV cache: %s; layer ops: %s",
+            "KV cache: %s; layer ops: %s; prefix cache's block hashes and pool %s",
             self.model_name,
             runs.get("device"),
             runs.get("dtype"),
@@ -160,6 +161,7 @@ class Replica:
             runs.get("attention"),
             runs.get("kv_cache_dtype"),
             runs.get("layer_ops"),
+            KV_NATIVE,
         )
         if (spec := config.speculative) is not None:
             logger.info(
