@@ -8,7 +8,8 @@ higher, drawn by thinning a Poisson process at the peak rate). A conversation of
 ``turns`` turns sends its next turn ``think_s`` seconds (exponential) after the previous
 answer, with the whole history as its prompt. Every prompt may start with a
 ``shared_prefix`` of system-prompt tokens, the same for everyone; ``tenants`` keys each
-get their own cache salt.
+get their own cache salt. A prompt's token ids are random: its first ``HEAD`` drawn for
+it, the rest a slice of one long random text at a random place.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ __all__ = ["PATTERNS", "SimRequest", "Traffic"]
 
 PATTERNS = ("poisson", "bursty", "diurnal")
 VOCAB = (100, 30000)  # prompt token ids are drawn from this range
+HEAD = 16  # a prompt's first tokens are its own
+MATERIAL = 1 << 16  # tokens of the one random text the rest of a prompt comes from
 
 
 @dataclass
@@ -119,18 +122,32 @@ class Traffic:
         # each id's int object made once: a prompt's list then shares them (a million
         # prompts' tokens would otherwise each be an int of its own, made and freed)
         table = np.array(range(VOCAB[0], VOCAB[1]), dtype=object)
-
         pool: list[int] = []
         at = 0
 
-        def tokens(n: int) -> list[int]:
+        def fresh(n: int) -> list[int]:
             nonlocal pool, at
             if at + n > len(pool):  # drawn 64k at a time: a prompt is then one slice
-                drawn = ids.integers(VOCAB[0], VOCAB[1], max(n, 1 << 16))
+                drawn = ids.integers(VOCAB[0], VOCAB[1], max(n, MATERIAL))
                 pool = table[drawn - VOCAB[0]].tolist()
                 at = 0
             at += n
             return pool[at - n : at]
+
+        # a prompt is HEAD fresh tokens, then a slice of one random text at a random
+        # place: its first block is then like no other prompt's (so are its block hashes
+        # and its path in a router's prefix tree), and drawing it costs a slice, not a
+        # random draw per token
+        material, where = fresh(MATERIAL), random.Random(self.seed + 1)
+
+        def tokens(n: int) -> list[int]:
+            body = n - HEAD
+            if body <= 0 or body > MATERIAL:
+                return fresh(n)
+            out = fresh(HEAD)
+            start = where.randrange(MATERIAL - body + 1)
+            out += material[start : start + body]
+            return out
 
         prefix = tokens(self.shared_prefix)
         sessions = -(-self.num_requests // self.turns)
