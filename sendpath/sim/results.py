@@ -28,11 +28,19 @@ __all__ = ["client_view", "held_tokens", "token_times"]
 def token_times(request: Request, bulks: list[array[float]] | None) -> NDArray[np.float64]:
     """The request's token times, in order: those its timeline recorded, and its
     fleet-mode bulks'."""
-    times = np.array(request.timeline.token_times, dtype=np.float64)
-    if bulks:
-        times = np.concatenate([times, *map(np.frombuffer, bulks)])
-        times.sort()
-    return times
+    times = array("d", request.timeline.token_times)
+    if not bulks:
+        return np.frombuffer(times)
+    # each part is in order; they are in order together unless the timeline recorded
+    # tokens between two bulks (a step with everyone unparked)
+    first = next((bulk[0] for bulk in bulks if bulk), None)
+    ordered = not times or first is None or times[-1] <= first
+    for bulk in bulks:
+        times += bulk
+    out = np.frombuffer(times)
+    if not ordered:
+        out = np.sort(out)
+    return out
 
 
 def held_tokens(request_id: str, shares: tuple[float, ...]) -> int:
@@ -59,16 +67,10 @@ def client_view(
     tl = request.timeline
     half = config.network_rtt_s / 2
     stages = tl.stages()
-    timings = {
-        Stage.GATEWAY_AUTH.value: config.gateway_auth_s * 1000,
-        Stage.GATEWAY_RATELIMIT.value: config.gateway_ratelimit_s * 1000,
-        Stage.GATEWAY_SAFETY.value: config.gateway_safety_s * 1000,
-        Stage.GATEWAY_QUEUE.value: 0.0,
-        Stage.ROUTE.value: config.route_s * 1000,
-    }
-    for stage in (Stage.TOKENIZE, Stage.ENGINE_QUEUE, Stage.PREFILL, Stage.DECODE):
-        timings[stage.value] = stages.get(stage, 0.0) * 1000
-    timings[Stage.STREAM.value] = 0.0
+    timings = _gateway_timings(config)
+    for stage, key in _ENGINE_STAGES:
+        timings[key] = stages.get(stage, 0.0) * 1000
+    timings[_STREAM] = 0.0
     end = (tl.end or float(tokens[-1])) + half
     if held is None:
         held = held_tokens(request.request_id, config.first_token_hold)
@@ -81,9 +83,35 @@ def client_view(
         prompt_tokens=request.num_prompt_tokens,
         output_tokens=len(request.output_token_ids),
         ttft=float(seen[0]) + half - sent,
-        itl=array("d", np.diff(seen).tobytes()) if keep_itl else [],
+        itl=array("d", (seen[1:] - seen[:-1]).tobytes()) if keep_itl else [],
         latency=end - sent,
         start=sent,
         finish_reason="length",
         timings=timings,
     )
+
+
+# the stages' keys as plain strings (an enum's .value is a Python-level lookup)
+_ENGINE_STAGES = tuple(
+    (s, s.value) for s in (Stage.TOKENIZE, Stage.ENGINE_QUEUE, Stage.PREFILL, Stage.DECODE)
+)
+_STREAM = Stage.STREAM.value
+
+
+_GATEWAY = tuple(
+    s.value
+    for s in (
+        Stage.GATEWAY_AUTH,
+        Stage.GATEWAY_RATELIMIT,
+        Stage.GATEWAY_SAFETY,
+        Stage.GATEWAY_QUEUE,
+        Stage.ROUTE,
+    )
+)
+
+
+def _gateway_timings(config: SimConfig) -> dict[str, float]:
+    """A new timings dict holding the gateway's stages (fixed by ``config``), in order."""
+    ms = (config.gateway_auth_s * 1000, config.gateway_ratelimit_s * 1000,
+          config.gateway_safety_s * 1000, 0.0, config.route_s * 1000)  # fmt: skip
+    return dict(zip(_GATEWAY, ms, strict=True))

@@ -46,3 +46,14 @@ def test_stage_shares_include_network_and_name_the_dominant_group() -> None:
     group, share, why = dominant(stages)  # type: ignore[misc]
     assert group == "queue" and share == pytest.approx(0.6) and "waited for a slot" in why
     assert summarize([result(0.1, 1.0, 3)], 1.0)["stages"] == {}  # no timings reported
+
+
+def test_a_stage_one_result_did_not_report_counts_as_zero_in_its_mean() -> None:
+    rs = [
+        result(0.1, 1.0, 3, {"prefill": 100.0, "total": 100.0}),
+        result(0.1, 1.0, 3, {"prefill": 300.0, "decode": 500.0, "total": 800.0}),
+    ]
+    stages = summarize(rs, 1.0)["stages"]
+    assert stages["prefill"]["mean_ms"] == 200.0 and stages["decode"]["mean_ms"] == 250.0
+    one = summarize([result(0.1, 1.0, 3, {"prefill": 40.0})] * 3, 1.0)["stages"]
+    assert one["prefill"] == {"mean_ms": 40.0, "share": 0.04}
