@@ -167,6 +167,7 @@ typedef struct {
     int32_t head, tail; /* the LRU's oldest and newest (-1: empty) */
     int32_t *ref, *prev, *next;
     PyObject **hash, **tokens; /* set while a block is indexed; owned */
+    PyObject **ids;            /* each block's id as an int, made once, on first use */
     PyObject *cached;          /* hash -> block id */
     int caching;
 } Pool;
@@ -214,8 +215,9 @@ static PyObject *pool_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
     p->next = PyMem_Calloc((size_t)n, sizeof(int32_t));
     p->hash = PyMem_Calloc((size_t)n, sizeof(PyObject *));
     p->tokens = PyMem_Calloc((size_t)n, sizeof(PyObject *));
+    p->ids = PyMem_Calloc((size_t)n, sizeof(PyObject *));
     p->cached = PyDict_New();
-    if (!p->ref || !p->prev || !p->next || !p->hash || !p->tokens || !p->cached) {
+    if (!p->ref || !p->prev || !p->next || !p->hash || !p->tokens || !p->ids || !p->cached) {
         Py_DECREF(p);
         return PyErr_NoMemory();
     }
@@ -230,11 +232,15 @@ static void pool_dealloc(Pool *p) {
             Py_XDECREF(p->hash[i]);
             Py_XDECREF(p->tokens[i]);
         }
+    if (p->ids != NULL) /* a failed allocate may have made ids past fresh */
+        for (Py_ssize_t i = 0; i < p->n; i++)
+            Py_XDECREF(p->ids[i]);
     PyMem_Free(p->ref);
     PyMem_Free(p->prev);
     PyMem_Free(p->next);
     PyMem_Free(p->hash);
     PyMem_Free(p->tokens);
+    PyMem_Free(p->ids);
     Py_XDECREF(p->cached);
     Py_TYPE(p)->tp_free((PyObject *)p);
 }
@@ -244,7 +250,7 @@ static void pool_dealloc(Pool *p) {
  * range or too large to be one) */
 static Py_ssize_t block_id(PyObject *item, Py_ssize_t below, PyObject *range_error,
                            const char *what) {
-    PyObject *index = PyNumber_Index(item);
+    PyObject *index = PyLong_CheckExact(item) ? Py_NewRef(item) : PyNumber_Index(item);
     if (index == NULL)
         return -1;
     int overflow = 0;
@@ -262,6 +268,18 @@ static Py_ssize_t block_id(PyObject *item, Py_ssize_t below, PyObject *range_err
 /* a block id from ``item`` that was handed out before, or -1 with an error set */
 static int32_t handed_out(Pool *p, PyObject *item) {
     return (int32_t)block_id(item, p->fresh, PyExc_ValueError, "block %R was never handed out");
+}
+
+/* block ``b``'s id as an int, a new reference (one object per block: a million
+ * allocations hand out the same few thousand ints) */
+static PyObject *id_of(Pool *p, int32_t b) {
+    if (p->ids[b] == NULL) {
+        p->ids[b] = PyLong_FromLong(b);
+        if (p->ids[b] == NULL)
+            return NULL;
+    }
+    Py_INCREF(p->ids[b]);
+    return p->ids[b];
 }
 
 static PyObject *pool_allocate(Pool *p, PyObject *args) {
@@ -283,7 +301,7 @@ static PyObject *pool_allocate(Pool *p, PyObject *args) {
         return NULL;
     int32_t b = p->head;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *id = i < unused ? PyLong_FromSsize_t(p->fresh + i) : PyLong_FromLong(b);
+        PyObject *id = id_of(p, i < unused ? (int32_t)(p->fresh + i) : b);
         if (id == NULL) {
             Py_DECREF(out);
             return NULL;
@@ -387,7 +405,7 @@ static PyObject *pool_lookup(Pool *p, PyObject *args) {
     if (tokens == NULL || PyBytes_GET_SIZE(tokens) != size ||
         memcmp(PyBytes_AS_STRING(tokens), PyBytes_AS_STRING(packed), (size_t)size) != 0)
         return PyLong_FromLong(-1);
-    return PyLong_FromSsize_t(b);
+    return id_of(p, (int32_t)b);
 }
 
 static PyObject *pool_cache_all(Pool *p, PyObject *args) {
@@ -428,7 +446,7 @@ static PyObject *pool_cache_all(Pool *p, PyObject *args) {
             indexes = !known;
         }
         if (indexes) { /* first writer wins: a duplicate stays private */
-            PyObject *id = PyLong_FromLong(b);
+            PyObject *id = id_of(p, b);
             if (id == NULL || PyDict_SetItem(p->cached, hash, id) < 0) {
                 Py_XDECREF(id);
                 goto done;
