@@ -44,7 +44,26 @@ from sendpath.request import Request
 from sendpath.sim.cost_model import CostModel
 from sendpath.trace import EventType
 
-__all__ = ["DecodeLane", "beside", "decode_seconds"]
+__all__ = ["AnswerIds", "DecodeLane", "beside", "decode_seconds"]
+
+
+class AnswerIds:
+    """The simulated answers' token ids: ``base`` plus the token's position in its
+    sequence, above every prompt id, the same in both modes. Answers need not differ
+    from each other: a block's hash covers every block before it, and no two prompts
+    begin alike. Each id's int is made once and shared (a million answers' tokens are
+    then slices, not new ints)."""
+
+    def __init__(self, base: int) -> None:
+        self.base = base
+        self._table: list[int] = []
+
+    def take(self, position: int, n: int) -> list[int]:
+        """The ids of ``n`` tokens from ``position`` on."""
+        end, have = position + n, len(self._table)
+        if end > have:
+            self._table += range(self.base + have, self.base + max(end, 2 * have))
+        return self._table[position:end]
 
 
 @dataclass(slots=True)
@@ -88,8 +107,8 @@ def beside(shape: StepShape, decodes: int, computed: int) -> StepShape:
 class DecodeLane:
     """One replica's parked decodes and its step counter."""
 
-    def __init__(self, kv: KVCacheManager) -> None:
-        self.kv = kv
+    def __init__(self, kv: KVCacheManager, ids: AnswerIds) -> None:
+        self.kv, self.ids = kv, ids
         self.bs = kv.block_size
         self.step = 0  # steps the replica has run
         self._ends = array("d")  # end times of steps _offset + 1, _offset + 2, ...
@@ -184,13 +203,12 @@ class DecodeLane:
                 self._first.append(self._parked[rid])
         sched.running[:] = keep
 
-    def _write(self, p: _Parked, base: int, sched: Scheduler, cache: bool = True) -> array[float]:
+    def _write(self, p: _Parked, sched: Scheduler, cache: bool = True) -> array[float]:
         """Bring a parked request's ``Request`` up to now (``cache``: offer its filled
         blocks to the prefix cache); its token times since parking."""
         r, k = p.request, self.step - p.step
         r.num_computed_tokens = p.computed + k
-        first = base + len(r.prompt_token_ids) + len(r.output_token_ids)
-        r.output_token_ids += range(first, first + k)
+        r.output_token_ids += self.ids.take(len(r.prompt_token_ids) + len(r.output_token_ids), k)
         sched.num_computed_tokens += k
         if cache:
             self.kv.cache_computed_blocks(r)
@@ -204,7 +222,7 @@ class DecodeLane:
         del bucket[bisect.bisect_left(bucket, p.key, key=lambda e: e[0])]
 
     def finishing(
-        self, bases: dict[str, int], sched: Scheduler, continued: Callable[[str], bool]
+        self, sched: Scheduler, continued: Callable[[str], bool]
     ) -> list[tuple[Request, array[float]]]:
         """The parked requests whose last token came with the step just run, written up
         and back in the running list (in running order) for the scheduler to finish.
@@ -216,18 +234,18 @@ class DecodeLane:
         while heap and heap[0][0] == self.step:
             _, _, rid = heapq.heappop(heap)
             p = self._parked[rid]
-            out.append((p.request, self._write(p, bases[rid], sched, continued(rid))))
+            out.append((p.request, self._write(p, sched, continued(rid))))
             self._drop(p)
             self._keys.pop(rid)
             sched.running.append(p.request)
         self._trim()
         return out
 
-    def unpark(self, bases: dict[str, int], sched: Scheduler) -> dict[str, array[float]]:
+    def unpark(self, sched: Scheduler) -> dict[str, array[float]]:
         """Everyone back in the running list, in running order; their token times."""
         times = {}
         for rid, p in self._parked.items():
-            times[rid] = self._write(p, bases[rid], sched)
+            times[rid] = self._write(p, sched)
         keys = self._keys
         sched.running[:] = sorted(
             [p.request for p in self._parked.values()] + sched.running,

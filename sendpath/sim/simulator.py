@@ -52,7 +52,7 @@ from sendpath.router.prefix_aware import PrefixAware
 from sendpath.router.route import RouteRequest
 from sendpath.sim.config import ITL_SAMPLE, MODES, SimConfig, SimResult
 from sendpath.sim.cost_model import CostModel
-from sendpath.sim.decode_lane import DecodeLane, beside
+from sendpath.sim.decode_lane import AnswerIds, DecodeLane, beside
 from sendpath.sim.replica_state import Bulk, SimReplica
 from sendpath.sim.results import client_view, token_times
 from sendpath.sim.tenant_limits import TenantLimits
@@ -61,7 +61,7 @@ from sendpath.trace import EventType
 
 __all__ = ["ITL_SAMPLE", "MODES", "SimConfig", "SimResult", "Simulator"]
 
-TOKEN_BASE = 10_000_000  # above any prompt token id and any context length
+TOKEN_BASE = 10_000_000  # answers' ids: above any prompt token id
 
 
 def _text(ids: list[int]) -> str:
@@ -73,11 +73,12 @@ class Simulator:
 
     def __init__(self, config: SimConfig, cost: CostModel) -> None:
         self.config, self.cost = config, cost
+        self._ids = AnswerIds(TOKEN_BASE)  # a sampled token's id, in both modes
         self.replicas = []
         for _ in range(config.replicas):
             clock = SettableClock()
             kv = KVCacheManager(config.num_blocks, config.block_size)
-            lane = DecodeLane(kv) if config.mode == "fleet" else None
+            lane = DecodeLane(kv, self._ids) if config.mode == "fleet" else None
             self.replicas.append(
                 SimReplica(clock, kv, Scheduler(config.scheduler, kv, clock), lane=lane)
             )
@@ -90,10 +91,6 @@ class Simulator:
         self._heap: list[tuple[float, int, str, Any]] = []
         self._seq = itertools.count()
         self._rng = random.Random(0)
-        # a sampled token's id: its request's base plus its position, so the same in
-        # both modes (and distinct from other requests' and from prompt ids)
-        self._bases = itertools.count(TOKEN_BASE, TOKEN_BASE)
-        self._base: dict[str, int] = {}
         self._inflight: dict[str, tuple[SimRequest, int, float]] = {}  # id -> req, replica, sent
         self._bulk_tokens: dict[str, list[array[float]]] = {}  # id -> token times of its bulks
         self._params: dict[int, SamplingParams] = {}  # by answer length: nobody changes them
@@ -237,7 +234,6 @@ class Simulator:
                 self._next_closed(t)
             return
         self._inflight[req.request_id] = (req, index, sent)
-        self._base[req.request_id] = next(self._bases)
         if not rep.busy:
             rep.busy = True
             self._push(t, "step", index)
@@ -274,8 +270,8 @@ class Simulator:
         index, plan = payload
         rep = self.replicas[index]
         rep.clock.set(t)
-        base = self._base
-        sampled = {item.request_id: base[item.request_id] + item.start_pos + len(item.token_ids)
+        base = self._ids.base
+        sampled = {item.request_id: base + item.start_pos + len(item.token_ids)
                    for item in plan.requests if item.sample}  # fmt: skip
         sched, lane = rep.scheduler, rep.lane
         new = sched.update(plan, RunnerOutput(sampled))
@@ -331,11 +327,11 @@ class Simulator:
         return True
 
     def _unpark(self, rep: SimReplica, lane: DecodeLane) -> None:
-        for request_id, times in lane.unpark(self._base, rep.scheduler).items():
+        for request_id, times in lane.unpark(rep.scheduler).items():
             self._bulk_tokens.setdefault(request_id, []).append(times)
 
     def _finish_parked(self, rep: SimReplica, lane: DecodeLane, index: int) -> None:
-        for request, times in lane.finishing(self._base, rep.scheduler, self._continued):
+        for request, times in lane.finishing(rep.scheduler, self._continued):
             self._bulk_tokens.setdefault(request.request_id, []).append(times)
             rep.scheduler.finish_request(request.request_id, RequestStatus.FINISHED)
             self._finished(request, index)
@@ -382,7 +378,6 @@ class Simulator:
 
     def _finished(self, request: Request, index: int) -> None:
         req, _, sent = self._inflight.pop(request.request_id)
-        del self._base[request.request_id]
         endpoint = self.pool.endpoints[index]
         endpoint.in_flight -= 1
         answer = request.output_token_ids

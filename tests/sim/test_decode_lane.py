@@ -6,7 +6,7 @@ from array import array
 
 from sendpath.engine.scheduler import RunnerOutput, Scheduler
 from sendpath.engine.steps import StepShape
-from sendpath.sim.decode_lane import DecodeLane, beside, decode_seconds
+from sendpath.sim.decode_lane import AnswerIds, DecodeLane, beside, decode_seconds
 from tests.factories import make_request, make_scheduler
 
 
@@ -21,7 +21,7 @@ def test_parked_decodes_get_blocks_when_they_cross_and_finish_at_their_step() ->
     s.add_request(make_request("a", 6, max_tokens=6))  # 2 blocks, 2 slots left
     s.add_request(make_request("b", 3, max_tokens=3))  # 1 block, 1 slot left
     prefilled(s)
-    lane = DecodeLane(s.kv)
+    lane = DecodeLane(s.kv, AnswerIds(1000))  # a token's id: 1000 + its position
     lane.order(s.running)
     lane.park(s)
     assert not s.running and lane.batch == 2
@@ -31,14 +31,13 @@ def test_parked_decodes_get_blocks_when_they_cross_and_finish_at_their_step() ->
     lane.allocate(2)
     assert s.kv.block_ids("b") == [2, 3] and s.kv.block_ids("a") == [0, 1]
     lane.ran([1.0, 2.0])
-    bases = {"a": 1000, "b": 2000}
-    [(b, times)] = lane.finishing(bases, s, continued=lambda _: False)
+    [(b, times)] = lane.finishing(s, continued=lambda _: False)
     assert b.request_id == "b" and times.tolist() == [1.0, 2.0] and s.running == [b]
-    assert b.output_token_ids == [7, 2004, 2005] and b.num_computed_tokens == 5
+    assert b.output_token_ids == [7, 1004, 1005] and b.num_computed_tokens == 5
     assert (lane.batch, lane.context()) == (1, 8)
     s.running.remove(b)
     # the rest back in the scheduler: a, written up to the 2 steps it ran parked
-    assert lane.unpark(bases, s) == {"a": array("d", [1.0, 2.0])} and lane.batch == 0
+    assert lane.unpark(s) == {"a": array("d", [1.0, 2.0])} and lane.batch == 0
     [a] = s.running
     assert a.output_token_ids == [7, 1007, 1008] and a.num_computed_tokens == 8
 
@@ -65,3 +64,10 @@ def test_decode_seconds_prices_each_step_of_the_batch() -> None:
 def test_parked_decodes_beside_a_step_add_a_token_each_and_their_context() -> None:
     chunk = StepShape(16, 1, 16 * 32 + 136, 48, 16, 1)  # a chunk of 16 resuming at 32
     assert beside(chunk, 3, 100) == StepShape(19, 4, 16 * 32 + 136 + 103, 48 + 103, 16, 1)
+
+
+def test_answer_ids_are_base_plus_position_and_made_once() -> None:
+    ids = AnswerIds(100)
+    assert ids.take(0, 3) == [100, 101, 102] and ids.take(5, 0) == []
+    late = ids.take(40, 2)
+    assert late == [140, 141] and ids.take(40, 2)[0] is late[0]  # the same int object
