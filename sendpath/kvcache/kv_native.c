@@ -159,6 +159,14 @@ fail:
 
 /* ------------------------------------------------------------------ the block pool */
 
+/* a slot of the prefix index: a block (plus one; 0: empty) and the low bits of its
+ * hash's hash, so a probe reads the block's bytes only when those match. The index
+ * holds no Python objects: no int per entry, and half the cache lines of a dict. */
+typedef struct {
+    uint32_t tag;
+    int32_t block1;
+} Slot;
+
 typedef struct {
     PyObject_HEAD
     Py_ssize_t n;       /* blocks */
@@ -168,7 +176,9 @@ typedef struct {
     int32_t *ref, *prev, *next;
     PyObject **hash, **tokens; /* set while a block is indexed; owned */
     PyObject **ids;            /* each block's id as an int, made once, on first use */
-    PyObject *cached;          /* hash -> block id */
+    Slot *index;               /* hash -> block: open addressing, linear probes */
+    size_t mask;               /* the index's slots - 1 (a power of two >= 2 n) */
+    Py_ssize_t num_indexed;
     int caching;
 } Pool;
 
@@ -196,6 +206,46 @@ static void lru_append(Pool *p, int32_t b) {
     p->lru_len++;
 }
 
+/* bytes' own hash (cached in the object: a block's hash is hashed once) */
+static size_t hash_of(PyObject *key) { return (size_t)PyObject_Hash(key); }
+
+static int same_bytes(PyObject *a, PyObject *b) {
+    Py_ssize_t size = PyBytes_GET_SIZE(a);
+    return a == b || (size == PyBytes_GET_SIZE(b) &&
+                      memcmp(PyBytes_AS_STRING(a), PyBytes_AS_STRING(b), (size_t)size) == 0);
+}
+
+/* the slot holding ``key`` (exact bytes), or the empty slot where it would go */
+static size_t index_find(Pool *p, PyObject *key, size_t h) {
+    size_t i = h & p->mask;
+    for (;;) {
+        Slot s = p->index[i];
+        if (s.block1 == 0 || (s.tag == (uint32_t)h && same_bytes(p->hash[s.block1 - 1], key)))
+            return i;
+        i = (i + 1) & p->mask;
+    }
+}
+
+/* take indexed block ``b`` (its hash ``p->hash[b]``) out of the index: the entries
+ * after it in its run move back so every probe still finds them */
+static void index_remove(Pool *p, int32_t b) {
+    size_t i = hash_of(p->hash[b]) & p->mask;
+    while (p->index[i].block1 != b + 1)
+        i = (i + 1) & p->mask;
+    for (size_t j = (i + 1) & p->mask; p->index[j].block1 != 0; j = (j + 1) & p->mask) {
+        size_t home = p->index[j].tag & p->mask;
+        /* j's entry may fill the hole at i unless its home lies in (i, j] */
+        int stays = i <= j ? (i < home && home <= j) : (i < home || home <= j);
+        if (!stays) {
+            p->index[i] = p->index[j];
+            i = j;
+        }
+    }
+    p->index[i].block1 = 0;
+    p->index[i].tag = 0;
+    p->num_indexed--;
+}
+
 static PyObject *pool_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"num_blocks", "enable_caching", NULL};
     Py_ssize_t n;
@@ -216,8 +266,12 @@ static PyObject *pool_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
     p->hash = PyMem_Calloc((size_t)n, sizeof(PyObject *));
     p->tokens = PyMem_Calloc((size_t)n, sizeof(PyObject *));
     p->ids = PyMem_Calloc((size_t)n, sizeof(PyObject *));
-    p->cached = PyDict_New();
-    if (!p->ref || !p->prev || !p->next || !p->hash || !p->tokens || !p->ids || !p->cached) {
+    size_t slots = 8;
+    while (slots < 2 * (size_t)n)
+        slots *= 2;
+    p->index = PyMem_Calloc(slots, sizeof(Slot));
+    p->mask = slots - 1;
+    if (!p->ref || !p->prev || !p->next || !p->hash || !p->tokens || !p->ids || !p->index) {
         Py_DECREF(p);
         return PyErr_NoMemory();
     }
@@ -241,7 +295,7 @@ static void pool_dealloc(Pool *p) {
     PyMem_Free(p->hash);
     PyMem_Free(p->tokens);
     PyMem_Free(p->ids);
-    Py_XDECREF(p->cached);
+    PyMem_Free(p->index);
     Py_TYPE(p)->tp_free((PyObject *)p);
 }
 
@@ -318,8 +372,7 @@ static PyObject *pool_allocate(Pool *p, PyObject *args) {
         lru_unlink(p, b);
         PyObject *hash = p->hash[b];
         if (hash != NULL) { /* evicted: its hash leaves the index */
-            if (PyDict_DelItem(p->cached, hash) < 0)
-                PyErr_Clear(); /* cannot be missing: an indexed block is the one cached */
+            index_remove(p, b);
             if (evicted != Py_None && PyList_Append(evicted, hash) < 0)
                 PyErr_Clear(); /* out of memory: the block is taken all the same */
             Py_CLEAR(p->hash[b]);
@@ -396,16 +449,13 @@ static PyObject *pool_lookup(Pool *p, PyObject *args) {
         return NULL;
     if (!PyBytes_CheckExact(hash) || !PyBytes_CheckExact(packed))
         return PyLong_FromLong(-1); /* only bytes are ever indexed */
-    PyObject *found = PyDict_GetItemWithError(p->cached, hash);
-    if (found == NULL)
-        return PyErr_Occurred() ? NULL : PyLong_FromLong(-1);
-    Py_ssize_t b = PyLong_AsSsize_t(found);
-    PyObject *tokens = b >= 0 && b < p->n ? p->tokens[b] : NULL;
+    int32_t b = p->index[index_find(p, hash, hash_of(hash))].block1 - 1;
+    PyObject *tokens = b >= 0 ? p->tokens[b] : NULL;
     Py_ssize_t size = PyBytes_GET_SIZE(packed);
     if (tokens == NULL || PyBytes_GET_SIZE(tokens) != size ||
         memcmp(PyBytes_AS_STRING(tokens), PyBytes_AS_STRING(packed), (size_t)size) != 0)
         return PyLong_FromLong(-1);
-    return id_of(p, (int32_t)b);
+    return id_of(p, b);
 }
 
 static PyObject *pool_cache_all(Pool *p, PyObject *args) {
@@ -439,23 +489,20 @@ static PyObject *pool_cache_all(Pool *p, PyObject *args) {
         }
         int32_t b = blocks[i];
         int indexes = 0;
+        size_t slot = 0, code = 0;
         if (p->hash[b] == NULL) {
-            int known = PyDict_Contains(p->cached, hash);
-            if (known < 0)
-                goto done;
-            indexes = !known;
+            code = hash_of(hash);
+            slot = index_find(p, hash, code);
+            indexes = p->index[slot].block1 == 0;
         }
         if (indexes) { /* first writer wins: a duplicate stays private */
-            PyObject *id = id_of(p, b);
-            if (id == NULL || PyDict_SetItem(p->cached, hash, id) < 0) {
-                Py_XDECREF(id);
-                goto done;
-            }
-            Py_DECREF(id);
             Py_INCREF(hash);
             Py_INCREF(tokens);
             p->hash[b] = hash;
             p->tokens[b] = tokens;
+            p->index[slot].tag = (uint32_t)code;
+            p->index[slot].block1 = b + 1;
+            p->num_indexed++;
         }
         if (indexed != Py_None && PyList_Append(indexed, indexes ? Py_True : Py_False) < 0)
             goto done;
@@ -536,7 +583,7 @@ static PyObject *pool_get_num_free(Pool *p, void *c) {
 
 static PyObject *pool_get_num_cached(Pool *p, void *c) {
     (void)c;
-    return PyLong_FromSsize_t(PyDict_GET_SIZE(p->cached));
+    return PyLong_FromSsize_t(p->num_indexed);
 }
 
 static PyObject *pool_get_usage(Pool *p, void *c) {

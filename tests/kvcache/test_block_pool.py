@@ -4,6 +4,7 @@ on random operations."""
 
 from __future__ import annotations
 
+import random
 from array import array
 from collections.abc import Callable
 from types import ModuleType
@@ -203,3 +204,29 @@ def test_the_c_pool_does_what_the_python_one_does(
     native_kv: ModuleType, ops: list[tuple[int | str, ...]], num_blocks: int
 ) -> None:
     assert _run(native_kv.BlockPool(num_blocks), ops) == _run(BlockPool(num_blocks), ops)
+
+
+def test_the_c_pools_index_holds_up_when_full_and_churning(native_kv: ModuleType) -> None:
+    """The C index is open addressing: a pool whose every block is indexed, with blocks
+    evicted and re-indexed under other hashes thousands of times, finds exactly what
+    the Python pool (a dict) finds."""
+    rng = random.Random(0)
+    keys = [rng.randbytes(16) for _ in range(1000)]
+    pools = [native_kv.BlockPool(256), BlockPool(256)]
+    answers: list[list[object]] = [[], []]
+    for _ in range(300):
+        n = rng.randrange(1, 64)
+        picked = rng.sample(keys, n)
+        probes = rng.sample(keys, 32)
+        for pool, seen in zip(pools, answers, strict=True):
+            evicted: list[WireHash] = []
+            blocks = pool.allocate(n, evicted)
+            indexed: list[bool] = []
+            pool.cache_all(blocks, picked, [_ids(k[0]) for k in picked], indexed)
+            seen += [blocks, evicted, indexed, pool.num_cached_blocks]
+            seen += [pool.lookup(k, _ids(k[0])) for k in probes]
+            pool.release(blocks[::-1])
+    assert answers[0] == answers[1]
+    assert pools[0].num_cached_blocks == pools[1].num_cached_blocks > 200
+    hashes = [[p.block_hash(b) for b in range(256)] for p in pools]
+    assert hashes[0] == hashes[1]
