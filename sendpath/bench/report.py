@@ -115,15 +115,13 @@ def stage_shares(ok: list[RequestResult]) -> dict[str, dict[str, float]]:
     names = [n for n in keys if n not in NOT_STAGES]
     # fsum / n is statistics.fmean without its per-item counting (a million results)
     e2el_ms = math.fsum(r.latency * 1000 for r in timed) / len(timed)
-    columns: list[tuple[float, ...]] = [()] * len(names)
-    if names:
-        try:  # every result has every stage (a million results: one C call each)
-            get = operator.itemgetter(*names)  # one name: the value, not a tuple
-            values = [get(r.timings) for r in timed]
-            columns = list(zip(*values, strict=True)) if len(names) > 1 else [tuple(values)]
+    dicts = [r.timings for r in timed]
+    sums = []
+    for name in names:  # a stage one result did not report counts as 0 there
+        try:  # a million results: a C loop
+            sums.append(math.fsum(map(operator.itemgetter(name), dicts)))
         except KeyError:
-            columns = [tuple(r.timings.get(n, 0.0) for r in timed) for n in names]
-    sums = map(math.fsum, columns)
+            sums.append(math.fsum(d.get(name, 0.0) for d in dicts))
     means = {n: total / len(timed) for n, total in zip(names, sums, strict=True)}
     networks = [n for r in timed if (n := r.network_ms) is not None]
     if networks:
