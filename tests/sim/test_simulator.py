@@ -3,6 +3,7 @@ prefix-aware routing move the numbers the right way; nothing leaks; runs repeat.
 
 from __future__ import annotations
 
+import gc
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -292,3 +293,19 @@ def test_a_closed_loop_keeps_its_clients_busy_and_no_more() -> None:
     assert sorted(s for s, _ in spans[3:]) == pytest.approx(ends[:9])  # one starts as one ends
     with pytest.raises(ValueError, match="closed loop"):
         Traffic(rate=1.0, num_requests=4, concurrency=0)
+
+
+def test_a_run_leaves_the_collector_on_and_the_callers_frozen_objects_frozen() -> None:
+    traffic = Traffic(rate=5, num_requests=20)
+    Simulator(SimConfig(), COST).run(traffic)
+    assert gc.isenabled() and gc.get_freeze_count() == 0  # the run's objects not frozen
+    kept = [object() for _ in range(3)]  # a caller's, frozen (as a forking server does)
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        Simulator(SimConfig(), COST).run(traffic)
+        # none unfrozen, none of the run's added (a frozen object that dies leaves)
+        assert gc.isenabled() and 0 < gc.get_freeze_count() <= frozen
+    finally:
+        gc.unfreeze()
+    assert kept
