@@ -159,8 +159,8 @@ fail:
 
 /* ------------------------------------------------------------------ the block pool */
 
-/* a slot of the prefix index: a block (plus one; 0: empty) and the low bits of its
- * hash's hash, so a probe reads the block's bytes only when those match. The index
+/* a slot of the prefix index: a block (plus one; 0: empty) and 32 bits of its hash's
+ * hash (both halves mixed), so a probe reads the block's bytes only when those match. The index
  * holds no Python objects: no int per entry, and half the cache lines of a dict. */
 typedef struct {
     uint32_t tag;
@@ -177,8 +177,10 @@ typedef struct {
     PyObject **hash, **tokens; /* set while a block is indexed; owned */
     PyObject **ids;            /* each block's id as an int, made once, on first use */
     Slot *index;               /* hash -> block: open addressing, linear probes */
-    size_t mask;               /* the index's slots - 1 (a power of two >= 2 n) */
+    size_t mask;               /* the index's slots - 1: a power of two, grown to keep
+                                * it at most half full (at most n entries) */
     Py_ssize_t num_indexed;
+    Py_ssize_t ids_made;       /* ids[i] may be set only below this */
     int caching;
 } Pool;
 
@@ -206,8 +208,12 @@ static void lru_append(Pool *p, int32_t b) {
     p->lru_len++;
 }
 
-/* bytes' own hash (cached in the object: a block's hash is hashed once) */
-static size_t hash_of(PyObject *key) { return (size_t)PyObject_Hash(key); }
+/* 32 bits of bytes' own hash (cached in the object: a block's hash is hashed once),
+ * both halves mixed in, so the home slot depends on all of it */
+static uint32_t code_of(PyObject *key) {
+    uint64_t h = (uint64_t)(size_t)PyObject_Hash(key);
+    return (uint32_t)(h ^ (h >> 32));
+}
 
 static int same_bytes(PyObject *a, PyObject *b) {
     Py_ssize_t size = PyBytes_GET_SIZE(a);
@@ -216,11 +222,11 @@ static int same_bytes(PyObject *a, PyObject *b) {
 }
 
 /* the slot holding ``key`` (exact bytes), or the empty slot where it would go */
-static size_t index_find(Pool *p, PyObject *key, size_t h) {
-    size_t i = h & p->mask;
+static size_t index_find(Pool *p, PyObject *key, uint32_t code) {
+    size_t i = code & p->mask;
     for (;;) {
         Slot s = p->index[i];
-        if (s.block1 == 0 || (s.tag == (uint32_t)h && same_bytes(p->hash[s.block1 - 1], key)))
+        if (s.block1 == 0 || (s.tag == code && same_bytes(p->hash[s.block1 - 1], key)))
             return i;
         i = (i + 1) & p->mask;
     }
@@ -229,7 +235,7 @@ static size_t index_find(Pool *p, PyObject *key, size_t h) {
 /* take indexed block ``b`` (its hash ``p->hash[b]``) out of the index: the entries
  * after it in its run move back so every probe still finds them */
 static void index_remove(Pool *p, int32_t b) {
-    size_t i = hash_of(p->hash[b]) & p->mask;
+    size_t i = code_of(p->hash[b]) & p->mask;
     while (p->index[i].block1 != b + 1)
         i = (i + 1) & p->mask;
     for (size_t j = (i + 1) & p->mask; p->index[j].block1 != 0; j = (j + 1) & p->mask) {
@@ -245,6 +251,40 @@ static void index_remove(Pool *p, int32_t b) {
     p->index[i].tag = 0;
     p->num_indexed--;
 }
+
+/* room in the index for one more entry: twice the slots when it would be more than
+ * half full (a pool's memory then follows what it caches, not its size); -1 with
+ * MemoryError set where that cannot be had */
+static int index_reserve(Pool *p) {
+    size_t slots = p->mask + 1;
+    if ((size_t)(p->num_indexed + 1) * 2 <= slots)
+        return 0;
+    if (slots > SIZE_MAX / 2 / sizeof(Slot)) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Slot *grown = PyMem_Calloc(slots * 2, sizeof(Slot));
+    if (grown == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    size_t mask = slots * 2 - 1;
+    for (size_t i = 0; i < slots; i++) {
+        Slot s = p->index[i];
+        if (s.block1 == 0)
+            continue;
+        size_t j = s.tag & mask;
+        while (grown[j].block1 != 0)
+            j = (j + 1) & mask;
+        grown[j] = s;
+    }
+    PyMem_Free(p->index);
+    p->index = grown;
+    p->mask = mask;
+    return 0;
+}
+
+#define INDEX_SLOTS 64 /* the index's first size */
 
 static PyObject *pool_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"num_blocks", "enable_caching", NULL};
@@ -266,11 +306,8 @@ static PyObject *pool_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
     p->hash = PyMem_Calloc((size_t)n, sizeof(PyObject *));
     p->tokens = PyMem_Calloc((size_t)n, sizeof(PyObject *));
     p->ids = PyMem_Calloc((size_t)n, sizeof(PyObject *));
-    size_t slots = 8;
-    while (slots < 2 * (size_t)n)
-        slots *= 2;
-    p->index = PyMem_Calloc(slots, sizeof(Slot));
-    p->mask = slots - 1;
+    p->index = PyMem_Calloc(INDEX_SLOTS, sizeof(Slot));
+    p->mask = INDEX_SLOTS - 1;
     if (!p->ref || !p->prev || !p->next || !p->hash || !p->tokens || !p->ids || !p->index) {
         Py_DECREF(p);
         return PyErr_NoMemory();
@@ -287,7 +324,7 @@ static void pool_dealloc(Pool *p) {
             Py_XDECREF(p->tokens[i]);
         }
     if (p->ids != NULL) /* a failed allocate may have made ids past fresh */
-        for (Py_ssize_t i = 0; i < p->n; i++)
+        for (Py_ssize_t i = 0; i < p->ids_made; i++)
             Py_XDECREF(p->ids[i]);
     PyMem_Free(p->ref);
     PyMem_Free(p->prev);
@@ -331,6 +368,8 @@ static PyObject *id_of(Pool *p, int32_t b) {
         p->ids[b] = PyLong_FromLong(b);
         if (p->ids[b] == NULL)
             return NULL;
+        if (b >= p->ids_made)
+            p->ids_made = (Py_ssize_t)b + 1;
     }
     Py_INCREF(p->ids[b]);
     return p->ids[b];
@@ -349,10 +388,14 @@ static PyObject *pool_allocate(Pool *p, PyObject *args) {
         Py_RETURN_NONE;
     /* the ids first, so a failure leaves the pool as it was: never used ones in id
      * order, then the least recently freed */
-    Py_ssize_t unused = p->n - p->fresh < n ? p->n - p->fresh : n;
     PyObject *out = PyList_New(n);
     if (out == NULL)
         return NULL;
+    if (n > p->n - p->fresh + p->lru_len) { /* a finalizer the collector ran took some */
+        Py_DECREF(out);
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t unused = p->n - p->fresh < n ? p->n - p->fresh : n;
     int32_t b = p->head;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *id = id_of(p, i < unused ? (int32_t)(p->fresh + i) : b);
@@ -415,6 +458,12 @@ static PyObject *pool_touch(Pool *p, PyObject *ids) {
     int32_t *blocks = checked_ids(p, ids, &count);
     if (blocks == NULL)
         return NULL;
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (p->ref[blocks[i]] > INT32_MAX - count) {
+            PyMem_Free(blocks);
+            return PyErr_Format(PyExc_OverflowError, "block %d taken 2**31 times",
+                                (int)blocks[i]);
+        }
     for (Py_ssize_t i = 0; i < count; i++) {
         if (p->ref[blocks[i]] == 0)
             lru_unlink(p, blocks[i]);
@@ -449,7 +498,7 @@ static PyObject *pool_lookup(Pool *p, PyObject *args) {
         return NULL;
     if (!PyBytes_CheckExact(hash) || !PyBytes_CheckExact(packed))
         return PyLong_FromLong(-1); /* only bytes are ever indexed */
-    int32_t b = p->index[index_find(p, hash, hash_of(hash))].block1 - 1;
+    int32_t b = p->index[index_find(p, hash, code_of(hash))].block1 - 1;
     PyObject *tokens = b >= 0 ? p->tokens[b] : NULL;
     Py_ssize_t size = PyBytes_GET_SIZE(packed);
     if (tokens == NULL || PyBytes_GET_SIZE(tokens) != size ||
@@ -489,9 +538,12 @@ static PyObject *pool_cache_all(Pool *p, PyObject *args) {
         }
         int32_t b = blocks[i];
         int indexes = 0;
-        size_t slot = 0, code = 0;
+        size_t slot = 0;
+        uint32_t code = 0;
         if (p->hash[b] == NULL) {
-            code = hash_of(hash);
+            if (index_reserve(p) < 0) /* before the probe: growing moves the slots */
+                goto done;
+            code = code_of(hash);
             slot = index_find(p, hash, code);
             indexes = p->index[slot].block1 == 0;
         }
@@ -500,7 +552,7 @@ static PyObject *pool_cache_all(Pool *p, PyObject *args) {
             Py_INCREF(tokens);
             p->hash[b] = hash;
             p->tokens[b] = tokens;
-            p->index[slot].tag = (uint32_t)code;
+            p->index[slot].tag = code;
             p->index[slot].block1 = b + 1;
             p->num_indexed++;
         }
@@ -548,9 +600,16 @@ static PyObject *pool_block_hash(Pool *p, PyObject *arg) {
 
 static PyObject *pool_free_block_ids(Pool *p, PyObject *unused) {
     (void)unused;
-    PyObject *out = PyList_New(p->n - p->fresh + p->lru_len);
-    if (out == NULL)
-        return NULL;
+    PyObject *out;
+    for (;;) { /* made before the pool is read: the collector may run a finalizer */
+        Py_ssize_t count = p->n - p->fresh + p->lru_len;
+        out = PyList_New(count);
+        if (out == NULL)
+            return NULL;
+        if (count == p->n - p->fresh + p->lru_len)
+            break;
+        Py_DECREF(out);
+    }
     Py_ssize_t i = 0;
     for (Py_ssize_t b = p->fresh; b < p->n; b++, i++) {
         PyObject *id = PyLong_FromSsize_t(b);

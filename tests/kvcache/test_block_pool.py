@@ -4,6 +4,7 @@ on random operations."""
 
 from __future__ import annotations
 
+import gc
 import random
 from array import array
 from collections.abc import Callable
@@ -230,3 +231,48 @@ def test_the_c_pools_index_holds_up_when_full_and_churning(native_kv: ModuleType
     assert pools[0].num_cached_blocks == pools[1].num_cached_blocks > 200
     hashes = [[p.block_hash(b) for b in range(256)] for p in pools]
     assert hashes[0] == hashes[1]
+
+
+def _collect_during(call: Callable[[], object], finalizer: Callable[[], object]) -> object:
+    """``call()`` with the collector due at its first allocation of a tracked object,
+    and a cycle whose finalizer runs ``finalizer`` (once) then."""
+    ran: list[bool] = []
+
+    class Cycle:
+        def __del__(self) -> None:
+            if not ran:
+                ran.append(True)
+                finalizer()
+
+    threshold, enabled = gc.get_threshold(), gc.isenabled()
+    gc.disable()
+    cycle = Cycle()
+    cycle.me = cycle  # type: ignore[attr-defined]
+    del cycle
+    young: list[list[int]] = [
+        [] for _ in range(200)
+    ]  # the collector's count well past its threshold
+    try:
+        gc.set_threshold(1)
+        gc.enable()
+        out = call()
+    finally:
+        gc.set_threshold(*threshold)
+        if not enabled:
+            gc.disable()
+    if not (ran and young):  # 3.12 on: the collector waits for the next bytecode
+        pytest.skip("this Python never runs the collector inside a C call")
+    return out
+
+
+def test_the_c_pool_reads_its_state_after_making_its_answer(native_kv: ModuleType) -> None:
+    """A finalizer the collector runs while the pool makes its answer list may change
+    the pool: the answer is then that of the pool as it is after, never a stale one."""
+    pool = native_kv.BlockPool(8)
+    pool.allocate(4)
+    assert _collect_during(lambda: pool.allocate(4), lambda: pool.allocate(4)) is None
+    held = pool.allocate(0)
+    assert held == [] and pool.num_free_blocks == 0
+    other = native_kv.BlockPool(8)
+    taken = other.allocate(8)
+    assert _collect_during(other.free_block_ids, lambda: other.release(taken)) == list(range(8))
