@@ -34,17 +34,20 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def replicas() -> Iterator[tuple[str, str]]:
-    """(with speculation, without): two replicas of the built-in model."""
+    """(with speculation, without): two replicas of the built-in model. The cache holds
+    a whole 8,192-token context in float32 (``--dtype auto`` where the CPU has no
+    bfloat16 arithmetic: AVX2, AVX-512 without BF16), so twice that in bfloat16."""
     with ExitStack() as stack:
         urls = []
         for speculative in (SpeculativeConfig(), None):
             engine = EngineConfig(
-                cache=CacheConfig(kv_cache_memory_gib=0.25), speculative=speculative
+                cache=CacheConfig(kv_cache_memory_gib=0.5), speculative=speculative
             )
             urls.append(stack.enter_context(serve_app(create_app(ReplicaConfig(engine=engine)))))
         for url in urls:
             deadline = time.monotonic() + 60
-            while httpx.get(f"{url}/ready").status_code != 200:
+            while (ready := httpx.get(f"{url}/ready")).status_code != 200:
+                assert ready.json()["status"] == "loading", "the replica failed to load (log)"
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
         yield urls[0], urls[1]
