@@ -226,12 +226,14 @@ class StreamRelay:
             released = self._release(judge, index, text) if judge is not None else text
             if judge is not None and index in judge.blocked:
                 return self._block(chunk, released)
+            if reason is not None and judge is not None:
+                released += judge.rest(index)  # the last token brings what is held, as one
             if released == text and reason is None:
                 out.append(chunk)
             elif released:
                 out.append(with_text(chunk, released))
         if reason is not None:
-            rest = judge.rest(index) if judge is not None else ""
+            rest = judge.rest(index) if judge is not None and not text else ""
             if rest:
                 out.append(with_text(chunk, rest))
             out += self._flush_calls(chunk, index)
