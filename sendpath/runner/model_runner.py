@@ -132,19 +132,21 @@ class ModelRunner:
         return matrix_engine(cpu_kernels())
 
     def _attention_kind(self, loaded: LoadedModel) -> str:
-        """The attention backend, and on a bfloat16 cache what takes a prompt chunk's rows
-        (AMX's tiles where they run: ``kernels/paged_prefill_amx.h``)."""
+        """The attention backend, and what takes a prompt chunk's rows (AMX's tiles where
+        they run: ``kernels/paged_prefill_amx.h``; with float32 activations the float32
+        tile, ``kernels/paged_prefill_f32.cpp``)."""
         kernel = self.attention.kernel
         if kernel is None:
             return "torch SDPA"
-        if self.model.dtype != torch.bfloat16:
+        dtype = {torch.bfloat16: "bfloat16", torch.float32: "float32"}.get(self.model.dtype)
+        if dtype is None:
             return "paged kernel"
         cfg = loaded.config
         shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.block_size)
-        prefill = kernel.prefill_kernel(*shape)
+        prefill = kernel.prefill_kernel(*shape, dtype)
         how = {
             "amx": "on AMX bfloat16 tiles",
-            "vector": "on AVX-512 BF16 tiles",
+            "vector": "on AVX-512 BF16 tiles" if dtype == "bfloat16" else "on float32 vector tiles",
             "rows": "a row at a time",
         }
         return f"paged kernel, prompt chunks {how[prefill]}"

@@ -7,8 +7,10 @@
   AVX-512 VNNI's integer dot products, ``paged_prefill_bf16.cpp`` a prompt chunk's rows a tile at a
   time on them (where AMX's tiles run, ``paged_prefill_amx.h``'s flash-style kernel on
   bfloat16 tiles instead: ``paged_prefill_amx_impl.h``, built on the tiles and on their
-  software model as the matmul's designs are), ``paged_attention_avx2.cpp`` its task on
-  AVX2 (no AVX-512), and ``attention_simd.h`` and ``avx512_lanes.h`` what they share.
+  software model as the matmul's designs are), ``paged_prefill_f32.cpp`` a prompt chunk's
+  rows a tile at a time with float32 activations (a CPU without bfloat16 arithmetic:
+  AVX-512 or AVX2 with FMA), ``paged_attention_avx2.cpp`` its task on AVX2 (no AVX-512),
+  and ``attention_simd.h`` and ``avx512_lanes.h`` what they share.
 - ``fused_ops.cpp``: the small operations around a layer's matmuls (residual add + RMSNorm,
   RoPE, the cache write, SiLU and its product), one call each instead of about six torch
   ops each, over ``vec.h``'s registers (AVX-512 or AVX2).
@@ -65,6 +67,7 @@ _SOURCES = [
         "paged_attention_int8.cpp",
         "paged_attention_avx2.cpp",
         "paged_prefill_bf16.cpp",
+        "paged_prefill_f32.cpp",
         "fused_ops.cpp",
         "block_matmul.cpp",
         "block_matmul_avx2.cpp",

@@ -210,4 +210,21 @@ void prefill_tile_bf16(Prefill path, const at::BFloat16* q, const at::BFloat16* 
                        int64_t tokens, int64_t row_stride, at::BFloat16* out, const Shape& s,
                        int64_t group);
 
+// What takes a prompt chunk's rows with float32 queries (a CPU without bfloat16
+// arithmetic): the float32 vector tile (paged_prefill_f32.cpp: AVX-512, or AVX2 with FMA)
+// or the row task; `name` as for prefill_path ("": the tile where it runs; "rows";
+// "vector"), an error saying why where it cannot.
+Prefill prefill_path_f32(const std::string& name, const Shape& s, int64_t group);
+
+// How many tokens of a prompt chunk `prefill_tile_f32` takes at once on `path`.
+int64_t prefill_tile_tokens_f32(Prefill path, int64_t group);
+
+// As prefill_tile_bf16, with float32 queries on a float32 cache or an int8 one.
+void prefill_tile_f32(const float* q, const float* k_head, const float* v_head,
+                      const int64_t* table, int64_t first_len, int64_t tokens, int64_t row_stride,
+                      float* out, const Shape& s, int64_t group);
+void prefill_tile_f32(const float* q, const int8_t* k_head, const int8_t* v_head,
+                      const int64_t* table, int64_t first_len, int64_t tokens, int64_t row_stride,
+                      float* out, const Shape& s, int64_t group);
+
 }  // namespace sendpath_attention

@@ -17,8 +17,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("block_size"), py::arg("scale"), py::arg("prefill") = "");
   m.def("prefill_kernel", &prefill_kernel,
-        "what takes a prompt chunk's rows on a bfloat16 cache of this shape here: amx, vector or "
-        "rows", py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("block_size"));
+        "what takes a prompt chunk's rows of this shape here: amx, vector or rows (bfloat16 "
+        "queries), vector or rows (float32)", py::arg("heads"), py::arg("kv_heads"),
+        py::arg("head_dim"), py::arg("block_size"), py::arg("dtype") = "bfloat16");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, kUnlocked,
         "residual += x; x = rms_norm(residual) * weight, in place");
   m.def("rotary_", &rotary_, kUnlocked, "RoPE in place on the first `heads` heads of each row");

@@ -15,7 +15,8 @@ constexpr int64_t kInt8ScaleBytes = 4;
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor seq_lens,
                               int64_t block_size, double scale, const std::string& prefill = "");
-std::string prefill_kernel(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size);
+std::string prefill_kernel(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                           const std::string& dtype = "bfloat16");
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 void rotary_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,

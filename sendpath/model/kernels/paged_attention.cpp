@@ -12,7 +12,9 @@
 // (paged_prefill_bf16.cpp): for a 512-token chunk of the built-in model, 2.6x as fast as
 // torch's flash attention where the chunk starts a prompt, 2x where it resumes one at 512;
 // where AMX's tiles run, on them (paged_prefill_amx.h: a 1,024-token prompt's attention
-// 282 -> 62-67 ms on a 2-core AMX Xeon). `prefill` names the path to insist on.
+// 282 -> 62-67 ms on a 2-core AMX Xeon); with float32 queries (a CPU without bfloat16
+// arithmetic) on the float32 tile (paged_prefill_f32.cpp: 3.3-3.9x the row task on a
+// 2-core Ice Lake Xeon). `prefill` names the path to insist on.
 //
 // Otherwise one task per (row, kv head), run on torch's thread pool: the task's G query heads
 // (grouped-query attention) are scored against one block of keys at a time, and an online
@@ -322,11 +324,12 @@ void attend_rows(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cac
   constexpr bool int8 = std::is_same_v<cache_t, int8_t>;
   const int64_t group = s.heads / s.kv_heads;
   const int64_t row_size = s.head_dim + (int8 ? kInt8ScaleBytes : 0);
-  const int64_t most = prefill_tile_tokens(path, group);
+  const int64_t most = std::is_same_v<scalar_t, float> ? prefill_tile_tokens_f32(path, group)
+                                                       : prefill_tile_tokens(path, group);
   const std::vector<Run> all = runs(block_tables, seq_lens, s, most);
   const int64_t count = static_cast<int64_t>(all.size());
-  std::optional<Dequantized> copies;
-  if constexpr (int8) {
+  std::optional<Dequantized> copies;  // the bfloat16 tiles' copy of an int8 cache
+  if constexpr (int8 && std::is_same_v<scalar_t, at::BFloat16>) {
     if (most > 1) copies.emplace(k_cache, v_cache, block_tables, seq_lens, s);
   }
   at::parallel_for(0, count * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -353,6 +356,10 @@ void attend_rows(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cac
           }
           continue;
         }
+      } else if (run.tokens > 1) {  // float32 queries: the float32 tile
+        prefill_tile_f32(q + offset, k_head, v_head, table, seq_lens[run.row], run.tokens,
+                         s.heads * s.head_dim, out + offset, s, group);
+        continue;
       }
       attend_row(q + offset, k_head, v_head, table, seq_lens[run.row], out + offset, s, group);
     }
@@ -361,12 +368,18 @@ void attend_rows(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cac
 
 }  // namespace
 
-// What takes a prompt chunk's rows on a bfloat16 cache of this shape here: "amx", "vector"
-// or "rows" (prefill_path's choice).
-std::string prefill_kernel(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size) {
+// What takes a prompt chunk's rows of this shape here: with bfloat16 queries "amx",
+// "vector" or "rows" (prefill_path's choice), with float32 ones "vector" or "rows"
+// (prefill_path_f32's).
+std::string prefill_kernel(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                           const std::string& dtype) {
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+  TORCH_CHECK(dtype == "bfloat16" || dtype == "float32", "dtype: bfloat16 or float32, not '",
+              dtype, "'");
   const Shape s{0, heads, kv_heads, head_dim, 0, 0, block_size, 1.f};
-  switch (prefill_path("", s, heads / kv_heads)) {
+  const Prefill path = dtype == "float32" ? prefill_path_f32("", s, heads / kv_heads)
+                                          : prefill_path("", s, heads / kv_heads);
+  switch (path) {
     case Prefill::kTiles:
     case Prefill::kTilesEmulated:
       return "amx";
@@ -415,14 +428,14 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
     return out;
   }
   TORCH_CHECK(query.scalar_type() == at::kFloat, "float32 or bfloat16 only");
-  TORCH_CHECK(prefill.empty() || prefill == "rows", "a float32 query's prompt rows take the row task");
+  const Prefill path = prefill_path_f32(prefill, s, group);
   if (int8)
     attend_rows<float, int8_t>(query.data_ptr<float>(), k_cache.data_ptr<int8_t>(),
                                v_cache.data_ptr<int8_t>(), table, len, out.data_ptr<float>(), s,
-                               Prefill::kRows);
+                               path);
   else
     attend_rows<float, float>(query.data_ptr<float>(), k_cache.data_ptr<float>(),
                               v_cache.data_ptr<float>(), table, len, out.data_ptr<float>(), s,
-                              Prefill::kRows);
+                              path);
   return out;
 }

@@ -92,9 +92,8 @@ def test_an_int8_cache_is_attended_as_its_dequantized_values(
     prefill: str,
 ) -> None:
     """`--kv-cache-dtype int8`: rows of codes and a scale, read by the row task, or for a
-    prompt chunk's rows (bfloat16 queries) by the prompt tiles on a bfloat16 copy."""
-    if dtype == torch.float32 and prefill:
-        pytest.skip("float32 queries take the row task only")
+    prompt chunk's rows by the prompt tiles (bfloat16 queries: on a bfloat16 copy; float32
+    ones: a set of keys dequantized at a time)."""
     torch.manual_seed(0)
     blocks = 64
     k = quantize_rows(torch.randn(kv_heads, blocks * bs, head_dim))
