@@ -411,10 +411,18 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   TORCH_CHECK(s.heads % s.kv_heads == 0, "heads must be a multiple of the cache's kv heads");
   TORCH_CHECK(k_cache.size(2) == s.head_dim + (int8 ? kInt8ScaleBytes : 0),
               "the cache's rows do not fit the head dim");
+  TORCH_CHECK(block_tables.dim() == 2 && tables.size(0) == s.batch && lens.dim() == 1 &&
+                  lens.size(0) == s.batch,
+              "block_tables [rows, blocks] and seq_lens [rows] must have a row per query row");
+  TORCH_CHECK(block_size >= 1, "block_size must be >= 1");
+  const int64_t* len = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < s.batch; ++b)  // a row sees at least itself, within its table
+    TORCH_CHECK(len[b] >= 1 && len[b] <= s.max_blocks * s.block_size, "row ", b, "'s context of ",
+                len[b], " tokens is not within 1 and its block table's ",
+                s.max_blocks * s.block_size);
   auto out = torch::empty_like(query);
   const int64_t group = s.heads / s.kv_heads;
   const int64_t* table = tables.data_ptr<int64_t>();
-  const int64_t* len = lens.data_ptr<int64_t>();
   if (query.scalar_type() == at::kBFloat16) {
     using bf16 = at::BFloat16;
     const Prefill path = prefill_path(prefill, s, group);

@@ -155,7 +155,7 @@ void tile(const float* q, const cache_t* k_head, const cache_t* v_head, const in
       }
     }
     const auto [keys, values] = staged.at(k_head, v_head, slot, n);
-    for (int64_t j = 0; j < n; j += 4) {  // keys past n stand in as key 0 (masked below)
+    for (int64_t j = 0; j < n; j += 4) {  // keys past n: key 0 stands in, scores never read
       const auto key = [&](int64_t c) { return keys + (j + c < n ? j + c : 0) * kDim; };
       score4<kDim, kNR>(qt, key(0), key(1), key(2), key(3), scores, j);
     }
@@ -256,9 +256,9 @@ Prefill prefill_path_f32(const std::string& name, const Shape& s, int64_t group)
   if (name == "rows") return Prefill::kRows;
   TORCH_CHECK(name == "vector", "a float32 query's prompt rows take the row task or the vector "
               "tile (rows or vector; AMX's tiles take bfloat16), not '", name, "'");
-  TORCH_CHECK(runs, "the float32 vector prefill tile needs AVX-512 or AVX2 with FMA, a head dim "
-              "of 64 or 128, a block size a multiple of 16 and at most ", kRowsHere / 2,
-              " query heads a kv head");
+  TORCH_CHECK(kRowsHere > 0, "the float32 vector prefill tile needs AVX-512 or AVX2 with FMA");
+  TORCH_CHECK(runs, "the float32 vector prefill tile needs a head dim of 64 or 128, a block size "
+              "a multiple of 16 and at most ", kRowsHere / 2, " query heads a kv head");
   return Prefill::kVector;
 }
 

@@ -30,8 +30,9 @@ def tile_runs(kernel: Any) -> None:
 def test_prompt_chunks_on_the_tile_are_softmax_attention(
     kernel: Any, cache: str, head_dim: int, heads: int, kv_heads: int, bs: int
 ) -> None:
-    """Tiles of one to all of their row registers (a query head group of 1 to 8: 16 to 64
-    rows a tile), across sets of 16 keys, a chunk resuming mid-prompt, a decode beside."""
+    """Tiles using one to all of their row registers (query head groups of 1 to 8; a
+    short chunk's tile fills fewer), across sets of 16 keys, a chunk resuming mid-prompt,
+    a decode beside."""
     tile_runs(kernel)
     torch.manual_seed(0)
     blocks = -(-400 // bs) * 4 + 8
@@ -88,9 +89,26 @@ def test_the_tile_is_the_default_and_a_path_that_cannot_run_says_why(kernel: Any
     with pytest.raises(RuntimeError, match=r"take the row task or the vector tile .* not 'amx'"):
         kernel.paged_attention(*args, prefill="amx")
     halves = (k[..., :32].contiguous(), v[..., :32].contiguous())
-    with pytest.raises(RuntimeError, match=r"float32 vector prefill tile needs .* head dim of 64"):
+    with pytest.raises(RuntimeError, match=r"float32 vector prefill tile needs a head dim of 64"):
         kernel.paged_attention(q[..., :32].contiguous(), *halves, tables, lens, 16, 0.125, "vector")
     assert kernel.prefill_kernel(9, 3, 32, 16, "float32") == "rows"  # the shape it lacks
     assert kernel.prefill_kernel(9, 3, 64, 12, "float32") == "rows"
     with pytest.raises(RuntimeError, match="dtype: bfloat16 or float32, not 'float16'"):
         kernel.prefill_kernel(9, 3, 64, 16, "float16")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_the_tables_cannot_hold_are_refused(kernel: Any, dtype: torch.dtype) -> None:
+    """A context of no tokens (its softmax would divide by nothing) or past its block
+    table, or tables and lengths for another number of rows: an error, not a read past."""
+    k = torch.randn(3, 8 * 16, 64).to(dtype)
+    v = torch.randn_like(k)
+    q = torch.randn(2, 9, 64).to(dtype)
+    tables = torch.tensor([[0, 1], [2, 3]])
+    for lens in ([0, 5], [5, 33]):
+        with pytest.raises(RuntimeError, match=r"context of .* tokens is not within 1 and its"):
+            kernel.paged_attention(q, k, v, tables, torch.tensor(lens), 16, 0.125)
+    with pytest.raises(RuntimeError, match="a row per query row"):
+        kernel.paged_attention(q, k, v, tables, torch.tensor([5]), 16, 0.125)
+    with pytest.raises(RuntimeError, match="a row per query row"):
+        kernel.paged_attention(q, k, v, tables[:1], torch.tensor([5, 6]), 16, 0.125)
