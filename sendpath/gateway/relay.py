@@ -259,14 +259,17 @@ class StreamRelay:
         if judge is not None and index in judge.blocked:
             return self._block(chunk)
         named = "id" in choice["delta"]["tool_calls"][0]
+        reason = choice.get("finish_reason")
         out = []
-        if released == arguments:
+        if judge is not None and reason is not None and (rest := judge.rest(index)):
+            out.append(with_text(finished(chunk, reason), rest))  # held since the calls began
+        if released == arguments and reason is None:
             out.append(chunk)
-        elif released or named:
+        elif released or named:  # the finish waits in the tail, as a text choice's
             out.append(with_arguments(chunk, released))
-        if choice.get("finish_reason") is not None:
+        if reason is not None:
             out += self._flush_calls(chunk, index)
-            self.tail.append(finished(chunk, choice["finish_reason"]))
+            self.tail.append(finished(chunk, reason))
         self._mark_relayed(out, judge is not None)
         return out
 

@@ -116,3 +116,33 @@ def test_text_that_may_still_become_a_phrase_waits_for_the_next_read() -> None:
         [None, "Then "],  # "the bu" held back at the end of the first read
         ["the butler came", None, "[DONE]"],
     ]
+
+
+def test_a_last_token_brings_out_what_is_held_in_its_own_chunk() -> None:
+    """A finishing chunk with text, while the filter holds some: what it lets go and what
+    it held go out as one chunk (a client counts one chunk a token at most)."""
+    choice = {"index": 0, "delta": {"content": "s, the bu"}, "finish_reason": "length"}
+    last = f"data: {json.dumps({**BASE, 'choices': [choice]})}\n\n"
+    sent = relay(chunk() + chunk("Then ") + chunk("the bu"), last + DONE)
+    assert [texts(write) for write, _ in sent] == [
+        [None, "Then "],
+        ["the bus, the bu", None, "[DONE]"],  # then the finish, held with the others
+    ]
+
+
+def test_text_held_when_a_choice_ends_on_a_tool_call_goes_out() -> None:
+    """A choice whose last chunk is a piece of a tool call: the text its filter still held
+    (it could have become a phrase) goes out before the call, and the choice finishes
+    once."""
+    call = {"index": 0, "id": "call_1", "type": "function",
+            "function": {"name": "lookup", "arguments": "{}"}}  # fmt: skip
+    choice = {"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": "tool_calls"}
+    last = f"data: {json.dumps({**BASE, 'choices': [choice]})}\n\n"
+    sent = relay(chunk() + chunk("Then ") + chunk("the bu"), last + DONE)
+    body = "".join(write for write, _ in sent)
+    assert texts(body) == [None, "Then ", "the bu", None, None, "[DONE]"]  # the call, finish
+    assert body.count('"tool_calls"') == 2  # the call's piece and one finish reason
+    assert (
+        body.count('"finish_reason": "tool_calls"') + body.count('"finish_reason":"tool_calls"')
+        == 1
+    )
