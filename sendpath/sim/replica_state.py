@@ -4,6 +4,8 @@ the decode steps priced ahead of time (fleet mode's ``Bulk``, committed or cut l
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass
 
 from sendpath.clock import SettableClock
@@ -37,3 +39,31 @@ class SimReplica:
     bulk: Bulk | None = None
     epoch: int = 0
     lane: DecodeLane | None = None  # the fleet mode's parked decodes
+
+    def start_bulk(self, t: float, seconds: list[float]) -> float:
+        """Decode steps of these lengths from ``t`` priced ahead; when the last ends."""
+        self.epoch += 1
+        self.bulk = Bulk(t, list(itertools.accumulate(seconds, initial=t))[1:], self.epoch)
+        return self.bulk.ends[-1]
+
+    def cut_bulk(self, t: float) -> float | None:
+        """A request reached the replica at ``t``: the bulk stops after the step in
+        flight. When it now ends, or None where that was its last step anyway."""
+        bulk = self.bulk
+        assert bulk is not None
+        keep = bisect.bisect_left(bulk.ends, t) + 1
+        if keep >= len(bulk.ends):
+            return None
+        del bulk.ends[keep:]
+        self.epoch += 1
+        bulk.epoch = self.epoch
+        return bulk.ends[-1]
+
+    def take_bulk(self, epoch: int) -> Bulk | None:
+        """The bulk to commit for an event of ``epoch``; None where it was cut since (a
+        later event commits it)."""
+        bulk = self.bulk
+        if bulk is None or bulk.epoch != epoch:
+            return None
+        self.bulk = None
+        return bulk

@@ -29,7 +29,6 @@ Finished requests become what a client would have measured (``results.py``).
 
 from __future__ import annotations
 
-import bisect
 import gc
 import heapq
 import itertools
@@ -53,7 +52,7 @@ from sendpath.router.route import RouteRequest
 from sendpath.sim.config import ITL_SAMPLE, MODES, SimConfig, SimResult
 from sendpath.sim.cost_model import CostModel
 from sendpath.sim.decode_lane import AnswerIds, DecodeLane, beside
-from sendpath.sim.replica_state import Bulk, SimReplica
+from sendpath.sim.replica_state import SimReplica
 from sendpath.sim.results import client_view, token_times
 from sendpath.sim.tenant_limits import TenantLimits
 from sendpath.sim.traffic import SimRequest, Traffic
@@ -320,13 +319,7 @@ class Simulator:
             seconds = lane.bulk(self.cost)
             if seconds is None:
                 return False
-            ends, now = [], t
-            for dt in seconds:
-                now += dt
-                ends.append(now)
-            rep.epoch += 1
-            rep.bulk = Bulk(t, ends, rep.epoch)
-            self._push(now, "bulk", (index, rep.epoch))
+            self._push(rep.start_bulk(t, seconds), "bulk", (index, rep.epoch))
             return True
         if not lane.can_schedule_beside(sched):
             return False
@@ -352,26 +345,18 @@ class Simulator:
         return bool(self._inflight[request_id][0].followups)
 
     def _cut(self, rep: SimReplica, index: int, t: float) -> None:
-        """A request reached the replica at ``t``: the bulk stops after the step in flight."""
-        bulk = rep.bulk
-        assert bulk is not None
-        keep = bisect.bisect_left(bulk.ends, t) + 1
-        if keep >= len(bulk.ends):
-            return
-        del bulk.ends[keep:]
-        rep.epoch += 1
-        bulk.epoch = rep.epoch
-        self._push(bulk.ends[-1], "bulk", (index, rep.epoch))
+        end = rep.cut_bulk(t)
+        if end is not None:
+            self._push(end, "bulk", (index, rep.epoch))
 
     def _commit(self, t: float, payload: tuple[int, int]) -> None:
         """Apply a bulk: the parked decodes' blocks, step by step, and the finishers."""
         index, epoch = payload
         rep = self.replicas[index]
-        bulk, lane = rep.bulk, rep.lane
-        if bulk is None or bulk.epoch != epoch:
+        bulk, lane = rep.take_bulk(epoch), rep.lane
+        if bulk is None:
             return  # cut short: a later event commits it
         assert lane is not None
-        rep.bulk = None
         ends = bulk.ends
         rep.clock.set(ends[-1])
         rep.busy_s += ends[-1] - bulk.start
