@@ -35,6 +35,7 @@ logger = logging.getLogger("sendpath.cluster")
 
 WATCH_TIMEOUT_S = 1.0  # the directory answers at least this often (the queue report's period)
 RETRY_S = 1.0  # after a failed call (the directory restarting)
+FIRST_TIMEOUT_S = 10.0  # the gateway's start waits this long at most for the first answer
 
 
 class DirectoryClient(Protocol):
@@ -85,6 +86,15 @@ class DirectoryFollower:
         self.gateway_id = uuid.uuid4().hex
         self.members: dict[str, Endpoint] = {}  # Serve replica id -> its endpoint
         self.version = -1
+
+    async def first(self, timeout_s: float = FIRST_TIMEOUT_S) -> None:
+        """Take the directory's replicas once, before the gateway listens: a request sent
+        the moment it says it listens finds the replicas the start waited for. A directory
+        that does not answer in ``timeout_s`` is left to ``run`` (warned here)."""
+        try:
+            self.apply(await asyncio.wait_for(self.directory.watch(self.version, 0), timeout_s))
+        except Exception as exc:  # the actor restarting: run() retries
+            logger.warning("the replica directory did not answer at start (%r)", exc)
 
     async def run(self) -> None:
         """Follow until cancelled."""
