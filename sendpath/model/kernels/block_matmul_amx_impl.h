@@ -11,7 +11,9 @@
 //         codes) or with its nibbles unpacked (four-bit). Four blocks go to the tiles before
 //         their sums come back for the fix-up, so the tile unit works while the fix-ups run.
 //   bf16: C = 16 rows x 16 outputs (float32) for two row tiles x two groups, summed over
-//         every block; A = 16 rows x 32 inputs, B = 16 input pairs x 16 outputs x 2.
+//         every block; A = 16 rows x 32 inputs, B = 16 input pairs x 16 outputs x 2. A pair
+//         of groups' panels is dequantized a block at a time between the tile products of
+//         the pair before it (two pairs of panels, in turn).
 
 #include <immintrin.h>
 
@@ -26,6 +28,7 @@ namespace {
 
 constexpr int64_t kLanes = 16, kBlock = 32;
 constexpr int kA0 = 4, kB0 = 6;  // A1 = 5, B1 = 7; C0..C3 = 0..3
+constexpr int64_t kAhead = 8;     // blocks: the dequantization prefetches this far ahead
 
 inline int64_t lesser(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -115,52 +118,81 @@ void configure_bf16() {
   tiles::configure(c);
 }
 
-// Group g's weights, d * code + m rounded to bfloat16, into `panel`: per block a B tile,
-// row p holding inputs 2p and 2p + 1 of every output lane (so A's inputs stay in order).
-void dequantize(const Weights& w, int64_t g, uint16_t* panel) {
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
-  // a quad's four 128-bit parts are lanes 4p..4p+3, 4 codes each: their scales, per code
-  const __m512i spread[4] = {
-      _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
-      _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7),
-      _mm512_setr_epi32(8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11),
-      _mm512_setr_epi32(12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15)};
-  // two registers of 8 lanes x (pair 0, pair 1) as dwords -> 16 lanes' pair 0, or pair 1
-  const __m512i pair0 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i pair1 = _mm512_add_epi32(pair0, _mm512_set1_epi32(1));
-  const uint8_t* src = w.codes + g * w.blocks * w.block_bytes;
-  for (int64_t b = 0; b < w.blocks; ++b) {
-    const uint8_t* block = src + b * w.block_bytes;
-    const __m512 d = half16(w.d + (g * w.blocks + b) * kLanes);
-    const __m512 m = half16(w.m + (g * w.blocks + b) * kLanes);
-    __m512 ds[4], ms[4];
-    for (int p = 0; p < 4; ++p) {
-      ds[p] = _mm512_permutexvar_ps(spread[p], d);
-      ms[p] = _mm512_permutexvar_ps(spread[p], m);
+// Code k of each lane's dword (four codes of one output, a quad's layout), shifted down by
+// kShift and kept to kBits, as float32 scaled: d * code + m, lanes = the 16 outputs.
+template <int kShift, int kBits>
+inline __m512 code_at(__m512i dwords, __m512i mask, __m512 d, __m512 m) {
+  __m512i c = kShift != 0 ? _mm512_srli_epi32(dwords, kShift) : dwords;
+  if (kShift + kBits < 32) c = _mm512_and_si512(c, mask);
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), d, m);
+}
+
+// Block b of group g's weights, d * code + m rounded to bfloat16, into its B tile in
+// `panel`: row p holds inputs 2p and 2p + 1 of every output lane (so A's inputs stay in
+// order). A quad's dword is one output's four inputs, so each code's floats have the
+// outputs as lanes and the block's d and m as they are; two codes' bfloat16 words are then
+// interleaved into a row (one permute).
+void dequantize_block(const Weights& w, int64_t g, int64_t b, uint16_t* panel) {
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const int64_t at = g * w.blocks + b;  // the groups' blocks lie in order
+  const uint8_t* block = w.codes + at * w.block_bytes;
+  // the weights stream from memory once a step: ask for a later block's now (a prefetch
+  // does not fault, so past the last block is harmless; addresses as integers, so no
+  // pointer leaves its array)
+  const auto ahead = [](const void* p, int64_t bytes) {
+    _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + bytes), _MM_HINT_T0);
+  };
+  for (int64_t i = 0; i < w.block_bytes; i += 64) ahead(block, kAhead * w.block_bytes + i);
+  ahead(w.d + at * kLanes, kAhead * kLanes * 2);
+  ahead(w.m + at * kLanes, kAhead * kLanes * 2);
+  const __m512 d = half16(w.d + at * kLanes);
+  const __m512 m = half16(w.m + at * kLanes);
+  uint16_t* tile = panel + b * 512;
+  auto rows = [&](int j, __m512 f0, __m512 f1, __m512 f2, __m512 f3) {  // quad j: rows 2j, 2j + 1
+    _mm512_store_si512(tile + (2 * j) * 32,
+                       _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(f1, f0)));
+    _mm512_store_si512(tile + (2 * j + 1) * 32,
+                       _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(f3, f2)));
+  };
+  if (w.four_bit) {  // quad j in the low nibbles, j + 4 in the high ones
+    const __m512i mask = _mm512_set1_epi32(0x0F);
+    for (int j = 0; j < 4; ++j) {
+      const __m512i q = _mm512_loadu_si512(block + j * 64);
+      rows(j, code_at<0, 4>(q, mask, d, m), code_at<8, 4>(q, mask, d, m),
+           code_at<16, 4>(q, mask, d, m), code_at<24, 4>(q, mask, d, m));
+      rows(j + 4, code_at<4, 4>(q, mask, d, m), code_at<12, 4>(q, mask, d, m),
+           code_at<20, 4>(q, mask, d, m), code_at<28, 4>(q, mask, d, m));
     }
-    uint16_t* tile = panel + b * 512;
-    for (int j = 0; j < 8; ++j) {  // quad j: inputs 4j..4j+3 -> pair rows 2j and 2j + 1
-      __m512i quad;
-      if (!w.four_bit) quad = _mm512_loadu_si512(block + j * 64);
-      else if (j < 4) quad = _mm512_and_si512(_mm512_loadu_si512(block + j * 64), nibble);
-      else quad = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(block + (j - 4) * 64), 4), nibble);
-      const __m128i parts[4] = {_mm512_extracti32x4_epi32(quad, 0), _mm512_extracti32x4_epi32(quad, 1),
-                                _mm512_extracti32x4_epi32(quad, 2), _mm512_extracti32x4_epi32(quad, 3)};
-      __m512 f[4];
-      for (int p = 0; p < 4; ++p)
-        f[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(parts[p])), ds[p], ms[p]);
-      const __m512i low = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);  // lanes 0..7
-      const __m512i high = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);  // lanes 8..15
-      _mm512_store_si512(tile + (2 * j) * 32, _mm512_permutex2var_epi32(low, pair0, high));
-      _mm512_store_si512(tile + (2 * j + 1) * 32, _mm512_permutex2var_epi32(low, pair1, high));
+  } else {
+    const __m512i mask = _mm512_set1_epi32(0xFF);
+    for (int j = 0; j < 8; ++j) {
+      const __m512i q = _mm512_loadu_si512(block + j * 64);
+      rows(j, code_at<0, 8>(q, mask, d, m), code_at<8, 8>(q, mask, d, m),
+           code_at<16, 8>(q, mask, d, m), code_at<24, 8>(q, mask, d, m));
     }
   }
 }
 
+// The next groups' panels, dequantized a block at a time between the tile products of
+// the groups before them: the vector units work while the tiles do, and a panel's stores
+// have long landed when the tiles load it (a tile load right after them waits).
+struct NextPanels {
+  const Weights* w;  // null: nothing to dequantize
+  int64_t g;
+  int ng;
+  uint16_t* panel;  // two groups' panels, blocks * 512 apart
+  void block(int64_t b) const {
+    if (w == nullptr) return;
+    dequantize_block(*w, g, b, panel);
+    if (ng == 2) dequantize_block(*w, g + 1, b, panel + w->blocks * 512);
+  }
+};
+
 // RT row tiles from r0 x NG groups' panels -> sums [RT][NG] 16 x 16 float32 tiles.
 template <int RT, int NG>
 void tiles_bf16(const Bf16Rows& x, int64_t r0, const uint16_t* p0, const uint16_t* p1,
-                float* sums) {
+                float* sums, const NextPanels& next) {
   const int64_t width = x.blocks * kBlock;
   const uint16_t* a = x.row(r0);  // a tail's rows lie elsewhere: each tile its own pointer
   const uint16_t* a1 = RT == 2 ? x.row(r0 + 16) : a;
@@ -177,6 +209,7 @@ void tiles_bf16(const Bf16Rows& x, int64_t r0, const uint16_t* p0, const uint16_
     if constexpr (NG == 2) tiles::dpbf16ps<1, kA0, kB0 + 1>();
     if constexpr (RT == 2) tiles::dpbf16ps<2, kA0 + 1, kB0>();
     if constexpr (RT == 2 && NG == 2) tiles::dpbf16ps<3, kA0 + 1, kB0 + 1>();
+    next.block(b);
   }
   tiles::store<0>(sums, 64);
   if constexpr (NG == 2) tiles::store<1>(sums + 256, 64);
@@ -208,21 +241,27 @@ void groups_int8(const Weights& w, const Int8Rows& x, const Output& out, int64_t
 
 void groups_bf16(const Weights& w, const Bf16Rows& x, const Output& out, int64_t n_out, int64_t g_begin,
                  int64_t g_end) {
+  if (g_begin >= g_end) return;
   static thread_local tiles::Scratch panels, tile_sums;
-  uint16_t* panel = static_cast<uint16_t*>(panels.get(2 * w.blocks * 1024));
+  const int64_t pair = 2 * w.blocks * 512;  // a pair of groups' panels; two pairs, in turn
+  uint16_t* panel = static_cast<uint16_t*>(panels.get(2 * pair * sizeof(uint16_t)));
   float* sums = static_cast<float*>(tile_sums.get(4 * 256 * 4));
   configure_bf16();
-  for (int64_t g = g_begin; g < g_end; g += 2) {
+  const NextPanels start{&w, g_begin, g_begin + 1 < g_end ? 2 : 1, panel};
+  for (int64_t b = 0; b < w.blocks; ++b) start.block(b);
+  for (int64_t g = g_begin, turn = 0; g < g_end; g += 2, turn ^= 1) {
     const int ng = g + 1 < g_end ? 2 : 1;
-    uint16_t* second = panel + w.blocks * 512;
-    dequantize(w, g, panel);
-    if (ng == 2) dequantize(w, g + 1, second);
+    const uint16_t* first = panel + turn * pair;
+    const uint16_t* second = first + w.blocks * 512;
+    const NextPanels next{g + 2 < g_end ? &w : nullptr, g + 2, g + 3 < g_end ? 2 : 1,
+                          panel + (turn ^ 1) * pair};
     for (int64_t r0 = 0; r0 < x.padded_rows; r0 += 2 * kTileRows) {
       const int rt = r0 + kTileRows < x.padded_rows ? 2 : 1;
-      if (rt == 2 && ng == 2) tiles_bf16<2, 2>(x, r0, panel, second, sums);
-      else if (rt == 2) tiles_bf16<2, 1>(x, r0, panel, second, sums);
-      else if (ng == 2) tiles_bf16<1, 2>(x, r0, panel, second, sums);
-      else tiles_bf16<1, 1>(x, r0, panel, second, sums);
+      const NextPanels now = r0 == 0 ? next : NextPanels{nullptr, 0, 0, nullptr};
+      if (rt == 2 && ng == 2) tiles_bf16<2, 2>(x, r0, first, second, sums, now);
+      else if (rt == 2) tiles_bf16<2, 1>(x, r0, first, second, sums, now);
+      else if (ng == 2) tiles_bf16<1, 2>(x, r0, first, second, sums, now);
+      else tiles_bf16<1, 1>(x, r0, first, second, sums, now);
       for (int t = 0; t < rt; ++t) {
         for (int gi = 0; gi < ng; ++gi) {
           const int64_t lanes = lesser(kLanes, n_out - (g + gi) * kLanes);
