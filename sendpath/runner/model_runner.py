@@ -38,6 +38,7 @@ from sendpath.model.quant import BlockWeights, matrix_engine
 from sendpath.model.sampler import History, Sampled, TokenCounts, make_generator, sample
 from sendpath.model.structured import Matcher, grammar_compiler
 from sendpath.request import Request
+from sendpath.runner.huge_pages import zeros_on_huge_pages
 from sendpath.runner.paged_attention import INT8_SCALE_BYTES, PagedAttention
 
 __all__ = [
@@ -171,8 +172,8 @@ class ModelRunner:
         cache_dtype = dtype if cache_dtype is None else cache_dtype
         row = kv_row_size(cfg, cache_dtype)
         shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks * block_size, row)
-        self.k_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
+        self.k_cache = zeros_on_huge_pages(shape, cache_dtype, device)
+        self.v_cache = zeros_on_huge_pages(shape, cache_dtype, device)
         kernels = None
         if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             kernels = cpu_kernels()
