@@ -92,9 +92,11 @@ class DirectoryFollower:
         the moment it says it listens finds the replicas the start waited for. A directory
         that does not answer in ``timeout_s`` is left to ``run`` (warned here)."""
         try:
-            self.apply(await asyncio.wait_for(self.directory.watch(self.version, 0), timeout_s))
+            snapshot = await asyncio.wait_for(self.directory.watch(self.version, 0), timeout_s)
         except Exception as exc:  # the actor restarting: run() retries
             logger.warning("the replica directory did not answer at start (%r)", exc)
+            return
+        self.apply(snapshot)
 
     async def run(self) -> None:
         """Follow until cancelled."""

@@ -110,13 +110,12 @@ def create_gateway_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if parts.members is not None:  # before any task: a cancelled start leaves none
+            await parts.members.first()
         checks = asyncio.create_task(
             parts.router.run_checks(parts.client, config.health_interval_s)
         )
-        following = None
-        if parts.members is not None:
-            await parts.members.first()
-            following = asyncio.create_task(parts.members.run())
+        following = None if parts.members is None else asyncio.create_task(parts.members.run())
         try:
             yield
         finally:

@@ -107,8 +107,8 @@ def test_a_gateway_starts_with_the_replicas_already_reported(
 
 
 class SlowDirectory(LocalDirectory):
-    """An actor's answer comes over the network: a while after the call (whatever the
-    while, the start waits for it)."""
+    """An actor's answer comes over the network: a while after the call (the start waits
+    for it up to FIRST_TIMEOUT_S, 10 s)."""
 
     async def watch(self, version: int, timeout_s: float) -> Snapshot:
         await asyncio.sleep(0.2)

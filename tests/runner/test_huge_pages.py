@@ -14,7 +14,7 @@ from sendpath.model.loader import LoadedModel
 from sendpath.runner.huge_pages import HUGE_PAGE, advise_huge_pages, zeros_on_huge_pages
 from sendpath.runner.model_runner import ModelRunner
 
-linux = pytest.mark.skipif(sys.platform != "linux", reason="madvise is Linux's")
+linux = pytest.mark.skipif(sys.platform != "linux", reason="madvise and /proc are Linux's")
 
 
 def vm_flags(address: int) -> list[str]:

@@ -11,9 +11,9 @@
 //         codes) or with its nibbles unpacked (four-bit). Four blocks go to the tiles before
 //         their sums come back for the fix-up, so the tile unit works while the fix-ups run.
 //   bf16: C = 16 rows x 16 outputs (float32) for two row tiles x two groups, summed over
-//         every block; A = 16 rows x 32 inputs, B = 16 input pairs x 16 outputs x 2. A pair
-//         of groups' panels is dequantized a block at a time between the tile products of
-//         the pair before it (two pairs of panels, in turn).
+//         every block; A = 16 rows x 32 inputs, B = 16 input pairs x 16 outputs x 2. After the
+//         first pair, each pair of groups' panels is dequantized a block at a time between
+//         the tile products of the pair before it (two pairs of panels, in turn).
 
 #include <immintrin.h>
 
