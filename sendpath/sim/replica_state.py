@@ -43,7 +43,8 @@ class SimReplica:
     def start_bulk(self, t: float, seconds: list[float]) -> float:
         """Decode steps of these lengths from ``t`` priced ahead; when the last ends."""
         self.epoch += 1
-        self.bulk = Bulk(t, list(itertools.accumulate(seconds, initial=t))[1:], self.epoch)
+        ends = itertools.islice(itertools.accumulate(seconds, initial=t), 1, None)
+        self.bulk = Bulk(t, list(ends), self.epoch)
         return self.bulk.ends[-1]
 
     def cut_bulk(self, t: float) -> float | None:

@@ -175,8 +175,8 @@ void dequantize_block(const Weights& w, int64_t g, int64_t b, uint16_t* panel) {
 }
 
 // The next groups' panels, dequantized a block at a time between the tile products of
-// the groups before them: the vector units work while the tiles do, and a panel's stores
-// have long landed when the tiles load it (a tile load right after them waits).
+// the groups before them: the vector units work while the tiles do (dequantizing a pair
+// and then its tiles, one after the other, took longer than the two apart).
 struct NextPanels {
   const Weights* w;  // null: nothing to dequantize
   int64_t g;
@@ -247,13 +247,14 @@ void groups_bf16(const Weights& w, const Bf16Rows& x, const Output& out, int64_t
   uint16_t* panel = static_cast<uint16_t*>(panels.get(2 * pair * sizeof(uint16_t)));
   float* sums = static_cast<float*>(tile_sums.get(4 * 256 * 4));
   configure_bf16();
-  const NextPanels start{&w, g_begin, g_begin + 1 < g_end ? 2 : 1, panel};
+  const auto in_pair = [g_end](int64_t g) { return g + 1 < g_end ? 2 : 1; };  // groups from g
+  const NextPanels start{&w, g_begin, in_pair(g_begin), panel};
   for (int64_t b = 0; b < w.blocks; ++b) start.block(b);
   for (int64_t g = g_begin, turn = 0; g < g_end; g += 2, turn ^= 1) {
-    const int ng = g + 1 < g_end ? 2 : 1;
+    const int ng = in_pair(g);
     const uint16_t* first = panel + turn * pair;
     const uint16_t* second = first + w.blocks * 512;
-    const NextPanels next{g + 2 < g_end ? &w : nullptr, g + 2, g + 3 < g_end ? 2 : 1,
+    const NextPanels next{g + 2 < g_end ? &w : nullptr, g + 2, in_pair(g + 2),
                           panel + (turn ^ 1) * pair};
     for (int64_t r0 = 0; r0 < x.padded_rows; r0 += 2 * kTileRows) {
       const int rt = r0 + kTileRows < x.padded_rows ? 2 : 1;

@@ -20,7 +20,6 @@
 #include "kernels.h"
 #include "vec.h"
 
-#include <cstring>
 #include <limits>
 #include <utility>
 
@@ -60,18 +59,18 @@ struct SetRows {
 
   std::pair<const float*, const float*> at(const int8_t* k_head, const int8_t* v_head,
                                            int64_t slot, int64_t n) {
-    const int64_t stride = kDim + kInt8ScaleBytes;
+    const Int8Rows k_rows{k_head, kDim}, v_rows{v_head, kDim};
     for (int64_t j = 0; j < n; ++j) {
-      widen(k_head + (slot + j) * stride, keys[j]);
-      widen(v_head + (slot + j) * stride, values[j]);
+      widen(k_rows, slot + j, keys[j]);
+      widen(v_rows, slot + j, values[j]);
     }
     return {&keys[0][0], &values[0][0]};
   }
 
-  static void widen(const int8_t* row, float* out) {
-    float scale;
-    std::memcpy(&scale, row + kDim, sizeof(scale));
-    for (int d = 0; d < kDim; ++d) out[d] = static_cast<float>(row[d]) * scale;
+  static void widen(const Int8Rows& rows, int64_t slot, float* out) {
+    const int8_t* codes = rows.row(slot);
+    const float scale = rows.scale(slot);
+    for (int d = 0; d < kDim; ++d) out[d] = static_cast<float>(codes[d]) * scale;
   }
 };
 
