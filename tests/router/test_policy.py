@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from sendpath.router import prefix_aware
@@ -26,6 +28,16 @@ def test_round_robin_cycles_and_skips_what_cannot_take_it() -> None:
     assert [rr.choose(chat(), eps).index for _ in range(4)] == [0, 1, 2, 0]
     assert rr.choose(chat(), [eps[0], eps[2]]).index == 2
     assert rr.choose(chat(), [eps[0], eps[2]]).index == 0
+
+
+def test_round_robin_picks_the_first_candidate_after_the_last_choice_in_a_large_fleet() -> None:
+    fleet = endpoints(128)
+    rr, rng, last = RoundRobin(), random.Random(7), -1
+    for _ in range(500):  # the reference: a scan from the start of the candidates
+        candidates = [e for e in fleet if rng.random() < 0.3] or fleet[:1]
+        expected = next((e for e in candidates if e.index > last), candidates[0])
+        assert rr.choose(chat(), candidates) is expected
+        last = expected.index
 
 
 def test_least_load_uses_in_flight_or_reported_load_and_rotates_ties() -> None:
