@@ -18,6 +18,7 @@ import importlib.machinery
 import importlib.util
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -26,7 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["NativeBuildError", "build_extension", "cache_dir", "prefer"]
+__all__ = ["NativeBuildError", "build_extension", "cache_dir", "prefer", "toolchain"]
 
 COMPILE_TIMEOUT_S = 120
 # part of the built file's hash. -Os: these run once a request amid a server's other
@@ -53,18 +54,28 @@ def prefer(build: Callable[[], ModuleType], source: str) -> tuple[ModuleType | N
         return None, f"in Python ({exc})"
 
 
-def build_extension(name: str, source: Path | Sequence[Path]) -> ModuleType:
-    """The extension module ``name`` (one of its C sources defines ``PyInit_<name>``)
-    built from ``source`` (one file or several, whose folders are searched for headers),
-    compiled here once; raises ``NativeBuildError`` saying what is missing. A built file
-    that does not load (cut short, say) is built again, once."""
-    sources = [source] if isinstance(source, Path) else list(source)
+def toolchain() -> tuple[list[str], str]:
+    """The C compiler Python was built with (its command) and Python's C headers' folder;
+    raises ``NativeBuildError`` saying what to install where either is missing."""
     include = sysconfig.get_paths()["include"]
     if not (Path(include) / "Python.h").exists():
         raise NativeBuildError(
             f"Python's C headers are not in {include} (on Debian: apt install python3-dev)"
         )
     compiler = shlex.split(sysconfig.get_config_var("CC") or "cc")
+    if shutil.which(compiler[0]) is None:
+        raise NativeBuildError(f"no C compiler: {compiler[0]} is not found (on Debian: apt "
+                               "install gcc)")  # fmt: skip
+    return compiler, include
+
+
+def build_extension(name: str, source: Path | Sequence[Path]) -> ModuleType:
+    """The extension module ``name`` (one of its C sources defines ``PyInit_<name>``)
+    built from ``source`` (one file or several, whose folders are searched for headers),
+    compiled here once; raises ``NativeBuildError`` saying what is missing. A built file
+    that does not load (cut short, say) is built again, once."""
+    sources = [source] if isinstance(source, Path) else list(source)
+    compiler, include = toolchain()
     folders = sorted({str(path.parent) for path in sources})
     key = hashlib.sha256()
     for path in [*sources, *sorted(h for f in folders for h in Path(f).glob("*.h"))]:
