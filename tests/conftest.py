@@ -20,6 +20,9 @@ import torch
 # Ray keeps every node it starts on 127.0.0.1 (else it moves them to the machine's network
 # address); read when Ray is first imported, so set before any test imports it.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+# The tests run the simulator from its sources (some replace its objects' methods, which a
+# mypyc-compiled class does not allow); tests/sim/test_compiled.py runs the compiled one.
+os.environ["SENDPATH_SIM_COMPILED"] = "0"
 
 from sendpath.llm import LLM
 from sendpath.model.kernels import cpu_kernels

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from sendpath.bench.command import print_report
 from sendpath.bench.workload import LengthSpec
@@ -20,6 +21,7 @@ from sendpath.extras import require
 from sendpath.router.policy import POLICIES
 from sendpath.sim.calibrated import Calibrated
 from sendpath.sim.capacity import plan
+from sendpath.sim.compiled import how
 from sendpath.sim.coverage import CONTEXT_ABOVE, MODEL_ABOVE, MODEL_BELOW
 from sendpath.sim.gpu_model import PRECISION_BYTES
 from sendpath.sim.hardware import HARDWARE, MODELS
@@ -251,6 +253,7 @@ def run_sim(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - start
     report["simulated"]["wall_s"] = wall
     report["simulated"]["requests_per_wall_s"] = len(result.results) / wall if wall else None
+    report["simulated"]["simulator"] = how()
     report["scenario"] = args.scenario
     console = Console()
     s = report["simulated"]
@@ -284,7 +287,8 @@ def _print_fleet(s: dict[str, Any], console: Console) -> None:
         + (f", ${per_m:.3f} per 1M output tokens" if per_m else "")
         + (f"; {s['rate_limited']} over their tenant's limits (429)" if s["rate_limited"] else "")
         + (f"; {s['rejected']} turned away by full queues (503)" if s["rejected"] else "")
-        + f"; simulated {s['steps']:,} steps in {s['wall_s']:.2f} s ({s['mode']} mode)"
+        + f"; simulated {s['steps']:,} steps in {s['wall_s']:.2f} s ({s['mode']} mode, "
+        f"{escape(s['simulator'])})"  # a build's error can hold [brackets]
     )
 
 

@@ -23,6 +23,7 @@ from sendpath.sim.scenarios import SCENARIOS, simulate
 from sendpath.sim.simulator import SimConfig, Simulator
 from sendpath.sim.traffic import Traffic
 from tests.bench.test_command import VLLM_KEYS
+from tests.sim.cases import CHUNKED, mixed_traffic
 
 COST = Roofline(model_spec("llama-3.1-8b"), hardware("H100"))
 
@@ -120,18 +121,10 @@ CALIBRATED = Calibrated(
 def test_fleet_mode_gives_the_detailed_modes_answers_with_fewer_scheduler_calls(
     cost: CostModel,
 ) -> None:
-    traffic = Traffic(
-        rate=12, num_requests=300, input_len=LengthSpec(32, 512), output_len=LengthSpec(8, 300),
-        shared_prefix=64, turns=3, think_s=1.0, tenants=2, seed=5,
-    )  # fmt: skip
-    # a cache small enough that requests are preempted now and then; a step budget and
-    # a chunk cap small enough that prompts are chunked beside decodes and admissions
-    # (a prompt admitted later can finish first), and a sequence cap that leaves some
-    # waiting while others decode
-    chunked = SchedulerConfig(max_num_seqs=12, max_num_batched_tokens=160,
-                              long_prefill_token_threshold=96)  # fmt: skip
+    traffic = mixed_traffic(300)
+    # a cache small enough that requests are preempted now and then, and prompts chunked
     for num_blocks, sched in ((20_000, SimConfig().scheduler), (400, SimConfig().scheduler),
-                              (20_000, chunked), (600, chunked)):  # fmt: skip
+                              (20_000, CHUNKED), (600, CHUNKED)):  # fmt: skip
         runs = {}
         for mode in ("detailed", "fleet"):
             config = SimConfig(replicas=3, num_blocks=num_blocks, mode=mode,
