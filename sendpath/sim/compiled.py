@@ -111,6 +111,8 @@ def build(
                          "for these sources (about half a minute)")  # fmt: skip
             try:
                 _compile(modules, target)
+            except _TimedOut:
+                raise  # a busy machine, say: tried again next time
             except NativeBuildError as exc:
                 failed.parent.mkdir(parents=True, exist_ok=True)
                 failed.write_text(str(exc) + "\n")
@@ -120,6 +122,10 @@ def build(
         raise
     except (OSError, RuntimeError) as exc:  # no home, a cache folder that cannot be written
         raise NativeBuildError(f"cannot keep the compiled simulator: {exc}") from exc
+
+
+class _TimedOut(NativeBuildError):
+    """A build cut short by its time limit: not remembered as a failure."""
 
 
 def _run(command: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -133,7 +139,7 @@ def _run(command: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Compl
         except subprocess.TimeoutExpired as exc:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-            raise NativeBuildError(f"mypyc took over {BUILD_TIMEOUT_S} s") from exc
+            raise _TimedOut(f"mypyc took over {BUILD_TIMEOUT_S} s") from exc
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 

@@ -203,3 +203,15 @@ def test_a_build_that_does_not_load_leaves_the_sources_in_use(tmp_path: Path) ->
     said, sources, same = child.stdout.splitlines()
     assert said.startswith("in Python (the compiled modules do not load: ")
     assert sources == "True" and same == "True"
+
+
+def test_a_build_cut_short_by_its_time_limit_is_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(compiled, "ROOT", tmp_path / "src")
+    monkeypatch.setenv("SENDPATH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(compiled, "BUILD_TIMEOUT_S", 0.01)
+    _tree(tmp_path / "src", {"pkg.one": "X = 1\n"})
+    with pytest.raises(NativeBuildError, match=r"mypyc took over 0\.01 s"):
+        compiled.build(["pkg.one"])
+    assert list((tmp_path / "cache" / "mypyc").iterdir()) == []  # nothing kept, nothing barred
