@@ -2,8 +2,8 @@
 
 A fleet-mode run spends most of its time in plain Python: the simulator's event loop,
 decode lane, traffic and results, and the server's modules they call on every event (the
-scheduler, the KV manager, ``Request``, the trace, the router's round-robin and
-least-load policies): ``GROUP``. mypyc (it comes with mypy) compiles those typed modules
+scheduler, the KV manager, ``Request``, the trace, the router's policies, the report):
+``GROUP``. mypyc (it comes with mypy) compiles those typed modules
 to C that computes the same results (it adds type checks at run time, and a compiled
 class's methods cannot be replaced): 1.4-2.5x faster in fleet mode, measured in
 ``benchmarks/sim_speed.py``. ``use()`` builds them once into sendpath's cache folder
@@ -54,7 +54,10 @@ GROUP = (
     "sendpath.kvcache.manager",
     "sendpath.router.route",
     "sendpath.router.pool",
+    "sendpath.router.kv_index",
+    "sendpath.router.prefix_aware",
     "sendpath.router.policy",
+    "sendpath.bench.report",
     "sendpath.sim.cost_model",
     "sendpath.sim.tenant_limits",
     "sendpath.sim.traffic",
