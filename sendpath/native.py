@@ -27,7 +27,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["NativeBuildError", "build_extension", "cache_dir", "prefer", "toolchain"]
+__all__ = [
+    "NativeBuildError",
+    "build_extension",
+    "cache_dir",
+    "first_error",
+    "prefer",
+    "toolchain",
+]
 
 COMPILE_TIMEOUT_S = 120
 # part of the built file's hash. -Os: these run once a request amid a server's other
@@ -52,6 +59,14 @@ def prefer(build: Callable[[], ModuleType], source: str) -> tuple[ModuleType | N
         return build(), f"in C ({source})"
     except NativeBuildError as exc:
         return None, f"in Python ({exc})"
+
+
+def first_error(output: str, fallback: str = "no message") -> str:
+    """What a failed build says went wrong: the first line of its ``output`` that says
+    ``error:`` (as compilers and mypy do; not a command line's ``-Werror``), else its last
+    line, else ``fallback``."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()] or [fallback]
+    return next((line for line in lines if "error:" in line), lines[-1])
 
 
 def toolchain() -> tuple[list[str], str]:
@@ -127,9 +142,7 @@ def _compile(compiler: list[str], includes: list[str], sources: list[Path], targ
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise NativeBuildError(f"{compiler[0]} could not compile {names}: {exc}") from exc
         if done.returncode != 0:
-            lines = done.stderr.strip().splitlines() or ["no message"]
-            first = next((line for line in lines if "error" in line), lines[-1]).strip()
-            raise NativeBuildError(f"{compiler[0]} failed on {names}: {first}")
+            raise NativeBuildError(f"{compiler[0]} failed on {names}: {first_error(done.stderr)}")
         os.chmod(partial, 0o755)  # mkstemp made it 0600: others sharing the cache load it
         os.replace(partial, target)
     finally:

@@ -40,7 +40,7 @@ from importlib.machinery import ModuleSpec
 from pathlib import Path
 from types import ModuleType
 
-from sendpath.native import NativeBuildError, cache_dir, toolchain
+from sendpath.native import NativeBuildError, cache_dir, first_error, toolchain
 
 __all__ = ["GROUP", "build", "how", "use"]
 
@@ -147,17 +147,15 @@ def _run(command: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Compl
 
 
 def _reason(done: subprocess.CompletedProcess[str]) -> str:
-    """The first error line of a failed run (mypy's and the compiler's say ``error:``)."""
-    lines = [line.strip() for line in (done.stderr + "\n" + done.stdout).splitlines()]
-    lines = [line for line in lines if line] or [f"exit status {done.returncode}"]
-    return next((line for line in lines if "error:" in line), lines[-1])
+    """What went wrong in a failed run: the compiler's complaints come on stderr, mypy's
+    on stdout."""
+    return first_error(done.stderr + "\n" + done.stdout, f"exit status {done.returncode}")
 
 
 def _compile(modules: Sequence[str], target: Path) -> None:
     """Build in a folder of its own beside ``target``, check that it loads, then rename
     it into place: several processes building at once each finish their own, and the
     first rename wins."""
-    toolchain()  # the compiler and Python's headers, or what to install
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=target.name, suffix=".partial", dir=target.parent))
     try:
