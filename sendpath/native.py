@@ -7,16 +7,20 @@ the headers beside them, Python's own headers, no other library. The built file'
 carries a hash of the sources, those headers, the Python build, the compiler and its
 flags, so an edit, another Python or another venv builds its own; several processes
 starting at once each compile to a file of their own and rename it into place, so none
-loads a half-written one. ``prefer`` is how a caller with a Python path beside the C
-one picks between them.
+loads a half-written one. A built file, or its folder, that another user could have
+written is not loaded (``trusted``: the simulator's mypyc build and the model's kernels
+check theirs too). ``prefer`` is how a caller with a Python path beside the C one picks
+between them.
 """
 
 from __future__ import annotations
 
+import grp
 import hashlib
 import importlib.machinery
 import importlib.util
 import os
+import pwd
 import shlex
 import shutil
 import subprocess
@@ -34,6 +38,7 @@ __all__ = [
     "first_error",
     "prefer",
     "toolchain",
+    "trusted",
 ]
 
 COMPILE_TIMEOUT_S = 120
@@ -69,6 +74,29 @@ def first_error(output: str, fallback: str = "no message") -> str:
     return next((line for line in lines if "error:" in line), lines[-1])
 
 
+def trusted(*paths: Path) -> None:
+    """Raises ``NativeBuildError`` unless each of ``paths`` (a built file, the folder that
+    holds it) is this user's or root's and nobody else can write it: code another user
+    could have put in a shared or misconfigured cache folder is not loaded. Writable by
+    its group passes where that group is the user's own (Debian's user private groups,
+    whose umask of 002 makes every file so)."""
+    for path in paths:
+        info = path.stat()
+        others = info.st_mode & 0o002 or (info.st_mode & 0o020 and not _own_group(info.st_gid))
+        if info.st_uid not in (os.getuid(), 0) or others:
+            raise NativeBuildError(f"{path} could have been written by another user: not "
+                                   "loaded (delete it to rebuild)")  # fmt: skip
+
+
+def _own_group(gid: int) -> bool:
+    """Whether group ``gid`` is this user's alone: named as the user, no members listed."""
+    try:
+        group = grp.getgrgid(gid)
+        return group.gr_name == pwd.getpwuid(os.getuid()).pw_name and not group.gr_mem
+    except KeyError:  # a group or user with no name
+        return False
+
+
 def toolchain() -> tuple[list[str], str]:
     """The C compiler Python was built with (its command) and Python's C headers' folder;
     raises ``NativeBuildError`` saying what to install where either is missing."""
@@ -102,11 +130,13 @@ def build_extension(name: str, source: Path | Sequence[Path]) -> ModuleType:
         target = cache_dir() / "native" / f"{name}-{key.hexdigest()[:12]}{suffix}"
         if not target.exists():
             _compile(compiler, [include, *folders], sources, target)
+        trusted(target.parent, target)
         try:
             return _load(name, target)
         except ImportError:  # cut short, say: built again, once
             target.unlink(missing_ok=True)
         _compile(compiler, [include, *folders], sources, target)
+        trusted(target)
         try:
             return _load(name, target)
         except ImportError as exc:
@@ -127,7 +157,7 @@ def _load(name: str, target: Path) -> ModuleType:
 
 
 def _compile(compiler: list[str], includes: list[str], sources: list[Path], target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
+    target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(prefix=target.name, suffix=".partial", dir=target.parent)
     os.close(fd)
     command = [*compiler, *FLAGS]

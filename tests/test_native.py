@@ -3,6 +3,7 @@ missing compiler or a source that does not compile is an error that says so."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import sysconfig
@@ -91,3 +92,40 @@ def test_a_cache_folder_that_cannot_be_written_is_an_error_that_says_so(
     source.write_text(SOURCE.replace("NAME", "_tiny"))
     with pytest.raises(NativeBuildError, match=r"cannot keep a built tiny\.c"):
         build_extension("_tiny", source)
+
+
+def test_a_built_file_another_user_could_have_written_is_not_loaded(
+    tmp_path: Path, cache: Path, native: ModuleType
+) -> None:
+    source = tmp_path / "own.c"
+    source.write_text(SOURCE.replace("NAME", "_own"))
+    umask = os.umask(0o002)  # a user whose files are group-writable: the build is not
+    try:
+        assert build_extension("_own", source).answer() == 42
+    finally:
+        os.umask(umask)
+    (built,) = cache.iterdir()
+    assert cache.stat().st_mode & 0o022 == 0 and built.stat().st_mode & 0o022 == 0
+    built.chmod(0o777)
+    with pytest.raises(NativeBuildError, match=r"own.*could have been written by another "
+                       r"user: not loaded \(delete it to rebuild\)"):  # fmt: skip
+        build_extension("_own", source)
+    built.chmod(0o755)
+    cache.chmod(0o777)  # the folder: anyone could have swapped the file
+    with pytest.raises(NativeBuildError, match=r"native could have been written by another"):
+        build_extension("_own", source)
+
+
+def test_a_file_writable_by_the_users_own_group_is_loaded(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch, native: ModuleType
+) -> None:
+    source = tmp_path / "group.c"
+    source.write_text(SOURCE.replace("NAME", "_group"))
+    assert build_extension("_group", source).answer() == 42
+    (built,) = cache.iterdir()
+    built.chmod(0o775)  # as a umask of 002 leaves a file (an older build, say)
+    monkeypatch.setattr("sendpath.native._own_group", lambda gid: True)  # a private group
+    assert build_extension("_group", source).answer() == 42
+    monkeypatch.setattr("sendpath.native._own_group", lambda gid: False)  # a shared one
+    with pytest.raises(NativeBuildError, match=r"could have been written by another user"):
+        build_extension("_group", source)

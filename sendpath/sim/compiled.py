@@ -40,7 +40,7 @@ from importlib.machinery import ModuleSpec
 from pathlib import Path
 from types import ModuleType
 
-from sendpath.native import NativeBuildError, cache_dir, first_error, toolchain
+from sendpath.native import NativeBuildError, cache_dir, first_error, toolchain, trusted
 
 __all__ = ["GROUP", "build", "how", "use"]
 
@@ -156,7 +156,7 @@ def _compile(modules: Sequence[str], target: Path) -> None:
     """Build in a folder of its own beside ``target``, check that it loads, then rename
     it into place: several processes building at once each finish their own, and the
     first rename wins."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+    target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=target.name, suffix=".partial", dir=target.parent))
     try:
         files = []
@@ -186,6 +186,8 @@ def _compile(modules: Sequence[str], target: Path) -> None:
             path.unlink()
         _check(modules, work)
         (work / _DONE).touch()
+        for path in work.rglob("*"):  # as the user's umask made them: none writable by others
+            path.chmod(path.stat().st_mode & ~0o022)
         os.chmod(work, 0o755)  # mkdtemp made it 0700: others sharing the cache load it
         try:
             work.rename(target)
@@ -227,11 +229,7 @@ def _files(modules: Sequence[str], folder: Path) -> dict[str, Path]:
 def _built(modules: Sequence[str], target: Path) -> dict[str, Path]:
     """The kept build's files, where only this user (or root) could have written them."""
     files = _files(modules, target)
-    for path in [target, *files.values()]:
-        info = path.stat()
-        if info.st_uid not in (os.getuid(), 0) or info.st_mode & 0o022:
-            raise NativeBuildError(f"{path} could have been written by another user: not "
-                                   "loaded (delete it to rebuild)")  # fmt: skip
+    trusted(target, *files.values())
     return files
 
 

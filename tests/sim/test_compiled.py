@@ -157,8 +157,13 @@ def test_a_small_group_builds_and_loads(tmp_path: Path, monkeypatch: pytest.Monk
                    "    return twice(twice(n))\n",
     })  # fmt: skip
     told: list[str] = []
-    files = compiled.build(["pkg.one", "pkg.two"], told.append)
+    umask = os.umask(0o002)  # a user whose files are group-writable: the build is not
+    try:
+        files = compiled.build(["pkg.one", "pkg.two"], told.append)
+    finally:
+        os.umask(umask)
     assert set(files) >= {"pkg.one", "pkg.two"} and len(files) == 3  # and the shared library
+    assert all(path.stat().st_mode & 0o022 == 0 for path in files.values())
     assert compiled.build(["pkg.one", "pkg.two"], told.append) == files
     assert len(told) == 1  # kept: not built again
     assert sorted(p.name for p in files["pkg.one"].parent.iterdir()) == [
@@ -177,6 +182,9 @@ def test_a_small_group_builds_and_loads(tmp_path: Path, monkeypatch: pytest.Monk
     child = _child(code)
     assert child.returncode == 0, child.stderr[-2000:]
     assert child.stdout.split() == ["20", "False"]
+    files["pkg.two"].chmod(0o777)  # another user could have replaced it: not loaded
+    with pytest.raises(NativeBuildError, match=r"could have been written by another user"):
+        compiled.build(["pkg.one", "pkg.two"], told.append)
 
 
 def test_a_build_that_does_not_load_leaves_the_sources_in_use(tmp_path: Path) -> None:

@@ -36,7 +36,8 @@ source defines), built by ``torch.utils.cpp_extension`` (ninja and gcc, ``-O3
 ``~/.cache/sendpath/kernels``), once per torch version, environment and source: about a
 minute the first time, a second after. Where it cannot be built (no compiler, no
 headers), ``cpu_kernels()`` is ``None``, the model and the runner keep their torch
-paths, and the reason is logged once.
+paths, and the reason is logged once; so too where the folder or the built module could
+have been written by another user (``native.trusted``): it is not loaded.
 """
 
 from __future__ import annotations
@@ -53,11 +54,12 @@ from typing import Any
 
 import torch
 
-from sendpath.native import cache_dir
+from sendpath.native import NativeBuildError, cache_dir, trusted
 
 __all__ = ["cpu_kernels", "kernel_dir"]
 
 logger = logging.getLogger("sendpath.model.kernels")
+_NAME = "sendpath_cpu_kernels"
 _SOURCES = [
     Path(__file__).with_name(name)
     for name in (
@@ -127,10 +129,17 @@ def _build() -> Any | None:
     if shutil.which("ninja") is None and (Path(scripts) / "ninja").exists():
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
     target = kernel_dir()
+    built = target / f"{_NAME}.so"
     try:
-        target.mkdir(parents=True, exist_ok=True)
+        target.mkdir(mode=0o755, parents=True, exist_ok=True)
+        trusted(target, *([built] if built.exists() else []))
+    except (OSError, NativeBuildError) as exc:
+        logger.warning("CPU kernels not loaded (%s); the model uses its torch paths", exc)
+        return None
+    umask = os.umask(0o022)  # what ninja makes, nobody else can write (under _lock)
+    try:
         return load(
-            name="sendpath_cpu_kernels",
+            name=_NAME,
             sources=[str(source) for source in _SOURCES],
             build_directory=str(target),
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
@@ -140,3 +149,5 @@ def _build() -> Any | None:
     except Exception as exc:  # no compiler, no ninja, no headers: the torch path stays
         logger.warning("CPU kernels not built (%s); the model uses its torch paths", exc)
         return None
+    finally:
+        os.umask(umask)
