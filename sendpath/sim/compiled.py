@@ -116,8 +116,7 @@ def build(
                 _compile(modules, target)
             except _TimedOut:
                 raise  # a busy machine, say: tried again next time
-            except NativeBuildError as exc:
-                failed.parent.mkdir(parents=True, exist_ok=True)
+            except NativeBuildError as exc:  # _compile made the folder first
                 failed.write_text(str(exc) + "\n")
                 raise
         return _built(modules, target)

@@ -151,8 +151,10 @@ def test_ejection_retry_before_first_token_and_readmission(
 def stream_events(
     url: str, urls: list[str], body: dict[str, Any], on_first: Any = None
 ) -> dict[str, Any]:
-    """Stream a chat request; returns its replica, text chunks, error event and [DONE]."""
-    out: dict[str, Any] = {"chunks": 0, "error": None, "done": False, "replica": None}
+    """Stream a chat request; returns its replica, the chunks it got before any error (all,
+    and those with text), its error event and [DONE]."""
+    out: dict[str, Any] = {"events": 0, "chunks": 0, "error": None, "done": False,
+                           "replica": None}  # fmt: skip
     with httpx.stream(
         "POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60
     ) as r:
@@ -167,7 +169,9 @@ def stream_events(
             event = json.loads(line[6:])
             if "error" in event:
                 out["error"] = event["error"]
-            elif event.get("choices") and event["choices"][0]["delta"].get("content"):
+                continue
+            out["events"] += 1
+            if event.get("choices") and event["choices"][0]["delta"].get("content"):
                 out["chunks"] += 1
                 if out["chunks"] == 5 and on_first is not None:
                     on_first(out["replica"])
@@ -214,7 +218,9 @@ def test_fault_run_kill_one_of_two_under_load(own_fleet: LocalFleet, tmp_path: P
     for r in results:
         assert r["done"] != (r["error"] is not None), r  # completed, or an explicit error
         if r["error"] is not None:  # only streams that had started on the killed replica
-            assert r["replica"] == victim and r["chunks"] > 0
+            # (started: its first token came, so the gateway answered; on a slow host the
+            # output guard may still hold that text back when the replica dies)
+            assert r["replica"] == victim and r["events"] > 0
     assert all(r["done"] for r in results if r["i"] >= 100)  # none that had not started lost
 
 
