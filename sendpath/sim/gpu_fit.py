@@ -60,6 +60,7 @@ REPORT_KEYS = {  # a published figure -> the simulator's report key (and its sca
     "tpot_mean_ms": ("mean_tpot_ms", 1.0),
     "tpot_p99_ms": ("p99_tpot_ms", 1.0),
     "itl_p50_ms": ("median_itl_ms", 1.0),
+    "itl_mean_ms": ("mean_itl_ms", 1.0),
     "e2e_p50_s": ("median_e2el_ms", 1e-3),
 }
 # The terms' grids for the coordinate search, which starts from ``Efficiency()``'s defaults.
@@ -69,6 +70,7 @@ GRID: dict[str, tuple[float, ...]] = {
     "memory": (0.5, 0.65, 0.8, 0.9),
     "step_s": (0.001, 0.003, 0.008),
     "seq_s": (0.0, 5e-6, 2e-5),
+    "link_latency_s": (0.0, 1e-5, 3e-5, 6e-5, 1e-4),
 }
 
 

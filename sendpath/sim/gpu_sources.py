@@ -48,6 +48,7 @@ FIGURES = (
     "tpot_mean_ms",
     "tpot_p99_ms",
     "itl_p50_ms",
+    "itl_mean_ms",
     "e2e_p50_s",
 )
 KINDS = ("blog", "docs", "paper", "mlperf", "repo")

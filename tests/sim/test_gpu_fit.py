@@ -10,7 +10,7 @@ import pytest
 
 from sendpath.sim.gpu_fit import Unreplayable, case, cases, errors, fit, mean_error, predict
 from sendpath.sim.gpu_model import Efficiency
-from sendpath.sim.gpu_sources import Measurement, Setup, Source, Workload
+from sendpath.sim.gpu_sources import FIGURES, Measurement, Setup, Source, Workload
 
 SETUP = Setup("Llama-3.1-8B-Instruct", 8.03, "bf16", "H100-SXM-80GB", 1, 1)
 
@@ -88,3 +88,13 @@ def test_the_fit_finds_the_terms_that_made_the_figures_and_is_deterministic() ->
     assert first == fit(made, Efficiency(), grid)  # the same cases, the same terms
     eff, error = first
     assert error == 0.0 and eff == truth
+
+
+def test_every_published_figure_has_a_prediction() -> None:
+    """Each figure a source may print is one the replay reports; with every answer the
+    same length, the mean inter-token gap is the mean TPOT (each request's gaps are as
+    many), which is how a table's 'Mean ITL' compares."""
+    m = measurement("r8", 8.0, dict.fromkeys(FIGURES, 1.0), output_len=32)
+    got = predict(case(source(m), m, 40), Efficiency())
+    assert set(got) == set(FIGURES) and all(v > 0 for v in got.values())
+    assert got["itl_mean_ms"] == pytest.approx(got["tpot_mean_ms"], rel=1e-9)
