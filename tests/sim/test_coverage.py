@@ -23,15 +23,19 @@ LLAMA_405B = ModelSpec("Llama-3.1-405B", 126, 16384, 128, 8, 53248, 128256)
 def test_the_shipped_calibration_covers_what_its_replayed_sources_ran() -> None:
     cover = coverage()
     # the SGLang-repository sources publish ShareGPT runs without lengths: nothing replayed
-    assert cover.published == 18 and len(cover.fitted_on) == 7 and len(cover.held_out) == 5
+    assert cover.published == 24 and len(cover.fitted_on) == 11 and len(cover.held_out) == 7
     assert not any(name.startswith("sglang-repo") for name in cover.fitted_on + cover.held_out)
-    assert cover.engines == ("LMDeploy 0.1.0a1", "TensorRT-LLM 0.5/0.6.1/0.13.0", "vLLM 0.8.2")
+    assert cover.engines == (
+        "LMDeploy 0.1.0a1",
+        "TensorRT-LLM 0.5/0.6.1/0.13.0/0.14.0",
+        "vLLM 0.8.2",
+    )
     assert cover.gpus == ("A100", "H100", "H200")
     assert cover.params == (model_spec("llama-2-7b").params, model_spec("llama-3.1-70b").params)
-    assert cover.tps == (1, 4)
+    assert cover.tps == (1, 4, 8)
     assert cover.fitted_precisions == ("bf16", "fp16")
     assert cover.precisions == ("bf16", "fp16", "fp8")
-    assert cover.error_sources == {"bf16": 2, "fp16": 2, "fp8": 3}
+    assert cover.error_sources == {"bf16": 4, "fp16": 4, "fp8": 3}
     assert cover.errors["fp8"] == calibration().held_out_error_fp8
 
 
@@ -47,8 +51,8 @@ def test_each_thing_outside_is_named_with_the_covered_range() -> None:
     assert cover.outside("L4", LLAMA_8B, 1, "bf16") == [
         "GPU L4 was measured by no source (calibrated: A100, H100, H200)"
     ]
-    assert cover.outside("H100", LLAMA_8B, 8, "bf16") == [
-        "tensor parallelism 8 is above the largest calibrated, 4 (calibrated: tp 1, 4)"
+    assert cover.outside("H100", LLAMA_8B, 16, "bf16") == [
+        "tensor parallelism 16 is above the largest calibrated, 8 (calibrated: tp 1, 4, 8)"
     ]
     range_ = "outside 3.37B-106B (0.5x the smallest to 1.5x the largest calibrated model: "
     for model, params in ((LLAMA_3B, "3.21B"), (model_spec("smollm2-135m"), "0.134B"),
@@ -56,7 +60,7 @@ def test_each_thing_outside_is_named_with_the_covered_range() -> None:
         assert cover.outside("H100", model, 1, "bf16") == [
             f"model {model.name} has {params} parameters, {range_}6.74B-70.6B)"
         ]
-    assert len(cover.outside("L4", LLAMA_405B, 8, "bf16")) == 3  # all of them, one each
+    assert len(cover.outside("L4", LLAMA_405B, 16, "bf16")) == 3  # all of them, one each
 
 
 def test_a_request_far_longer_than_any_source_ran_is_refused() -> None:
@@ -78,14 +82,16 @@ def test_a_request_far_longer_than_any_source_ran_is_refused() -> None:
 
 def test_a_precision_no_source_ran_is_refused_and_the_ranges_follow_the_sources() -> None:
     shipped = calibration()
+    kept = [name for name in shipped.sources if "fp8" not in name and "h200" not in name]
     without_fp8 = replace(
         shipped,
-        held_out=tuple(name for name in shipped.held_out if "fp8" not in name),
+        fitted_on=tuple(name for name in shipped.fitted_on if name in kept),
+        held_out=tuple(name for name in shipped.held_out if name in kept),
         held_out_error_fp8={},
     )
     cover = Coverage.of(without_fp8, load_sources())
     assert cover.precisions == ("bf16", "fp16")
-    assert cover.gpus == ("A100", "H100")  # H200 was only in an fp8 source
+    assert cover.gpus == ("A100", "H100")  # without the sources that ran fp8 or an H200
     assert cover.outside("H100", LLAMA_8B, 1, "fp8") == [
         "precision fp8 was run by no source (calibrated: bf16, fp16)"
     ]
@@ -97,14 +103,14 @@ def test_a_precision_no_source_ran_is_refused_and_the_ranges_follow_the_sources(
 def test_the_answer_says_what_it_rests_on_and_the_refusal_how_to_go_on() -> None:
     cover = coverage()
     assert cover.lines("bf16") == [
-        "rests on: 12 of 18 published engine benchmarks (7 fitted, 5 held out: LMDeploy "
-        "0.1.0a1, TensorRT-LLM 0.5/0.6.1/0.13.0, vLLM 0.8.2) on A100/H100/H200; Llama-2 "
-        "7B/13B/70B, Llama-3.1 8B/70B (6.74B-70.6B parameters); tp 1-4; requests up to 32,100 "
+        "rests on: 18 of 24 published engine benchmarks (11 fitted, 7 held out: LMDeploy "
+        "0.1.0a1, TensorRT-LLM 0.5/0.6.1/0.13.0/0.14.0, vLLM 0.8.2) on A100/H100/H200; Llama-2 "
+        "7B/13B/70B, Llama-3.1 8B/70B (6.74B-70.6B parameters); tp 1-8; requests up to 32,100 "
         "tokens; bf16/fp16, fp8 held out only",
-        "held-out error (bf16/fp16; 2 sources): throughput 3% mean, TPOT 3%, TTFT 41%",
+        "held-out error (bf16/fp16; 4 sources): throughput 9% mean, TPOT 18%, TTFT 28%",
     ]
     assert cover.lines("fp8")[1] == (
-        "held-out error (fp8, not fitted; 3 sources): throughput 21% mean, TPOT 19%, TTFT 32%"
+        "held-out error (fp8, not fitted; 3 sources): throughput 22% mean, TPOT 9%, TTFT 27%"
     )
     report = cover.report("fp8", [])
     assert report["summary"] == cover.lines("fp8") and report["held_out_error_sources"] == 3
