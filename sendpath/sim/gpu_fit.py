@@ -65,10 +65,10 @@ REPORT_KEYS = {  # a published figure -> the simulator's report key (and its sca
 }
 # The terms' grids for the coordinate search, which starts from ``Efficiency()``'s defaults
 # and takes them in this order. The all-reduce latency, which only tensor-parallel steps
-# pay, comes before the cost every step pays: the other way round, the first sweep gives
-# every step the tp sources' extra cost (3 ms), and one term at a time cannot trade it
-# back for the all-reduces' (a coordinate search's local minimum: 14.0% mean error on the
-# fitted sources, against 13.0% at 1 ms a step and 40 us an all-reduce).
+# pay, comes before the cost every step pays: searched the other way round (on coarser
+# grids), the first sweep gave every step the tp sources' extra cost, 3 ms, and one term
+# at a time could not trade it back for the all-reduces' (a local minimum: 14.0% mean
+# error on the fitted figures at 3 ms and 30 us, against 13.0% at 1 ms and 40 us).
 GRID: dict[str, tuple[float, ...]] = {
     "compute": (0.3, 0.45, 0.6, 0.75),
     "half_tokens": (0.0, 128.0, 512.0),

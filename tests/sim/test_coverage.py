@@ -81,17 +81,19 @@ def test_a_request_far_longer_than_any_source_ran_is_refused() -> None:
 
 
 def test_a_precision_no_source_ran_is_refused_and_the_ranges_follow_the_sources() -> None:
-    shipped = calibration()
-    kept = [name for name in shipped.sources if "fp8" not in name and "h200" not in name]
-    without_fp8 = replace(
+    shipped, sources = calibration(), load_sources()
+    # the calibration without the sources that ran fp8 weights or an H200, read from setups
+    kept = {s.name for s in sources if s.setup.precision != "fp8" and "H200" not in s.setup.gpu}
+    assert 0 < len(kept) < len(sources)
+    no_fp8_no_h200 = replace(
         shipped,
         fitted_on=tuple(name for name in shipped.fitted_on if name in kept),
         held_out=tuple(name for name in shipped.held_out if name in kept),
         held_out_error_fp8={},
     )
-    cover = Coverage.of(without_fp8, load_sources())
+    cover = Coverage.of(no_fp8_no_h200, sources)
     assert cover.precisions == ("bf16", "fp16")
-    assert cover.gpus == ("A100", "H100")  # without the sources that ran fp8 or an H200
+    assert cover.gpus == ("A100", "H100")
     assert cover.outside("H100", LLAMA_8B, 1, "fp8") == [
         "precision fp8 was run by no source (calibrated: bf16, fp16)"
     ]
@@ -101,6 +103,7 @@ def test_a_precision_no_source_ran_is_refused_and_the_ranges_follow_the_sources(
 
 
 def test_the_answer_says_what_it_rests_on_and_the_refusal_how_to_go_on() -> None:
+    """The lines as printed; their error figures are gpu_calibration.json's, rounded."""
     cover = coverage()
     assert cover.lines("bf16") == [
         "rests on: 18 of 24 published engine benchmarks (11 fitted, 7 held out: LMDeploy "

@@ -8,7 +8,16 @@ from dataclasses import replace
 
 import pytest
 
-from sendpath.sim.gpu_fit import Unreplayable, case, cases, errors, fit, mean_error, predict
+from sendpath.sim.gpu_fit import (
+    REPORT_KEYS,
+    Unreplayable,
+    case,
+    cases,
+    errors,
+    fit,
+    mean_error,
+    predict,
+)
 from sendpath.sim.gpu_model import Efficiency
 from sendpath.sim.gpu_sources import FIGURES, Measurement, Setup, Source, Workload
 
@@ -94,7 +103,8 @@ def test_every_published_figure_has_a_prediction() -> None:
     """Each figure a source may print is one the replay reports; with every answer the
     same length, the mean inter-token gap is the mean TPOT (each request's gaps are as
     many), which is how a table's 'Mean ITL' compares."""
+    assert set(REPORT_KEYS) == set(FIGURES)
     m = measurement("r8", 8.0, dict.fromkeys(FIGURES, 1.0), output_len=32)
     got = predict(case(source(m), m, 40), Efficiency())
-    assert set(got) == set(FIGURES) and all(v > 0 for v in got.values())
+    assert set(got) == set(FIGURES) and all(v > 0 for v in got.values())  # each reported
     assert got["itl_mean_ms"] == pytest.approx(got["tpot_mean_ms"], rel=1e-9)
