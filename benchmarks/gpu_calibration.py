@@ -9,7 +9,7 @@ by a deterministic coordinate search (bf16 and fp16 sources only unless
 the fitted terms, predicted with the plain roofline's shares (the terms' defaults), and the
 relative errors; the summary gives the held-out mean error by kind of figure.
 
-    python -m benchmarks.gpu_calibration                      # ~55 minutes on 2 Zen 3 cores
+    python -m benchmarks.gpu_calibration                      # ~56 minutes on 2 Zen 3 cores
     python -m benchmarks.gpu_calibration --max-requests 100   # quicker, coarser
 
 Results: ``benchmarks/results/gpu_calibration.json`` and the fitted terms, with the
