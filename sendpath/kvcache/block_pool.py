@@ -40,7 +40,9 @@ class Pool(Protocol):
     def allocate(self, n: int, evicted: list[WireHash] | None = None, /) -> list[int] | None: ...
     def touch(self, block_ids: Iterable[int], /) -> None: ...
     def release(self, block_ids: Iterable[int], /) -> None: ...
-    def lookup(self, block_hash: BlockHash, packed: bytes, /) -> int: ...
+    def longest_hit(
+        self, hashes: Sequence[BlockHash], packed: Sequence[bytes], limit: int, /
+    ) -> list[int]: ...
     def cache_all(
         self,
         block_ids: Sequence[int],
@@ -135,13 +137,25 @@ class BlockPool:
         ref = self._ref
         return sum(1 for b in self._checked(block_ids) if ref[b] == 0)
 
-    def lookup(self, block_hash: BlockHash, packed: bytes) -> int:
-        """The cached block with this hash whose token ids really are ``packed`` (int64
-        bytes), or -1."""
-        block = self._cached.get(block_hash)
-        if block is None or type(packed) is not bytes or self._tokens[block] != packed:
-            return -1
-        return block
+    def longest_hit(
+        self, hashes: Sequence[BlockHash], packed: Sequence[bytes], limit: int
+    ) -> list[int]:
+        """The cached blocks of the longest run of ``hashes[:limit]`` whose token ids
+        really are ``packed``'s (int64 bytes, one per hash): a request's prefix hit."""
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit}")
+        if len(hashes) != len(packed):
+            raise ValueError(f"longest_hit: {len(hashes)} hashes, {len(packed)} packed")
+        hits: list[int] = []
+        cached, tokens = self._cached, self._tokens
+        for block_hash, ids in zip(hashes[:limit], packed, strict=False):
+            if type(block_hash) is not bytes or type(ids) is not bytes:
+                break  # only bytes are ever indexed
+            block = cached.get(block_hash)
+            if block is None or tokens[block] != ids:
+                break
+            hits.append(block)
+        return hits
 
     def allocate(self, n: int, evicted: list[WireHash] | None = None) -> list[int] | None:
         """Take ``n`` free blocks, or ``None`` if too few. The hashes of indexed blocks

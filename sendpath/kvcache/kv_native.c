@@ -222,7 +222,7 @@ static int same_bytes(PyObject *a, PyObject *b) {
 }
 
 /* the slot holding ``key`` (exact bytes), or the empty slot where it would go */
-static size_t index_find(Pool *p, PyObject *key, uint32_t code) {
+static B2_HOT size_t index_find(Pool *p, PyObject *key, uint32_t code) {
     size_t i = code & p->mask;
     for (;;) {
         Slot s = p->index[i];
@@ -492,19 +492,55 @@ static PyObject *pool_release(Pool *p, PyObject *ids) {
     Py_RETURN_NONE;
 }
 
-static PyObject *pool_lookup(Pool *p, PyObject *args) {
-    PyObject *hash, *packed;
-    if (!PyArg_ParseTuple(args, "OO:lookup", &hash, &packed))
+/* the longest run of ``hashes[:limit]`` cached with exactly ``packed``'s token ids, as
+ * block ids: the prefix-cache hit of a request. No Python code can run once the walk
+ * starts (exact bytes only, whose hashes are native; the answer list is made before
+ * and only grown), so neither the inputs nor the pool can change under it. */
+static B2_HOT PyObject *pool_longest_hit(Pool *p, PyObject *args) {
+    PyObject *hashes, *packed;
+    Py_ssize_t limit;
+    if (!PyArg_ParseTuple(args, "OOn:longest_hit", &hashes, &packed, &limit))
         return NULL;
-    if (!PyBytes_CheckExact(hash) || !PyBytes_CheckExact(packed))
-        return PyLong_FromLong(-1); /* only bytes are ever indexed */
-    int32_t b = p->index[index_find(p, hash, code_of(hash))].block1 - 1;
-    PyObject *tokens = b >= 0 ? p->tokens[b] : NULL;
-    Py_ssize_t size = PyBytes_GET_SIZE(packed);
-    if (tokens == NULL || PyBytes_GET_SIZE(tokens) != size ||
-        memcmp(PyBytes_AS_STRING(tokens), PyBytes_AS_STRING(packed), (size_t)size) != 0)
-        return PyLong_FromLong(-1);
-    return id_of(p, b);
+    if (limit < 0)
+        return PyErr_Format(PyExc_ValueError, "limit must be >= 0, got %zd", limit);
+    PyObject *h = PySequence_Fast(hashes, "hashes must be a sequence");
+    PyObject *t = h ? PySequence_Fast(packed, "packed must be a sequence") : NULL;
+    PyObject *hits = NULL;
+    if (t == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(h);
+    if (PySequence_Fast_GET_SIZE(t) != n) {
+        PyErr_Format(PyExc_ValueError, "longest_hit: %zd hashes, %zd packed", n,
+                     PySequence_Fast_GET_SIZE(t));
+        goto done;
+    }
+    hits = PyList_New(0);
+    if (hits == NULL)
+        goto done;
+    if (n > limit)
+        n = limit;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *hash = PySequence_Fast_GET_ITEM(h, i), *ids = PySequence_Fast_GET_ITEM(t, i);
+        if (!PyBytes_CheckExact(hash) || !PyBytes_CheckExact(ids))
+            break; /* only bytes are ever indexed */
+        int32_t b = p->index[index_find(p, hash, code_of(hash))].block1 - 1;
+        PyObject *tokens = b >= 0 ? p->tokens[b] : NULL;
+        Py_ssize_t size = PyBytes_GET_SIZE(ids);
+        if (tokens == NULL || PyBytes_GET_SIZE(tokens) != size ||
+            memcmp(PyBytes_AS_STRING(tokens), PyBytes_AS_STRING(ids), (size_t)size) != 0)
+            break;
+        PyObject *id = id_of(p, b);
+        int failed = id == NULL || PyList_Append(hits, id) < 0;
+        Py_XDECREF(id);
+        if (failed) {
+            Py_CLEAR(hits);
+            break;
+        }
+    }
+done:
+    Py_XDECREF(h);
+    Py_XDECREF(t);
+    return hits;
 }
 
 static PyObject *pool_cache_all(Pool *p, PyObject *args) {
@@ -659,7 +695,7 @@ static PyMethodDef pool_methods[] = {
     {"allocate", (PyCFunction)pool_allocate, METH_VARARGS, NULL},
     {"touch", (PyCFunction)pool_touch, METH_O, NULL},
     {"release", (PyCFunction)pool_release, METH_O, NULL},
-    {"lookup", (PyCFunction)pool_lookup, METH_VARARGS, NULL},
+    {"longest_hit", (PyCFunction)pool_longest_hit, METH_VARARGS, NULL},
     {"cache_all", (PyCFunction)pool_cache_all, METH_VARARGS, NULL},
     {"num_free_of", (PyCFunction)pool_num_free_of, METH_O, NULL},
     {"ref_cnt", (PyCFunction)pool_ref_cnt, METH_O, NULL},

@@ -94,15 +94,9 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching or request.num_computed_tokens > 0:
             return [], 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[int] = []
+        max_blocks = max(0, (request.num_tokens - 1) // self.block_size)
         record = self._request_hashes(request)
-        hashes, packed, lookup = record.hashes, record.packed, self.pool.lookup
-        for i in range(min(max_blocks, len(hashes))):
-            block = lookup(hashes[i], packed[i])
-            if block < 0:
-                break
-            hits.append(block)
+        hits = self.pool.longest_hit(record.hashes, record.packed, max_blocks)
         return hits, len(hits) * self.block_size
 
     def count_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:

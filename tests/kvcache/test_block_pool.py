@@ -9,6 +9,7 @@ import random
 from array import array
 from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -74,16 +75,43 @@ def test_cached_free_block_is_found_then_evicted_on_reuse(make: MakePool) -> Non
     h = hash_block(None, [1, 2, 3, 4])
     pool.cache_all([block], [h], [_ids(1, 2, 3, 4)])
     pool.release([block])
-    assert pool.lookup(h, _ids(1, 2, 3, 4)) == block  # freed, still cached
-    assert pool.lookup(h, _ids(1, 2, 3, 5)) == -1  # tokens verified, not just the hash
+    assert pool.longest_hit([h], [_ids(1, 2, 3, 4)], 1) == [block]  # freed, still cached
+    assert pool.longest_hit([h], [_ids(1, 2, 3, 5)], 1) == []  # tokens verified, not just the hash
     assert pool.num_free_of([block]) == 1
     pool.touch([block])  # a hit takes it out of the free queue
     assert pool.ref_cnt(block) == 1 and pool.free_block_ids() == [1]
     pool.release([block])
     evicted: list[WireHash] = []
     assert pool.allocate(2, evicted) == [1, 0]  # block 1 first (older in the LRU), then 0
-    assert evicted == [h] and pool.lookup(h, _ids(1, 2, 3, 4)) == -1
+    assert evicted == [h] and pool.longest_hit([h], [_ids(1, 2, 3, 4)], 1) == []
     assert pool.block_hash(block) is None and pool.num_cached_blocks == 0
+
+
+def test_longest_hit_walks_a_chain_to_its_first_miss(make: MakePool) -> None:
+    pool = make(4)
+    blocks = pool.allocate(3) or []
+    chain = [hash_block(None, [1]), hash_block(None, [2]), hash_block(None, [3])]
+    packed = [_ids(1), _ids(2), _ids(3)]
+    pool.cache_all(blocks, chain, packed)
+    assert pool.longest_hit(chain, packed, 3) == blocks
+    assert pool.longest_hit(chain, packed, 2) == blocks[:2]  # the limit: one token to compute
+    assert pool.longest_hit(chain, packed, 0) == [] == pool.longest_hit([], [], 5)
+    assert pool.longest_hit(chain, [packed[0], _ids(9), packed[2]], 3) == blocks[:1]
+    other = [chain[0], hash_block(None, [8]), chain[2]]
+    assert pool.longest_hit(other, packed, 3) == blocks[:1]  # a later hit does not count
+    pool.release(blocks)
+    pool.allocate(2)  # the fresh block, then the oldest freed: blocks[0] leaves the index
+    assert pool.longest_hit(chain, packed, 3) == []
+
+
+def test_longest_hit_refuses_bad_arguments(make: MakePool) -> None:
+    pool = make(2)
+    with pytest.raises(ValueError, match="limit must be >= 0"):
+        pool.longest_hit([], [], -1)
+    with pytest.raises(ValueError, match="2 hashes, 1 packed"):
+        pool.longest_hit([b"h" * 16, b"i" * 16], [b"t"], 1)
+    with pytest.raises(TypeError):
+        pool.longest_hit(None, [], 1)  # type: ignore[arg-type]
 
 
 def test_duplicate_hash_keeps_first_block(make: MakePool) -> None:
@@ -93,7 +121,7 @@ def test_duplicate_hash_keeps_first_block(make: MakePool) -> None:
     indexed: list[bool] = []
     pool.cache_all([a, b, a], [h, h, hash_block(None, [8])], [_ids(7)] * 3, indexed)
     assert indexed == [True, False, False]  # b: the hash is a's; a: indexed already
-    assert pool.lookup(h, _ids(7)) == a and pool.block_hash(b) is None
+    assert pool.longest_hit([h], [_ids(7)], 1) == [a] and pool.block_hash(b) is None
 
 
 def test_a_pool_without_caching_indexes_nothing(make: MakePool) -> None:
@@ -101,7 +129,7 @@ def test_a_pool_without_caching_indexes_nothing(make: MakePool) -> None:
     (a,) = pool.allocate(1) or []
     h = hash_block(None, [7])
     pool.cache_all([a], [h], [_ids(7)])
-    assert not pool.enable_caching and pool.lookup(h, _ids(7)) == -1
+    assert not pool.enable_caching and pool.longest_hit([h], [_ids(7)], 1) == []
 
 
 def test_bad_calls_are_refused_and_change_nothing(make: MakePool) -> None:
@@ -123,7 +151,7 @@ def test_bad_calls_are_refused_and_change_nothing(make: MakePool) -> None:
     with pytest.raises(TypeError, match="must be bytes"):
         pool.cache_all([0], [Hash(b"h" * 16)], [b"t"])
     assert pool.free_block_ids() == [2, 3] and pool.num_cached_blocks == 0
-    assert pool.lookup(Hash(b"h" * 16), b"t") == -1
+    assert pool.longest_hit([Hash(b"h" * 16)], [b"t"], 1) == []
 
 
 class Hash(bytes):
@@ -152,13 +180,18 @@ OPS = st.lists(
         st.tuples(st.just("release"), st.integers(0, 40)),
         st.tuples(st.just("touch"), st.integers(0, 40)),
         st.tuples(st.just("cache"), st.integers(0, 40), st.integers(0, 5)),
-        st.tuples(st.just("lookup"), st.integers(0, 5), st.integers(0, 1)),
+        st.tuples(
+            st.just("hit"),
+            st.lists(st.integers(0, 5), max_size=4),  # the keys of a chain of blocks
+            st.integers(0, 5),  # the limit
+            st.integers(-1, 3),  # the block whose token ids are wrong (-1: none)
+        ),
     ),
     max_size=80,
 )
 
 
-def _run(pool: Pool, ops: list[tuple[int | str, ...]]) -> list[object]:
+def _run(pool: Pool, ops: list[tuple[Any, ...]]) -> list[object]:
     """Apply ``ops`` (ids picked among the blocks each one holds), recording every answer
     and the pool's state after each."""
     held: list[int] = []  # one entry per reference taken
@@ -182,9 +215,11 @@ def _run(pool: Pool, ops: list[tuple[int | str, ...]]) -> list[object]:
             indexed: list[bool] = []
             pool.cache_all([block], [bytes([key]) * 16], [_ids(key)], indexed)
             seen.append(indexed)
-        elif op == "lookup":
-            key, right = int(args[0]), int(args[1])
-            seen.append(pool.lookup(bytes([key]) * 16, _ids(key if right else key + 1)))
+        elif op == "hit":
+            keys, limit, wrong = args
+            hashes = [bytes([k]) * 16 for k in keys]
+            packed = [_ids(k + (i == wrong)) for i, k in enumerate(keys)]
+            seen.append(pool.longest_hit(hashes, packed, limit))
         blocks = range(pool.num_blocks)
         seen.append(
             (
@@ -202,7 +237,7 @@ def _run(pool: Pool, ops: list[tuple[int | str, ...]]) -> list[object]:
 @settings(max_examples=300, deadline=None)
 @given(ops=OPS, num_blocks=st.integers(1, 8))
 def test_the_c_pool_does_what_the_python_one_does(
-    native_kv: ModuleType, ops: list[tuple[int | str, ...]], num_blocks: int
+    native_kv: ModuleType, ops: list[tuple[Any, ...]], num_blocks: int
 ) -> None:
     assert _run(native_kv.BlockPool(num_blocks), ops) == _run(BlockPool(num_blocks), ops)
 
@@ -225,7 +260,7 @@ def test_the_c_pools_index_holds_up_when_full_and_churning(native_kv: ModuleType
             indexed: list[bool] = []
             pool.cache_all(blocks, picked, [_ids(k[0]) for k in picked], indexed)
             seen += [blocks, evicted, indexed, pool.num_cached_blocks]
-            seen += [pool.lookup(k, _ids(k[0])) for k in probes]
+            seen += [pool.longest_hit([k], [_ids(k[0])], 1) for k in probes]
             pool.release(blocks[::-1])
     assert answers[0] == answers[1]
     assert pools[0].num_cached_blocks == pools[1].num_cached_blocks > 200
@@ -276,3 +311,17 @@ def test_the_c_pool_reads_its_state_after_making_its_answer(native_kv: ModuleTyp
     other = native_kv.BlockPool(8)
     taken = other.allocate(8)
     assert _collect_during(other.free_block_ids, lambda: other.release(taken)) == list(range(8))
+
+
+def test_the_c_pool_walks_a_prefix_as_the_pool_is_after_a_collection(
+    native_kv: ModuleType,
+) -> None:
+    """A finalizer the collector runs while ``longest_hit`` makes its answer list may
+    evict the blocks it would find: the answer is the pool's after, not a stale hit."""
+    pool = native_kv.BlockPool(2)
+    (block,) = pool.allocate(1)
+    h = hash_block(None, [5])
+    pool.cache_all([block], [h], [_ids(5)])
+    pool.release([block])
+    hit = _collect_during(lambda: pool.longest_hit([h], [_ids(5)], 1), lambda: pool.allocate(2))
+    assert hit == [] and pool.num_cached_blocks == 0
