@@ -9,8 +9,12 @@ by a deterministic coordinate search (bf16 and fp16 sources only unless
 the fitted terms, predicted with the plain roofline's shares (the terms' defaults), and the
 relative errors; the summary gives the held-out mean error by kind of figure.
 
-    python -m benchmarks.gpu_calibration                      # ~56 minutes on 2 Zen 3 cores
+    python -m benchmarks.gpu_calibration                      # ~35 minutes on 2 Zen 3 cores
     python -m benchmarks.gpu_calibration --max-requests 100   # quicker, coarser
+
+The replays run on the compiled simulator (``sendpath/sim/compiled.py``, as `sendpath sim`
+does; ``SENDPATH_SIM_COMPILED=0`` for Python, the same figures to the last digit), in
+worker processes that make the cases themselves (compiled objects do not pickle).
 
 Results: ``benchmarks/results/gpu_calibration.json`` and the fitted terms, with the
 sources and held-out errors they rest on, in ``sendpath/sim/gpu_calibration.json``.
@@ -22,19 +26,47 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from sendpath.sim.gpu_fit import Case, cases, fit, predict
-from sendpath.sim.gpu_model import Efficiency
-from sendpath.sim.gpu_sources import SOURCES, load_sources
+from sendpath.sim.compiled import use
+
+HOW = use(lambda message: print(message, file=sys.stderr, flush=True))  # before the sim's imports
+
+from sendpath.sim.gpu_fit import Case, Mapper, cases, fit, predict  # noqa: E402
+from sendpath.sim.gpu_model import Efficiency  # noqa: E402
+from sendpath.sim.gpu_sources import SOURCES, load_sources  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "gpu_calibration.json"
 CALIBRATION = SOURCES.parent / "gpu_calibration.json"
 KINDS = {"throughput": "throughput", "tpot": "tpot", "ttft": "ttft", "itl": "tpot", "e2e": "e2e"}
+
+
+_CASES: dict[str, Case] = {}  # a worker's cases by name, made by its initializer
+
+
+def _load_cases(max_requests: int) -> None:
+    """A worker makes the cases itself: the compiled simulator's objects do not pickle."""
+    _CASES.update((c.name, c) for c in cases(load_sources(), max_requests)[0])
+
+
+def _on_named(run: Callable[[Case], float], name: str) -> float:
+    return run(_CASES[name])
+
+
+def by_name(pool: ProcessPoolExecutor) -> Mapper:
+    """``pool.map`` that sends each worker a case's name, not the case."""
+
+    def mapper(run: Callable[[Case], float], found: Sequence[Case]) -> Iterable[float]:
+        return pool.map(partial(_on_named, run), [c.name for c in found])
+
+    return mapper
 
 
 def kind(figure: str) -> str:
@@ -113,12 +145,13 @@ def main() -> None:
     print(f"{len(sources)} sources, {len(found)} replayable measurements, {len(skipped)} not")
     print(f"fitting on {len(train)} measurements ({args.fit_precisions})", flush=True)
     began = time.perf_counter()
-    with ProcessPoolExecutor(args.processes) as pool:
+    with ProcessPoolExecutor(args.processes, initializer=_load_cases,
+                             initargs=(args.max_requests,)) as pool:  # fmt: skip
         eff, train_error = fit(
             train,
             sweeps=args.sweeps,
             progress=lambda e, err: print(f"  {err:.3f} {asdict(e)}", flush=True),
-            mapper=pool.map,
+            mapper=by_name(pool),
         )
     print(f"fitted in {time.perf_counter() - began:.0f} s: {asdict(eff)}")
     table = rows(found, eff, held)
@@ -138,6 +171,7 @@ def main() -> None:
         "fit_summary": summary(table, False),
         "skipped": [{"case": n, "why": why} for n, why in skipped],
         "max_requests": args.max_requests,
+        "simulator": HOW,
         "rows": table,
     }
     print("held out:", json.dumps(result["held_out_summary"]))
