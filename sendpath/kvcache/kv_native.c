@@ -496,15 +496,16 @@ static PyObject *pool_release(Pool *p, PyObject *ids) {
  * block ids: the prefix-cache hit of a request. No Python code can run once the walk
  * starts (exact bytes only, whose hashes are native; the answer list is made before
  * and only grown), so neither the inputs nor the pool can change under it. */
-static B2_HOT PyObject *pool_longest_hit(Pool *p, PyObject *args) {
-    PyObject *hashes, *packed;
-    Py_ssize_t limit;
-    if (!PyArg_ParseTuple(args, "OOn:longest_hit", &hashes, &packed, &limit))
+static B2_HOT PyObject *pool_longest_hit(Pool *p, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3)
+        return PyErr_Format(PyExc_TypeError, "longest_hit takes 3 arguments (%zd given)", nargs);
+    Py_ssize_t limit = PyNumber_AsSsize_t(args[2], PyExc_OverflowError);
+    if (limit == -1 && PyErr_Occurred())
         return NULL;
     if (limit < 0)
         return PyErr_Format(PyExc_ValueError, "limit must be >= 0, got %zd", limit);
-    PyObject *h = PySequence_Fast(hashes, "hashes must be a sequence");
-    PyObject *t = h ? PySequence_Fast(packed, "packed must be a sequence") : NULL;
+    PyObject *h = PySequence_Fast(args[0], "hashes must be a sequence");
+    PyObject *t = h ? PySequence_Fast(args[1], "packed must be a sequence") : NULL;
     PyObject *hits = NULL;
     if (t == NULL)
         goto done;
@@ -695,7 +696,7 @@ static PyMethodDef pool_methods[] = {
     {"allocate", (PyCFunction)pool_allocate, METH_VARARGS, NULL},
     {"touch", (PyCFunction)pool_touch, METH_O, NULL},
     {"release", (PyCFunction)pool_release, METH_O, NULL},
-    {"longest_hit", (PyCFunction)pool_longest_hit, METH_VARARGS, NULL},
+    {"longest_hit", (PyCFunction)(void (*)(void))pool_longest_hit, METH_FASTCALL, NULL},
     {"cache_all", (PyCFunction)pool_cache_all, METH_VARARGS, NULL},
     {"num_free_of", (PyCFunction)pool_num_free_of, METH_O, NULL},
     {"ref_cnt", (PyCFunction)pool_ref_cnt, METH_O, NULL},

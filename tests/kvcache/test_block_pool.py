@@ -323,5 +323,6 @@ def test_the_c_pool_walks_a_prefix_as_the_pool_is_after_a_collection(
     h = hash_block(None, [5])
     pool.cache_all([block], [h], [_ids(5)])
     pool.release([block])
-    hit = _collect_during(lambda: pool.longest_hit([h], [_ids(5)], 1), lambda: pool.allocate(2))
+    hashes, packed = [h], [_ids(5)]  # made before: the collector runs inside the call
+    hit = _collect_during(lambda: pool.longest_hit(hashes, packed, 1), lambda: pool.allocate(2))
     assert hit == [] and pool.num_cached_blocks == 0
