@@ -140,6 +140,8 @@ def main() -> None:
     names = [s.name for s in sources]
     held = {n for i, n in enumerate(names) if i % args.hold_every == args.hold_every - 1}
     found, skipped = cases(sources, args.max_requests)
+    if len({c.name for c in found}) < len(found):  # the workers find cases by name
+        raise SystemExit("two measurements share a name (source/id): give each its own id")
     fitting = set(args.fit_precisions.split(","))
     train = [c for c in found if c.source.name not in held and c.source.setup.precision in fitting]
     print(f"{len(sources)} sources, {len(found)} replayable measurements, {len(skipped)} not")

@@ -14,6 +14,7 @@ which blocks it indexed; the manager turns them into events.
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Protocol
@@ -138,12 +139,16 @@ class BlockPool:
         return sum(1 for b in self._checked(block_ids) if ref[b] == 0)
 
     def longest_hit(
-        self, hashes: Sequence[BlockHash], packed: Sequence[bytes], limit: int
+        self, hashes: Sequence[BlockHash], packed: Sequence[bytes], limit: int, /
     ) -> list[int]:
         """The cached blocks of the longest run of ``hashes[:limit]`` whose token ids
-        really are ``packed``'s (int64 bytes, one per hash): a request's prefix hit."""
+        really are ``packed``'s (int64 bytes, one per hash; lists or tuples): a request's
+        prefix hit."""
+        limit = operator.index(limit)
         if limit < 0:
             raise ValueError(f"limit must be >= 0, got {limit}")
+        if not isinstance(hashes, list | tuple) or not isinstance(packed, list | tuple):
+            raise TypeError("hashes and packed must be lists or tuples")
         if len(hashes) != len(packed):
             raise ValueError(f"longest_hit: {len(hashes)} hashes, {len(packed)} packed")
         hits: list[int] = []

@@ -493,31 +493,32 @@ static PyObject *pool_release(Pool *p, PyObject *ids) {
 }
 
 /* the longest run of ``hashes[:limit]`` cached with exactly ``packed``'s token ids, as
- * block ids: the prefix-cache hit of a request. No Python code can run once the walk
- * starts (exact bytes only, whose hashes are native; the answer list is made before
- * and only grown), so neither the inputs nor the pool can change under it. */
+ * block ids: the prefix-cache hit of a request. The answer list is made first: making
+ * it may run the collector, and so any finalizer, which may change the pool or the
+ * inputs. After it, nothing runs Python code (lists or tuples read in place, exact bytes
+ * only, whose hashes are native; the list only grows), so the walk reads what is. */
 static B2_HOT PyObject *pool_longest_hit(Pool *p, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3)
         return PyErr_Format(PyExc_TypeError, "longest_hit takes 3 arguments (%zd given)", nargs);
-    Py_ssize_t limit = PyNumber_AsSsize_t(args[2], PyExc_OverflowError);
+    Py_ssize_t limit = PyNumber_AsSsize_t(args[2], NULL); /* clamped, as a slice's end */
     if (limit == -1 && PyErr_Occurred())
         return NULL;
     if (limit < 0)
         return PyErr_Format(PyExc_ValueError, "limit must be >= 0, got %zd", limit);
-    PyObject *h = PySequence_Fast(args[0], "hashes must be a sequence");
-    PyObject *t = h ? PySequence_Fast(args[1], "packed must be a sequence") : NULL;
-    PyObject *hits = NULL;
-    if (t == NULL)
-        goto done;
+    PyObject *hits = PyList_New(0);
+    if (hits == NULL)
+        return NULL;
+    PyObject *h = args[0], *t = args[1];
+    if (!(PyList_Check(h) || PyTuple_Check(h)) || !(PyList_Check(t) || PyTuple_Check(t))) {
+        Py_DECREF(hits);
+        return PyErr_Format(PyExc_TypeError, "hashes and packed must be lists or tuples");
+    }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(h);
     if (PySequence_Fast_GET_SIZE(t) != n) {
-        PyErr_Format(PyExc_ValueError, "longest_hit: %zd hashes, %zd packed", n,
-                     PySequence_Fast_GET_SIZE(t));
-        goto done;
+        Py_DECREF(hits);
+        return PyErr_Format(PyExc_ValueError, "longest_hit: %zd hashes, %zd packed", n,
+                            PySequence_Fast_GET_SIZE(t));
     }
-    hits = PyList_New(0);
-    if (hits == NULL)
-        goto done;
     if (n > limit)
         n = limit;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -534,13 +535,10 @@ static B2_HOT PyObject *pool_longest_hit(Pool *p, PyObject *const *args, Py_ssiz
         int failed = id == NULL || PyList_Append(hits, id) < 0;
         Py_XDECREF(id);
         if (failed) {
-            Py_CLEAR(hits);
-            break;
+            Py_DECREF(hits);
+            return NULL;
         }
     }
-done:
-    Py_XDECREF(h);
-    Py_XDECREF(t);
     return hits;
 }
 

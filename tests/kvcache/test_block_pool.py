@@ -110,8 +110,13 @@ def test_longest_hit_refuses_bad_arguments(make: MakePool) -> None:
         pool.longest_hit([], [], -1)
     with pytest.raises(ValueError, match="2 hashes, 1 packed"):
         pool.longest_hit([b"h" * 16, b"i" * 16], [b"t"], 1)
+    with pytest.raises(TypeError, match="lists or tuples"):
+        pool.longest_hit(iter([b"h" * 16]), [b"t"], 1)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
-        pool.longest_hit(None, [], 1)  # type: ignore[arg-type]
+        pool.longest_hit([], [], 1.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        pool.longest_hit([], [], limit=1)  # type: ignore[call-arg]
+    assert pool.longest_hit((), (), 2**70) == []  # a limit past any list is no limit
 
 
 def test_duplicate_hash_keeps_first_block(make: MakePool) -> None:
@@ -326,3 +331,18 @@ def test_the_c_pool_walks_a_prefix_as_the_pool_is_after_a_collection(
     hashes, packed = [h], [_ids(5)]  # made before: the collector runs inside the call
     hit = _collect_during(lambda: pool.longest_hit(hashes, packed, 1), lambda: pool.allocate(2))
     assert hit == [] and pool.num_cached_blocks == 0
+
+
+def test_the_c_pool_walks_inputs_as_they_are_after_a_collection(native_kv: ModuleType) -> None:
+    """A finalizer that empties the inputs while the answer list is made: the walk reads
+    them as they are then (nothing past their end)."""
+    pool = native_kv.BlockPool(2)
+    blocks = pool.allocate(2)
+    chain, packed = [hash_block(None, [5]), hash_block(None, [6])], [_ids(5), _ids(6)]
+    pool.cache_all(blocks, chain, packed)
+
+    def empty() -> None:
+        chain.clear()
+        packed.clear()
+
+    assert _collect_during(lambda: pool.longest_hit(chain, packed, 2), empty) == []
