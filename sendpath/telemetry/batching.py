@@ -85,6 +85,7 @@ class SpanQueue:
         self._queue: collections.deque[bytes] = collections.deque()
         self._wake = threading.Event()
         self._stopping = False
+        self._abandoned = False  # shut down before the queue was sent: send no more
         self._thread: threading.Thread | None = None  # started by the first put
         self._lock = threading.Lock()  # starting the thread
         os.register_at_fork(after_in_child=functools.partial(_forked, weakref.ref(self)))
@@ -107,16 +108,25 @@ class SpanQueue:
             self._wake.set()
 
     def shutdown(self, timeout_s: float) -> None:
-        """Send what is queued, for at most ``timeout_s`` (a hung collector does not hold
-        the process: the thread is a daemon), then shut the sender; nothing is queued
-        after."""
+        """Send what is queued, for at most ``timeout_s``, then shut the sender; nothing
+        is queued after. Past that time what is still queued is dropped and the send
+        under way is not retried (the OTLP client's backoff ends at its shutdown), so the
+        thread ends: a collector that refuses no longer keeps it retrying, and one that
+        hangs holds it for that one request's timeout (the thread is a daemon and never
+        holds the process)."""
         self._stopping = True
         self._wake.set()
         thread = self._thread
         if thread is not None:
             thread.join(timeout_s)
             if thread.is_alive():
-                return  # still sending: the sender stays open for it
+                self._abandoned = True
+                logger.warning(
+                    "span export still under way after %.1f s at shutdown: %d requests' "
+                    "spans still queued are dropped",
+                    timeout_s,
+                    len(self._queue),
+                )
         self.sender.shutdown()
 
     def _start(self) -> None:
@@ -137,7 +147,7 @@ class SpanQueue:
 
     def _send_queued(self) -> None:
         queue = self._queue
-        while queue:
+        while queue and not self._abandoned:
             first = queue.popleft()  # one at least, whatever its size
             batch, size = [first], len(first)
             while queue and len(batch) < self.max_batch:

@@ -84,15 +84,23 @@ def test_a_sender_that_fails_is_logged_and_the_queue_goes_on(
     queue.shutdown(5.0)
 
 
-def test_shutdown_does_not_wait_past_its_time_for_a_hung_sender() -> None:
+def test_shutdown_does_not_wait_past_its_time_for_a_hung_sender_and_sends_no_more(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     gate = threading.Event()
     sink = Sink(gate=gate)
     queue = SpanQueue(sink, max_queue=10, max_batch=1)
     queue.put(b"x")
-    wait_for(lambda: not queue._queue)
-    queue.shutdown(0.05)  # returns though the send hangs; the sender is left open for it
-    assert not sink.closed
-    gate.set()
+    wait_for(lambda: not queue._queue)  # the thread sends "x" and hangs at the gate
+    queue.put(b"y")
+    with caplog.at_level(logging.WARNING, logger="sendpath.telemetry"):
+        queue.shutdown(0.05)  # returns though the send hangs, and shuts the sender
+    assert sink.closed and "1 requests' spans still queued are dropped" in caplog.text
+    thread = queue._thread
+    assert thread is not None
+    gate.set()  # the hung send returns: the thread ends without sending "y"
+    thread.join(30)
+    assert not thread.is_alive() and sink.batches == [[b"x"]]
 
 
 def test_the_environment_sizes_the_queue_and_bad_values_are_warned_about(

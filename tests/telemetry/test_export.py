@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import logging
+import socket
 
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
 from sendpath.clock import VirtualClock
+from sendpath.telemetry import export
 from sendpath.telemetry.export import EXPORT_BATCH, MAX_QUEUE, Tracing, _batching, traces_endpoint
 from sendpath.telemetry.spans import SpanRecord
 from sendpath.telemetry.trace_context import TraceParent
+from tests.conftest import wait_for
 
 OTEL_ENV = (
     "OTEL_SDK_DISABLED", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
@@ -177,3 +180,26 @@ def test_the_exporter_encodes_in_c_where_it_builds_and_says_so(
         otlp.prefer_native(False)
         assert tracing is not None
         tracing.shutdown()
+
+
+def test_shutdown_stops_the_retries_to_a_collector_that_refuses(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Past its time, shutdown ends the OTLP client's backoff: the export thread does not
+    go on retrying (for half a minute, six tries) in a process that goes on."""
+    with socket.socket() as s:  # a port nothing listens on: connections are refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "10")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "600")  # the tries, not a deadline
+    monkeypatch.setattr(export, "SHUTDOWN_S", 0.05)
+    tracing = Tracing.configured(f"http://127.0.0.1:{port}/v1/traces", "s")
+    assert tracing is not None and tracing.queue is not None
+    with caplog.at_level(logging.WARNING):
+        tracing.emit(tree(), TraceParent(0x1234, 0x99), None, VirtualClock(10.0))
+        wait_for(lambda: "retrying in" in caplog.text)  # refused once: backing off
+        tracing.shutdown()
+    thread = tracing.queue._thread
+    assert thread is not None
+    thread.join(20)  # the six tries' backoffs add up to 25-37 s
+    assert not thread.is_alive()
