@@ -47,16 +47,18 @@ static inline uint64_t b2_rotr(uint64_t x, int n) { return (x >> n) | (x << (64 
         v[b] = b2_rotr(v[b] ^ v[c], 63);   \
     } while (0)
 
-/* -O2 here (the extensions build with -Os): a prompt's blocks are hashed in one loop, and
- * the compression runs a quarter faster */
+/* HOT: a function compiled at -O2, where the extensions build with -Os, for the loops
+ * that run many times a call: a prompt's blocks are hashed in one loop, and the
+ * compression runs a quarter faster (kv_native.c marks its index probe and prefix walk
+ * with it too) */
 #if defined(__GNUC__) && !defined(__clang__)
-#define B2_HOT __attribute__((optimize("O2")))
+#define HOT __attribute__((optimize("O2")))
 #else
-#define B2_HOT
+#define HOT
 #endif
 
 /* one 128-byte block into the state; ``count``: bytes hashed so far, this block's too */
-static B2_HOT void b2_compress(uint64_t h[8], const uint8_t block[128], uint64_t count, int last) {
+static HOT void b2_compress(uint64_t h[8], const uint8_t block[128], uint64_t count, int last) {
     uint64_t v[16], m[16];
     memcpy(m, block, sizeof m);
     for (int i = 0; i < 8; i++) {

@@ -222,7 +222,7 @@ static int same_bytes(PyObject *a, PyObject *b) {
 }
 
 /* the slot holding ``key`` (exact bytes), or the empty slot where it would go */
-static B2_HOT size_t index_find(Pool *p, PyObject *key, uint32_t code) {
+static HOT size_t index_find(Pool *p, PyObject *key, uint32_t code) {
     size_t i = code & p->mask;
     for (;;) {
         Slot s = p->index[i];
@@ -497,7 +497,7 @@ static PyObject *pool_release(Pool *p, PyObject *ids) {
  * it may run the collector, and so any finalizer, which may change the pool or the
  * inputs. After it, nothing runs Python code (lists or tuples read in place, exact bytes
  * only, whose hashes are native; the list only grows), so the walk reads what is. */
-static B2_HOT PyObject *pool_longest_hit(Pool *p, PyObject *const *args, Py_ssize_t nargs) {
+static HOT PyObject *pool_longest_hit(Pool *p, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3)
         return PyErr_Format(PyExc_TypeError, "longest_hit takes 3 arguments (%zd given)", nargs);
     Py_ssize_t limit = PyNumber_AsSsize_t(args[2], NULL); /* clamped, as a slice's end */
