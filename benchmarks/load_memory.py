@@ -47,12 +47,13 @@ def write_model(path: Path, layers: int, hidden: int) -> None:
     """A random Llama-shaped GGUF (F16), with the built-in model's tokenizer metadata."""
     import gguf
 
+    from sendpath.model import gguf_reader
     from sendpath.model.loader import builtin_model_path
 
-    source = gguf.GGUFReader(builtin_model_path())
+    source = gguf_reader.read(builtin_model_path()).fields
 
     def field(name: str) -> Any:
-        return source.fields[name].contents()
+        return source[name]
 
     vocab = len(field("tokenizer.ggml.tokens"))
     heads, kv_heads, ffn = hidden // 64, hidden // 256, hidden * 11 // 4

@@ -1,7 +1,7 @@
-"""Reading a GGUF file: its config, its weights (dequantized to float32 with the ``gguf``
-package, q/k rows permuted back from llama.cpp's interleaved-RoPE layout to the Hugging
-Face one), its tokenizer, and the four-bit codes of its Q4_0 / Q4_1 tensors as they ship
-(for ``precision.py``'s int4 weights)."""
+"""Reading a GGUF file (``gguf_reader.py``): its config, its weights (dequantized to
+float32 with the ``gguf`` package, q/k rows permuted back from llama.cpp's
+interleaved-RoPE layout to the Hugging Face one), its tokenizer, and the four-bit codes
+of its Q4_0 / Q4_1 tensors as they ship (for ``precision.py``'s int4 weights)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import numpy as np
 import torch
 
 from sendpath.errors import ModelLoadError, UnsupportedModelError
+from sendpath.model import gguf_reader
+from sendpath.model.gguf_reader import GGUFError
 from sendpath.model.gguf_tokenizer import tokenizer_from_gguf
 from sendpath.model.llama import LlamaConfig
 from sendpath.model.precision import Codes
@@ -47,19 +49,16 @@ def read_gguf(
     """The file's config, weights (each dequantized and turned into ``dtype`` one tensor at
     a time, so no float32 copy of the whole model exists), tokenizer, name, and the
     four-bit tensors' own codes."""
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
     try:
-        reader = GGUFReader(path)
-    except Exception as exc:  # gguf raises ValueError/struct.error/OSError on bad files
+        reader = gguf_reader.read(path)
+    except (GGUFError, OSError) as exc:
         raise ModelLoadError(
             f"Could not read {str(path)!r} as a GGUF file ({type(exc).__name__}: {exc}). "
             "Check that the file is complete and really a GGUF model."
         ) from exc
-    meta = {
-        k: _field_value(f) for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")
-    }
+    meta = {k: v for k, v in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
     arch = meta.get("general.architecture")
     if arch not in _ARCHS:
         raise UnsupportedModelError(
@@ -156,7 +155,7 @@ def read_gguf(
         raise ModelLoadError(
             f"{path.name}: missing tensor {exc.args[0]}; the file is incomplete."
         ) from exc
-    tokenizer = tokenizer_from_gguf(reader, path.name)
+    tokenizer = tokenizer_from_gguf(reader.fields, path.name)
     codes = _fused_codes(four_bit, config.num_layers, n_heads, n_kv, permuted)
     return config, weights, tokenizer, str(meta.get("general.name") or path.stem), codes
 
@@ -198,13 +197,6 @@ def _fused_codes(
         }
         out.update({f"layers.{i}.{n}.weight": c for n, c in fused.items() if c is not None})
     return out
-
-
-def _field_value(field: Any) -> Any:
-    try:
-        return field.contents()
-    except Exception:  # fields of unusual types: not needed for config
-        return None
 
 
 def _gguf_rope_scaling(

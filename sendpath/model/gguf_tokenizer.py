@@ -15,6 +15,7 @@ Two kinds of vocabulary:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
@@ -90,12 +91,12 @@ def _sentencepiece(
     return backend
 
 
-def tokenizer_from_gguf(reader: Any, name: str) -> Tokenizer:
-    """The tokenizer, chat template and EOS ids stored in a ``gguf.GGUFReader``'s metadata."""
-    fields = reader.fields
+def tokenizer_from_gguf(fields: Mapping[str, Any], name: str) -> Tokenizer:
+    """The tokenizer, chat template and EOS ids stored in a GGUF file's metadata (its
+    ``gguf_reader.read(...).fields``)."""
 
     def get(key: str, default: Any = None) -> Any:
-        return fields[key].contents() if key in fields else default
+        return fields.get(key, default)
 
     kind = get("tokenizer.ggml.model")
     tokens: list[str] = get("tokenizer.ggml.tokens")

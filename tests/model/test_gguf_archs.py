@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from sendpath.llm import LLM
+from sendpath.model import gguf_reader
 from sendpath.model.loader import builtin_model_path
 from sendpath.model.tokenizer import Tokenizer
 from tests.conftest import write_tiny_llama
@@ -58,10 +59,10 @@ def write_gguf(directory: Path, out: Path, hf_model: Any, pre: str | None = None
     writer.add_layer_norm_rms_eps(raw["rms_norm_eps"])
     theta = raw.get("rope_theta") or raw["rope_parameters"]["rope_theta"]
     writer.add_rope_freq_base(theta)
-    source = gguf.GGUFReader(builtin_model_path())
+    source = gguf_reader.read(builtin_model_path()).fields
 
     def field(name: str) -> Any:
-        return source.fields[name].contents()
+        return source[name]
 
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre or field("tokenizer.ggml.pre"))

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from sendpath.model import gguf_reader
 from sendpath.model.gguf_tokenizer import tokenizer_from_gguf
 from sendpath.model.tokenizer import Tokenizer
 
@@ -93,7 +94,7 @@ def sentencepiece(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[An
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    yield sp, tokenizer_from_gguf(gguf.GGUFReader(str(d / "vocab.gguf")), "spm-test")
+    yield sp, tokenizer_from_gguf(gguf_reader.read(d / "vocab.gguf").fields, "spm-test")
 
 
 @pytest.mark.parametrize("text", TEXTS)
