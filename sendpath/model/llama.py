@@ -326,7 +326,11 @@ class LlamaModel(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # given its (empty) weight, the embedding skips its random init: every caller loads
+        # or draws the weights after, and that init under ``torch.device("meta")`` imports
+        # torch._dynamo (3 s of a process's start)
+        embedding = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=embedding)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Tied models get a copy of the embeddings here (+V*D memory, so the head can take

@@ -26,15 +26,18 @@ class RopeScaling:
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Per-pair rotation frequencies [Dh/2] for ``theta`` and ``scaling`` (float32)."""
+    """Per-pair rotation frequencies [Dh/2] for ``theta`` and ``scaling`` (float32), on the
+    CPU whatever the default device (under ``torch.device("meta")`` the arithmetic would
+    run meta kernels, whose first use imports torch._dynamo: 3 s of a process's start)."""
     dh = head_dim
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dh, 2, dtype=torch.int64).float() / dh))
+    steps = torch.arange(0, dh, 2, dtype=torch.int64, device="cpu")
+    inv_freq = 1.0 / (theta ** (steps.float() / dh))
     if scaling is None:
         return inv_freq
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
     if scaling.kind == "factors" and scaling.freq_factors is not None:
-        return inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float32)
+        return inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float32, device="cpu")
     # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
     old_len = scaling.original_max_position_embeddings
     low_wavelen = old_len / scaling.low_freq_factor
