@@ -21,29 +21,29 @@ LOGIT_ATOL = 1e-3
 NEW_TOKENS = 64
 
 
-def reference_greedy(hf_model: Any, ids: list[int], n: int) -> list[int]:
-    """transformers' greedy generate, EOS not stopping it (ignore_eos on our side)."""
-    out = hf_model.generate(
-        torch.tensor([ids]),
-        max_new_tokens=n,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return [int(t) for t in out[0, len(ids) :]]
+def reference_logits(hf_model: Any, ids: list[int]) -> torch.Tensor:
+    """transformers' logits at every position of ``ids``, in one pass."""
+    with torch.no_grad():
+        logits: torch.Tensor = hf_model(torch.tensor([ids])).logits[0].float()
+    return logits
 
 
 def check_against_reference(llm: LLM, hf_model: Any) -> None:
+    """Every conversation's prompt logits agree with transformers', and our greedy answer
+    (the conversations batched, EOS not stopping it) is transformers' greedy answer: its
+    argmax at each step given the same tokens before, read from one teacher-forced pass
+    over the prompt and our answer (what its own greedy generate picks, step by step)."""
     runner = SequenceRunner(llm.loaded)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    for conv in CHAT_PROMPTS:
-        ids = llm.tokenizer.encode_chat(conv)
-        with torch.no_grad():
-            ref_logits = hf_model(torch.tensor([ids])).logits[0].float()
-        diff = (runner.prompt_logits(ids) - ref_logits).abs().max().item()
+    prompts = [llm.tokenizer.encode_chat(conv) for conv in CHAT_PROMPTS]
+    answers = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+    for conv, ids, ours in zip(CHAT_PROMPTS, prompts, answers, strict=True):
+        assert len(ours) == NEW_TOKENS, conv
+        ref_logits = reference_logits(hf_model, ids + ours[:-1])
+        diff = (runner.prompt_logits(ids) - ref_logits[: len(ids)]).abs().max().item()
         assert diff < LOGIT_ATOL, f"max |logit diff| {diff} for {conv}"
-        ours = llm.generate([ids], params)[0].outputs[0].token_ids
-        assert ours == reference_greedy(hf_model, ids, NEW_TOKENS), conv
+        theirs = ref_logits[len(ids) - 1 :].argmax(-1).tolist()
+        assert ours == theirs, conv
 
 
 def test_builtin_matches_transformers(builtin_llm: LLM, hf_builtin: Any) -> None:
