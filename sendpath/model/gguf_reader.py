@@ -11,7 +11,9 @@ row), so ``gguf.quants.dequantize`` reads them unchanged.
 
 A file is not trusted: every length and count is checked against the bytes that remain
 before it is used, and a file that is cut short, lies about a length or nests arrays
-without end raises ``GGUFError`` saying what is wrong and where.
+without end raises ``GGUFError`` saying what is wrong and where. Strings are UTF-8, as the
+format says; outside the tokenizer's keys a string that is not keeps its bad bytes as
+U+FFFD. An array of arrays (which no writer we know makes) is a list of lists.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+MAX_DIM = 2**63  # a dimension is an int64 in ggml
 MAX_NESTING = 8  # arrays of arrays: far more than any writer uses
-STRING, ARRAY = 8, 9
+UINT32, STRING, ARRAY = 4, 8, 9
 # the GGUF value types with a fixed size: their struct format
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
            10: "<Q", 11: "<q", 12: "<d"}  # fmt: skip
@@ -99,20 +102,22 @@ class _Bytes:
             )
         return n
 
-    def string(self, what: str) -> str:
+    def string(self, what: str, strict: bool = True) -> str:
+        """A string; not UTF-8 is an error where ``strict``, else its bad bytes become
+        U+FFFD."""
         n = self.count(what, 1)
         start = self.take(n, what)
         try:
-            return self.buffer[start : start + n].decode("utf-8")
+            return self.buffer[start : start + n].decode("utf-8", "strict" if strict else "replace")
         except UnicodeDecodeError as exc:
             raise GGUFError(f"{what} at byte {start} is not UTF-8 ({exc.reason})") from exc
 
-    def value(self, kind: int, what: str, depth: int = 0) -> Any:
+    def value(self, kind: int, what: str, strict: bool = True, depth: int = 0) -> Any:
         fmt = SCALARS.get(kind)
         if fmt is not None:
             return self.scalar(fmt, what)
         if kind == STRING:
-            return self.string(what)
+            return self.string(what, strict)
         if kind != ARRAY:
             raise GGUFError(f"{what}: unknown value type {kind}")
         if depth >= MAX_NESTING:
@@ -125,8 +130,8 @@ class _Bytes:
             start = self.take(n * size, what)
             return np.frombuffer(self.buffer, np.dtype(fmt), n, start).tolist()
         if item == STRING:
-            return [self.string(what) for _ in range(self.count(what, 8))]
-        return [self.value(item, what, depth + 1) for _ in range(self.count(what, 12))]
+            return [self.string(what, strict) for _ in range(self.count(what, 8))]
+        return [self.value(item, what, strict, depth + 1) for _ in range(self.count(what, 12))]
 
 
 def read(path: Path | str) -> GGUFFile:
@@ -159,10 +164,14 @@ def read(path: Path | str) -> GGUFFile:
         if key in fields:
             raise GGUFError(f"metadata key {key!r} appears twice")
         kind: int = b.scalar("<I", f"metadata {key}")
-        fields[key] = b.value(kind, f"metadata {key}")
+        if key == "general.alignment" and kind != UINT32:
+            raise GGUFError(f"general.alignment has value type {kind}, not UINT32 ({UINT32})")
+        # the tokenizer's strings must be exact; elsewhere a writer's stray bytes are kept
+        # as U+FFFD (a model's description is no reason to refuse it)
+        fields[key] = b.value(kind, f"metadata {key}", strict=key.startswith("tokenizer."))
     infos = [_tensor_info(b) for _ in range(n_tensors)]
     alignment = fields.get("general.alignment", DEFAULT_ALIGNMENT)
-    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+    if alignment <= 0 or alignment & (alignment - 1):
         raise GGUFError(f"general.alignment {alignment!r} is not a power of two")
     start = -(-b.at // alignment) * alignment
     names: set[str] = set()
@@ -181,6 +190,8 @@ def _tensor_info(b: _Bytes) -> tuple[str, tuple[int, ...], GGMLQuantizationType,
     if not 1 <= n_dims <= MAX_DIMS:
         raise GGUFError(f"tensor {name!r} has {n_dims} dimensions (1-{MAX_DIMS} are possible)")
     shape = struct.unpack_from(f"<{n_dims}Q", b.buffer, b.take(8 * n_dims, f"tensor {name}"))
+    if max(shape) >= MAX_DIM:
+        raise GGUFError(f"tensor {name!r} has a dimension of {max(shape)} (at most {MAX_DIM - 1})")
     code: int = b.scalar("<I", f"tensor {name}")
     try:
         kind = GGMLQuantizationType(code)
@@ -217,5 +228,8 @@ def _tensor(
             f"file ({len(buffer)} bytes): the file is cut short"
         )
     dtype = np.dtype(element) if element is not None else np.dtype(np.uint8)
-    data = np.frombuffer(buffer, dtype, n_bytes // dtype.itemsize, at).reshape(dims)
+    try:
+        data = np.frombuffer(buffer, dtype, n_bytes // dtype.itemsize, at).reshape(dims)
+    except ValueError as exc:  # an empty tensor with dimensions numpy cannot shape
+        raise GGUFError(f"tensor {name!r} of shape {shape}: {exc}") from None
     return Tensor(name, kind, shape, data)

@@ -99,7 +99,7 @@ def key(name: str, kind: int) -> bytes:
 BAD_HEADERS = [
     "empty", "magic", "version", "big-endian", "field-count", "key-length", "string-length",
     "string-count", "number-count", "value-type", "utf-8", "duplicate-key", "nesting",
-    "alignment",
+    "alignment", "alignment-type",
 ]  # fmt: skip
 
 
@@ -116,10 +116,11 @@ BAD_HEADERS = [
         (header() + key("a", 9) + struct.pack("<IQ", 8, 2**59) + bytes(64), "more than the"),
         (header() + key("a", 9) + struct.pack("<IQ", 4, 2**61) + bytes(64), "more than the"),
         (header() + key("x", 13) + bytes(8), "unknown value type 13"),
-        (header() + key("s", 8) + struct.pack("<Q", 2) + b"\xff\xfe", "not UTF-8"),
+        (header() + key("tokenizer.s", 8) + struct.pack("<Q", 2) + b"\xff\xfe", "not UTF-8"),
         (header(fields=2) + (key("k", 4) + bytes(4)) * 2, "appears twice"),
         (header() + key("a", 9) + struct.pack("<IQ", 9, 1) * 9 + bytes(64), "nested more"),
         (header() + key("general.alignment", 4) + struct.pack("<I", 24), "power of two"),
+        (header() + key("general.alignment", 7) + b"\x01", "not UINT32"),
     ],
     ids=BAD_HEADERS,
 )
@@ -146,8 +147,10 @@ def tensor_info(name: str, shape: tuple[int, ...], kind: int, offset: int = 0) -
         (tensor_info("t", (31,), 2), "block size"),  # Q4_0 rows are whole 32-blocks
         (tensor_info("t", (2**40,), 0), "runs past the end"),
         (tensor_info("t", (4,), 0, offset=2**63), "runs past the end"),
+        (tensor_info("t", (0, 2**64 - 1), 0), "a dimension of"),
+        (tensor_info("t", (0, 2**40, 2**40), 0), "of shape"),  # empty, but numpy cannot
     ],
-    ids=["duplicate", "dims", "type", "blocks", "size", "offset"],
+    ids=["duplicate", "dims", "type", "blocks", "size", "offset", "huge-dim", "empty-huge"],
 )
 def test_a_bad_tensor_says_what_is_wrong(tmp_path: Path, infos: bytes, message: str) -> None:
     count = infos.count(b"\x01\x00\x00\x00\x00\x00\x00\x00t")  # each info's name
@@ -165,6 +168,14 @@ def test_an_empty_array_and_a_nested_one(tmp_path: Path) -> None:
     nested += struct.pack("<IQ", 8, 1) + struct.pack("<Q", 1) + b"x" + struct.pack("<IQ", 7, 0)
     path.write_bytes(header(fields=2) + empty + nested)
     assert read(path).fields == {"empty": [], "nested": [["x"], []]}
+
+
+def test_a_string_that_is_not_utf8_is_kept_with_replacements_outside_the_tokenizer(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "latin1.gguf"
+    path.write_bytes(header() + key("general.description", 8) + struct.pack("<Q", 4) + b"caf\xe9")
+    assert read(path).fields == {"general.description": "caf\ufffd"}
 
 
 def test_tensor_data_outlives_the_reader(tmp_path: Path) -> None:
