@@ -72,9 +72,25 @@ def read_gguf(
             raise ModelLoadError(f"{path.name}: metadata {arch}.{name} is missing.")
         return value
 
-    n_heads = int(key("attention.head_count"))
-    n_kv = int(key("attention.head_count_kv", n_heads))
-    hidden = int(key("embedding_length"))
+    def number(name: str, default: float | None = None) -> float:
+        value = key(name, default)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ModelLoadError(
+                f"{path.name}: metadata {arch}.{name} is {str(value)[:60]!r}, not a number."
+            )
+        return value
+
+    def whole(name: str, default: int | None = None) -> int:
+        value = number(name, default)
+        if not 1 <= value < 2**63 or value != int(value):  # not NaN, infinite, 0 or 2.5
+            raise ModelLoadError(
+                f"{path.name}: metadata {arch}.{name} is {value!r}, not a positive whole number."
+            )
+        return int(value)
+
+    n_heads = whole("attention.head_count")
+    n_kv = whole("attention.head_count_kv", n_heads)
+    hidden = whole("embedding_length")
     tensors: dict[str, torch.Tensor] = {}
     freq_factors = None  # Llama 3.1's rope_freqs, kept in float32
     four_bit: dict[str, Codes] = {}  # the Q4_0 / Q4_1 tensors' own codes, by GGUF name
@@ -94,18 +110,21 @@ def read_gguf(
         if t.tensor_type.name in ("Q4_0", "Q4_1") and len(t.data.shape) == 2:
             read = q4_1_codes if t.tensor_type.name == "Q4_1" else q4_0_codes
             four_bit[t.name] = read(t.data)
-    vocab = int(meta.get(f"{arch}.vocab_size", tensors["token_embd.weight"].shape[0]))
+    for name in ("token_embd.weight", "output_norm.weight"):
+        if name not in tensors:
+            raise ModelLoadError(f"{path.name}: missing tensor {name}; the file is incomplete.")
+    vocab = whole("vocab_size", tensors["token_embd.weight"].shape[0])
     config = LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
-        num_layers=int(key("block_count")),
+        intermediate_size=whole("feed_forward_length"),
+        num_layers=whole("block_count"),
         num_heads=n_heads,
         num_kv_heads=n_kv,
-        head_dim=int(key("attention.key_length", hidden // n_heads)),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(key("context_length")),
+        head_dim=whole("attention.key_length", hidden // n_heads),
+        rms_norm_eps=float(number("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(number("rope.freq_base", 10000.0)),
+        max_position_embeddings=whole("context_length"),
         tie_word_embeddings="output.weight" not in tensors,
         rope_scaling=_gguf_rope_scaling(meta, arch, freq_factors),
         architecture=arch,
@@ -155,7 +174,12 @@ def read_gguf(
         raise ModelLoadError(
             f"{path.name}: missing tensor {exc.args[0]}; the file is incomplete."
         ) from exc
-    tokenizer = tokenizer_from_gguf(reader.fields, path.name)
+    try:
+        tokenizer = tokenizer_from_gguf(reader.fields, path.name)
+    except (TypeError, ValueError, KeyError, IndexError) as exc:  # ours are ModelLoadErrors
+        raise ModelLoadError(
+            f"{path.name}: the tokenizer's metadata is malformed ({type(exc).__name__}: {exc})."
+        ) from exc
     codes = _fused_codes(four_bit, config.num_layers, n_heads, n_kv, permuted)
     return config, weights, tokenizer, str(meta.get("general.name") or path.stem), codes
 

@@ -34,6 +34,65 @@ def test_garbage_file_is_not_a_gguf(tmp_path: Path) -> None:
         load_model(bad)
 
 
+def tiny_gguf(path: Path, **metadata: object) -> Path:
+    """A one-layer Llama GGUF (hidden 4, vocabulary 8) with ``metadata`` over the usual
+    keys (``None`` leaves a key out; ``tensors=[...]`` names the tensors kept) and a
+    tokenizer without its tokens."""
+    import gguf
+
+    keys: dict[str, object] = {
+        "llama.attention.head_count": 1, "llama.attention.head_count_kv": 1,
+        "llama.embedding_length": 4, "llama.feed_forward_length": 8, "llama.block_count": 1,
+        "llama.context_length": 16, "llama.attention.layer_norm_rms_epsilon": 1e-5,
+    }  # fmt: skip
+    tensors: dict[str, tuple[int, ...]] = {"token_embd.weight": (8, 4), "output_norm.weight": (4,)}
+    for name, shape in (("attn_q", (4, 4)), ("attn_k", (4, 4)), ("attn_v", (4, 4)),
+                        ("attn_output", (4, 4)), ("ffn_gate", (8, 4)), ("ffn_up", (8, 4)),
+                        ("ffn_down", (4, 8)), ("attn_norm", (4,)), ("ffn_norm", (4,))):  # fmt: skip
+        tensors[f"blk.0.{name}.weight"] = shape
+    kept = metadata.pop("tensors", list(tensors))
+    keys.update(metadata)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in keys.items():
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+    writer.add_tokenizer_model("gpt2")  # and no tokens
+    for name in kept:  # type: ignore[attr-defined]
+        writer.add_tensor(name, np.ones(tensors[name], dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize(
+    ("metadata", "message"),
+    [
+        (
+            {"llama.attention.head_count": [1, 2]},
+            "llama.attention.head_count is '\\[1, 2\\]', not a number",
+        ),
+        ({"llama.attention.head_count": 0}, "head_count is 0, not a positive whole number"),
+        ({"llama.embedding_length": 2.5}, "embedding_length is 2.5, not a positive whole"),
+        ({"llama.block_count": None}, "llama.block_count is missing"),
+        ({"tensors": ["output_norm.weight"]}, "missing tensor token_embd.weight"),
+        ({}, "the tokenizer's metadata is malformed"),
+    ],
+    ids=["a-list", "zero", "a-fraction", "missing", "no-embedding", "no-tokens"],
+)
+def test_malformed_gguf_metadata_names_the_key(
+    tmp_path: Path, metadata: dict[str, object], message: str
+) -> None:
+    path = tiny_gguf(tmp_path / "tiny.gguf", **metadata)
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(path)
+
+
 def test_truncated_gguf(tmp_path: Path) -> None:
     src = builtin_model_path()
     cut = tmp_path / "cut.gguf"
