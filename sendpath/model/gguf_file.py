@@ -13,7 +13,6 @@ import torch
 
 from sendpath.errors import ModelLoadError, UnsupportedModelError
 from sendpath.model import gguf_reader
-from sendpath.model.gguf_reader import GGUFError
 from sendpath.model.gguf_tokenizer import tokenizer_from_gguf
 from sendpath.model.llama import LlamaConfig
 from sendpath.model.precision import Codes
@@ -53,7 +52,7 @@ def read_gguf(
 
     try:
         reader = gguf_reader.read(path)
-    except (GGUFError, OSError) as exc:
+    except (gguf_reader.GGUFError, OSError) as exc:
         raise ModelLoadError(
             f"Could not read {str(path)!r} as a GGUF file ({type(exc).__name__}: {exc}). "
             "Check that the file is complete and really a GGUF model."

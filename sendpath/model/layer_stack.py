@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sendpath.model.llama import DecoderLayer, Linear, LlamaModel
+from sendpath.model.linear import Linear
+from sendpath.model.llama import DecoderLayer, LlamaModel
 from sendpath.model.quant import BlockWeights
 
 __all__ = ["layer_stack", "use_kernels"]

@@ -25,7 +25,8 @@ import torch
 from sendpath.errors import ModelLoadError, UnsupportedModelError
 from sendpath.model.gguf_file import read_gguf
 from sendpath.model.hf_tokenizer import tokenizer_from_hf_dir
-from sendpath.model.llama import Linear, LlamaConfig, LlamaModel
+from sendpath.model.linear import Linear
+from sendpath.model.llama import LlamaConfig, LlamaModel
 from sendpath.model.precision import (
     FLOAT32,
     QUANTIZATIONS,

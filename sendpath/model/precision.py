@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from sendpath.errors import ModelLoadError
-from sendpath.model.llama import Linear, LlamaModel
+from sendpath.model.linear import Linear
+from sendpath.model.llama import LlamaModel
 from sendpath.model.quant import (
     INT4_MAX_ROWS,
     BlockWeights,

@@ -10,7 +10,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from sendpath.errors import ModelLoadError
-from sendpath.model.llama import Linear, LlamaConfig, LlamaModel
+from sendpath.model.linear import Linear
+from sendpath.model.llama import LlamaConfig, LlamaModel
 from sendpath.model.loader import load_model
 from sendpath.model.precision import apply_precision, choose_precision
 from sendpath.model.quant import (
