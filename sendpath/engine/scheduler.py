@@ -259,6 +259,26 @@ class Scheduler:
         planned[request.request_id] = (request, n)
         return budget - n
 
+    def next_to_admit(self, num_parked_decodes: int = 0) -> Request | None:
+        """The request ``schedule(num_parked_decodes)`` would try to start first, if it
+        would try anyone: someone waits, and a sequence slot and a token of the budget
+        are left. Only the simulator's fleet mode asks (``sim/decode_lane.py``)."""
+        budget = self.config.max_num_batched_tokens - num_parked_decodes
+        max_seqs = self.config.max_num_seqs - num_parked_decodes
+        if not len(self.waiting) or budget <= 0 or len(self.running) >= max_seqs:
+            return None
+        return self.waiting.peek()
+
+    def blocks_to_start(
+        self, request: Request, num_hit_blocks: int, num_parked_decodes: int = 0
+    ) -> int:
+        """The new blocks a waiting request's first chunk takes after ``num_hit_blocks``
+        prefix-cache hits: ``schedule`` starts it when this many blocks are free beside
+        the hits that are free themselves."""
+        budget = self.config.max_num_batched_tokens - num_parked_decodes
+        n = self._chunk(request.num_tokens - num_hit_blocks * self.kv.block_size, budget)
+        return self.kv.blocks_needed(request, n, num_hit_blocks)
+
     def _chunk(self, remaining: int, budget: int) -> int:
         """Tokens to compute this step: what is left, within the budget and the cap on
         one prefill chunk (a decode's single token is never capped)."""

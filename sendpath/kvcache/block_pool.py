@@ -14,6 +14,7 @@ which blocks it indexed; the manager turns them into events.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -55,7 +56,7 @@ class Pool(Protocol):
     def num_free_of(self, block_ids: Iterable[int], /) -> int: ...
     def ref_cnt(self, block_id: int, /) -> int: ...
     def block_hash(self, block_id: int, /) -> BlockHash | None: ...
-    def free_block_ids(self) -> list[int]: ...
+    def free_block_ids(self, limit: int | None = None, /) -> list[int]: ...
 
 
 def make_pool(num_blocks: int, enable_caching: bool = True) -> Pool:
@@ -110,9 +111,15 @@ class BlockPool:
     def enable_caching(self) -> bool:
         return self._caching
 
-    def free_block_ids(self) -> list[int]:
-        """Free block ids in eviction order (first out first); for tests and stats."""
-        return [*range(self._fresh, self._n), *self._free]
+    def free_block_ids(self, limit: int | None = None) -> list[int]:
+        """Free block ids in allocation order (never used ones, then the least recently
+        freed), the first ``limit`` of them where given."""
+        if limit is not None and limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit}")
+        fresh = range(self._fresh, self._n)
+        if limit is None:
+            return [*fresh, *self._free]
+        return [*fresh[:limit], *itertools.islice(self._free, max(0, limit - len(fresh)))]
 
     def _checked(self, block_ids: Iterable[int]) -> list[int]:
         """The ids, every one handed out before (else ``ValueError``, and nothing changed)."""

@@ -633,20 +633,30 @@ static PyObject *pool_block_hash(Pool *p, PyObject *arg) {
     return hash;
 }
 
-static PyObject *pool_free_block_ids(Pool *p, PyObject *unused) {
-    (void)unused;
+/* the first `limit` free block ids in allocation order (all of them for None or none) */
+static PyObject *pool_free_block_ids(Pool *p, PyObject *args) {
+    PyObject *arg = Py_None;
+    if (!PyArg_ParseTuple(args, "|O:free_block_ids", &arg))
+        return NULL;
+    Py_ssize_t limit = arg == Py_None ? PY_SSIZE_T_MAX : PyNumber_AsSsize_t(arg, NULL);
+    if (limit == -1 && PyErr_Occurred())
+        return NULL;
+    if (limit < 0)
+        return PyErr_Format(PyExc_ValueError, "limit must be >= 0, got %zd", limit);
     PyObject *out;
+    Py_ssize_t count;
     for (;;) { /* made before the pool is read: the collector may run a finalizer */
-        Py_ssize_t count = p->n - p->fresh + p->lru_len;
+        Py_ssize_t all = p->n - p->fresh + p->lru_len;
+        count = all < limit ? all : limit;
         out = PyList_New(count);
         if (out == NULL)
             return NULL;
-        if (count == p->n - p->fresh + p->lru_len)
+        if (all == p->n - p->fresh + p->lru_len)
             break;
         Py_DECREF(out);
     }
     Py_ssize_t i = 0;
-    for (Py_ssize_t b = p->fresh; b < p->n; b++, i++) {
+    for (Py_ssize_t b = p->fresh; b < p->n && i < count; b++, i++) {
         PyObject *id = PyLong_FromSsize_t(b);
         if (id == NULL) {
             Py_DECREF(out);
@@ -654,7 +664,7 @@ static PyObject *pool_free_block_ids(Pool *p, PyObject *unused) {
         }
         PyList_SET_ITEM(out, i, id);
     }
-    for (int32_t b = p->head; b >= 0; b = p->next[b], i++) {
+    for (int32_t b = p->head; b >= 0 && i < count; b = p->next[b], i++) {
         PyObject *id = PyLong_FromLong(b);
         if (id == NULL) {
             Py_DECREF(out);
@@ -699,7 +709,7 @@ static PyMethodDef pool_methods[] = {
     {"num_free_of", (PyCFunction)pool_num_free_of, METH_O, NULL},
     {"ref_cnt", (PyCFunction)pool_ref_cnt, METH_O, NULL},
     {"block_hash", (PyCFunction)pool_block_hash, METH_O, NULL},
-    {"free_block_ids", (PyCFunction)pool_free_block_ids, METH_NOARGS, NULL},
+    {"free_block_ids", (PyCFunction)pool_free_block_ids, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 

@@ -25,6 +25,11 @@ from sendpath.request import Request
 __all__ = ["KVCacheManager"]
 
 
+def _blocks_beyond(tokens: int, block_size: int, held: int) -> int:
+    """Blocks that ``tokens`` tokens fill beyond the ``held`` ones."""
+    return max(0, -(-tokens // block_size) - held)
+
+
 @dataclass(slots=True)
 class _RequestBlocks:
     """What the manager keeps for one request, from its first lookup until ``free``."""
@@ -117,8 +122,7 @@ class KVCacheManager:
         computed = request.num_computed_tokens + len(new_computed_blocks) * bs
         if not new_computed_blocks and computed + num_new_tokens <= len(held) * bs:
             return []  # most decode steps: the last block still has room
-        total_blocks = -(-(computed + num_new_tokens) // bs)
-        needed = max(0, total_blocks - len(held) - len(new_computed_blocks))
+        needed = _blocks_beyond(computed + num_new_tokens, bs, len(held) + len(new_computed_blocks))
         pool = self.pool
         hits_now_free = pool.num_free_of(new_computed_blocks) if new_computed_blocks else 0
         if needed > pool.num_free_blocks - hits_now_free:
@@ -129,6 +133,14 @@ class KVCacheManager:
         new = self._take(needed)
         held += new
         return new
+
+    def blocks_needed(self, request: Request, num_new_tokens: int, num_hit_blocks: int = 0) -> int:
+        """The new blocks ``allocate_slots`` would take for ``num_new_tokens`` beyond what
+        is computed and ``num_hit_blocks`` prefix-cache hits."""
+        bs = self.block_size
+        computed = request.num_computed_tokens + num_hit_blocks * bs
+        held = len(self.block_ids(request.request_id)) + num_hit_blocks
+        return _blocks_beyond(computed + num_new_tokens, bs, held)
 
     def grow_decodes(self, requests: Sequence[Request]) -> bool:
         """Room for one more token for each of these decoding requests, all or none.

@@ -142,13 +142,72 @@ class DecodeLane:
             len(buckets[(first + i) % self.bs]) for i in range(rest)
         )
 
-    def bulk(self, cost: CostModel) -> list[float] | None:
-        """The seconds of each step up to the next finish, when only the parked decode;
-        None when the cache fills up first (then steps, and preemptions, one by one)."""
-        steps = self.next_finish() - self.step
-        if self.crossers(steps) > self.kv.pool.num_free_blocks:
+    def fitting(self, steps: int, free: int) -> int:
+        """The most of the next ``steps`` steps whose new blocks ``free`` blocks hold
+        (``crossers`` grows with the steps)."""
+        batch, bs, buckets = len(self._parked), self.bs, self._buckets
+        rounds = min(free // batch, steps // bs) if batch else steps // bs
+        left = free - rounds * batch
+        rest = bs - 1 if rounds < steps // bs else steps % bs  # steps in a last round
+        first, extra = self.step + 1 + rounds * bs, 0
+        while extra < rest:
+            need = len(buckets[(first + extra) % bs])
+            if need > left:
+                break
+            left -= need
+            extra += 1
+        return rounds * bs + extra
+
+    def bulk(self, cost: CostModel, sched: Scheduler) -> list[float] | None:
+        """The seconds of each step of only the parked decodes, up to the next finish,
+        as far as the free blocks go, and before the scheduler could start anyone; None
+        when not one step (then it plans the step, preempting where it must)."""
+        steps = self.fitting(self.next_finish() - self.step, self.kv.pool.num_free_blocks)
+        steps = self.steps_before_admission(sched, steps)
+        if not steps:
             return None
         return decode_seconds(cost, self.batch, self.context(), steps)
+
+    def steps_before_admission(self, sched: Scheduler, steps: int) -> int:
+        """How many of the next ``steps`` steps of only the parked decodes run before
+        the scheduler could start the head of its queue (all of them where it would not
+        try: nobody waits, no slot is free). Until a request arrives or a parked one
+        finishes, those steps only take blocks, in the pool's order, evicting cached
+        ones: the free blocks shrink, and the head's prefix-cache hits with them (a hit
+        block taken ends its chain), which the head's first chunk then computes. It
+        starts at the first step after whose blocks its chunk's new blocks and its free
+        hits are free (``allocate_slots``' test); between two of its hits' evictions
+        each step only has fewer blocks free, so only the first step and the steps that
+        shorten its chain are tried."""
+        batch = len(self._parked)
+        head = sched.next_to_admit(batch)
+        if head is None or not steps:
+            return steps
+        kv, pool = self.kv, self.kv.pool
+        hits = kv.get_computed_blocks(head)[0]
+        free = pool.num_free_blocks
+        need = sched.blocks_to_start(head, len(hits), batch)
+        if need <= free - self.crossers(1) - pool.num_free_of(hits):
+            return 0  # most often: it starts in the next step
+        free_before = [0]  # free blocks among the first i hits
+        for b in hits:
+            free_before.append(free_before[-1] + (pool.ref_cnt(b) == 0))
+        at = {b: j for j, b in enumerate(pool.free_block_ids(self.crossers(steps)))}
+        # (step, hits left) each time a taken hit shortens the chain, in step order
+        shorter: list[tuple[int, int]] = []
+        first_taken = steps + 1
+        for i, b in enumerate(hits):
+            j = at.get(b)
+            if j is not None:
+                step = self.fitting(steps, j) + 1  # the first step taking more than j
+                if step < first_taken:
+                    shorter.append((step, i))
+                    first_taken = step
+        for step, left in shorter[::-1]:
+            need = sched.blocks_to_start(head, left, batch)
+            if need <= free - self.crossers(step) - free_before[left]:
+                return step - 1
+        return steps
 
     def can_schedule_beside(self, sched: Scheduler) -> bool:
         """Whether the scheduler can plan the rest of the next step beside the parked

@@ -21,8 +21,10 @@ get their KV blocks every ``block_size`` steps and their tokens when they finish
 scheduler plans the rest of each step (prefills, admissions) with the parked decodes'
 share of the budget and slots taken out (``schedule(num_parked_decodes=n)``), and a
 step that might preempt runs with everyone back in the scheduler. While a replica has
-only parked decodes (and nobody who could start), the steps up to the next finish are
-one ``bulk`` event, cut after the step in flight by a request reaching the replica.
+only parked decodes (and nobody who could start: no one waits, no slot is free, or the
+cache is too full for the head of the queue), the steps up to the next finish, or as far
+as the free blocks go, are one ``bulk`` event, cut after the step in flight by a request
+reaching the replica.
 Times, steps and cache contents are the detailed mode's.
 Finished requests become what a client would have measured (``results.py``).
 """
@@ -311,16 +313,14 @@ class Simulator:
 
     def _lane_step(self, rep: SimReplica, lane: DecodeLane, index: int, t: float) -> bool:
         """A step beside parked decodes, when it cannot preempt: only they (a bulk up to
-        the next finish), or they and the scheduler's plan for the rest."""
+        the next finish, or as far as the free blocks go, while nobody else runs or can
+        start), or they and the scheduler's plan for the rest."""
         sched = rep.scheduler
-        if not sched.running and not (
-            len(sched.waiting) and lane.batch < sched.config.max_num_seqs
-        ):
-            seconds = lane.bulk(self.cost)
-            if seconds is None:
-                return False
-            self._push(rep.start_bulk(t, seconds), "bulk", (index, rep.epoch))
-            return True
+        if not sched.running:
+            seconds = lane.bulk(self.cost, sched)
+            if seconds is not None:
+                self._push(rep.start_bulk(t, seconds), "bulk", (index, rep.epoch))
+                return True
         if not lane.can_schedule_beside(sched):
             return False
         lane.allocate(1)

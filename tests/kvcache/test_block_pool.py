@@ -56,6 +56,21 @@ def test_release_appends_to_lru_tail_in_given_order(make: MakePool) -> None:
     assert pool.allocate(2) == [4, 3]
 
 
+def test_free_block_ids_are_the_allocation_order_and_a_limit_takes_its_front(
+    make: MakePool,
+) -> None:
+    pool = make(6)
+    blocks = pool.allocate(4)
+    assert blocks is not None
+    pool.release(blocks[:2][::-1])  # never used 4 and 5 go first, then the freed 1, 0
+    order = pool.free_block_ids()
+    assert order == [4, 5, 1, 0] and pool.free_block_ids(None) == order
+    assert [pool.free_block_ids(n) for n in (0, 1, 3, 9)] == [[], [4], [4, 5, 1], order]
+    with pytest.raises(ValueError, match="limit must be >= 0"):
+        pool.free_block_ids(-1)
+    assert pool.allocate(3) == order[:3]
+
+
 def test_shared_block_is_freed_only_when_last_holder_releases(make: MakePool) -> None:
     pool = make(3)
     (block,) = pool.allocate(1) or []

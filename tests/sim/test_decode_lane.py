@@ -42,6 +42,23 @@ def test_parked_decodes_get_blocks_when_they_cross_and_finish_at_their_step() ->
     assert a.output_token_ids == [7, 1007, 1008] and a.num_computed_tokens == 8
 
 
+def test_fitting_is_the_most_steps_whose_crossings_the_free_blocks_hold() -> None:
+    s = make_scheduler(num_blocks=256, block_size=4, max_num_batched_tokens=256)
+    for i, prompt in enumerate((1, 2, 3, 4, 5, 6, 7, 9, 13)):  # every phase, some twice
+        s.add_request(make_request(f"r{i}", [i * 50 + t for t in range(prompt)], 100))
+    prefilled(s)
+    lane = DecodeLane(s.kv, AnswerIds(1000))
+    lane.order(s.running)
+    lane.park(s)
+    for ran in range(4):  # each phase of the step counter
+        for steps in range(0, 23):
+            for free in range(0, 30):
+                most = max(k for k in range(steps + 1) if lane.crossers(k) <= free)
+                assert lane.fitting(steps, free) == most, (ran, steps, free)
+        lane.allocate(1)
+        lane.ran([float(ran)])
+
+
 class Recorded:
     """A cost model that prices a step at its attended context, and keeps every shape."""
 

@@ -160,6 +160,51 @@ def test_fleet_mode_gives_the_detailed_modes_answers_with_fewer_scheduler_calls(
         assert all(rep.lane is not None and not rep.lane.batch for rep in sim.replicas)
 
 
+# every request at once (an offline benchmark's batch) into a cache it outgrows
+PAST_THE_CACHE = {
+    # short prompts, long answers: the running batch outgrows the cache as it decodes
+    "long answers": (Traffic(rate=1e6, num_requests=40, input_len=LengthSpec(16, 64),
+                             output_len=LengthSpec(200, 400), seed=3),
+                     SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512)),
+    # long chunked prompts: a few fit, and the head of the queue, preempted, waits with
+    # its own blocks cached and free until the decodes have taken enough of them
+    "long prompts": (Traffic(rate=1e6, num_requests=30, input_len=LengthSpec(300, 500),
+                             output_len=LengthSpec(100, 250), shared_prefix=32, seed=4),
+                     SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("workload", PAST_THE_CACHE)
+def test_fleet_mode_runs_a_batch_past_the_caches_size_in_bulks(workload: str) -> None:
+    # the parked decodes run in bulks as far as the free blocks go and until the head of
+    # the queue could start; the scheduler steps in where it must preempt or admit
+    traffic, sched = PAST_THE_CACHE[workload]
+    runs = {}
+    for mode in ("detailed", "fleet"):
+        config = SimConfig(num_blocks=150, mode=mode, scheduler=sched)
+        sim = Simulator(config, COST)
+        scheduler, calls = sim.replicas[0].scheduler, []
+        real = scheduler.schedule
+
+        def counted(num_parked_decodes: int = 0, real: Any = real, calls: Any = calls) -> Any:
+            calls.append(num_parked_decodes)
+            return real(num_parked_decodes)
+
+        scheduler.schedule = counted  # type: ignore[method-assign]
+        result = sim.run(traffic)
+        runs[mode] = ({r.request_id: (r.ttft, r.latency, r.itl) for r in result.results},
+                      result.num_steps, result.kv_peak, scheduler.num_preemptions,
+                      len(calls))  # fmt: skip
+    detailed, fleet = runs["detailed"], runs["fleet"]
+    assert len(detailed[0]) == traffic.num_requests and detailed[3] > 0  # it ran out
+    for request_id, (ttft, latency, itl) in detailed[0].items():
+        f_ttft, f_latency, f_itl = fleet[0][request_id]
+        assert (f_ttft, f_latency) == pytest.approx((ttft, latency), abs=1e-9)
+        assert f_itl == pytest.approx(itl, abs=1e-9)
+    assert fleet[1:4] == detailed[1:4]  # the same steps, KV peak and preemptions
+    assert fleet[4] < detailed[4] / 3
+
+
 def test_fleet_mode_keeps_the_running_order_when_a_later_prompt_finishes_first() -> None:
     # tiny blocks, a tight cache, chunked prompts of mixed lengths and shared prefixes:
     # requests finishing in one step free their blocks in running (admission) order, and
