@@ -9,7 +9,7 @@ by a deterministic coordinate search (bf16 and fp16 sources only unless
 the fitted terms, predicted with the plain roofline's shares (the terms' defaults), and the
 relative errors; the summary gives the held-out mean error by kind of figure.
 
-    python -m benchmarks.gpu_calibration                      # ~35 minutes on 2 Zen 3 cores
+    python -m benchmarks.gpu_calibration                      # ~13 minutes on 2 Zen 3 cores
     python -m benchmarks.gpu_calibration --max-requests 100   # quicker, coarser
 
 The replays run on the compiled simulator (``sendpath/sim/compiled.py``, as `sendpath sim`

@@ -183,7 +183,7 @@ def test_fleet_mode_runs_a_batch_past_the_caches_size_in_bulks(workload: str) ->
     for mode in ("detailed", "fleet"):
         config = SimConfig(num_blocks=150, mode=mode, scheduler=sched)
         sim = Simulator(config, COST)
-        scheduler, calls = sim.replicas[0].scheduler, []
+        scheduler, calls = sim.replicas[0].scheduler, list[int]()
         real = scheduler.schedule
 
         def counted(num_parked_decodes: int = 0, real: Any = real, calls: Any = calls) -> Any:
