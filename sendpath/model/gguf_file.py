@@ -1,7 +1,8 @@
 """Reading a GGUF file (``gguf_reader.py``): its config, its weights (dequantized to
-float32 with the ``gguf`` package, q/k rows permuted back from llama.cpp's
-interleaved-RoPE layout to the Hugging Face one), its tokenizer, and the four-bit codes
-of its Q4_0 / Q4_1 tensors as they ship (for ``precision.py``'s int4 weights)."""
+float32: Q4_0 / Q4_1 from their codes, the other types with the ``gguf`` package, the same
+bits either way; q/k rows permuted back from llama.cpp's interleaved-RoPE layout to the
+Hugging Face one), its tokenizer, and the four-bit codes of its Q4_0 / Q4_1 tensors as
+they ship (for ``precision.py``'s int4 weights)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from sendpath.model import gguf_reader
 from sendpath.model.gguf_tokenizer import tokenizer_from_gguf
 from sendpath.model.llama import LlamaConfig
 from sendpath.model.precision import Codes
-from sendpath.model.quant import q4_0_codes, q4_1_codes
+from sendpath.model.quant import q4_0_codes, q4_1_codes, q4_weight
 from sendpath.model.rope import RopeScaling
 from sendpath.model.tokenizer import Tokenizer
 
@@ -99,16 +100,18 @@ def read_gguf(
                 f"{path.name}: tensor {t.name} uses quantization {t.tensor_type.name}, "
                 f"which sendpath cannot dequantize; supported: {sorted(_GGUF_QUANTS)}."
             )
-        values = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        q4_0 = t.tensor_type.name == "Q4_0"
+        if (q4_0 or t.tensor_type.name == "Q4_1") and len(t.data.shape) == 2:
+            four_bit[t.name] = (q4_0_codes if q4_0 else q4_1_codes)(t.data)
+            values = q4_weight(*four_bit[t.name], q4_0)  # from the codes: one pass
+        else:
+            values = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         if not values.flags.writeable:  # an F32 tensor's values: a view of the mapped file
             values = values.copy()
         if t.name == "rope_freqs.weight":
             freq_factors = values
         tensors[t.name] = torch.from_numpy(values).to(dtype)  # float32: the same memory
         del values
-        if t.tensor_type.name in ("Q4_0", "Q4_1") and len(t.data.shape) == 2:
-            read = q4_1_codes if t.tensor_type.name == "Q4_1" else q4_0_codes
-            four_bit[t.name] = read(t.data)
     for name in ("token_embd.weight", "output_norm.weight"):
         if name not in tensors:
             raise ModelLoadError(f"{path.name}: missing tensor {name}; the file is incomplete.")

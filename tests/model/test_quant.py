@@ -3,6 +3,9 @@ float32 product on the same weights, and ``Linear`` choosing by the number of ro
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -23,10 +26,14 @@ from sendpath.model.quant import (
     native_bf16,
     q4_0_codes,
     q4_1_codes,
+    q4_weight,
     quantize_q4,
 )
 
 pytestmark = pytest.mark.skipif(not int4_supported(), reason="this torch has no CPU int4 kernel")
+
+
+Read = Callable[[np.ndarray[Any, Any]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def _weights(n: int = 96, k: int = 128, seed: int = 0) -> np.ndarray:
@@ -37,13 +44,20 @@ def _weights(n: int = 96, k: int = 128, seed: int = 0) -> np.ndarray:
     ("kind", "read"),
     [(GGMLQuantizationType.Q4_1, q4_1_codes), (GGMLQuantizationType.Q4_0, q4_0_codes)],
 )
-def test_gguf_four_bit_codes_are_read_exactly(kind: GGMLQuantizationType, read: object) -> None:
+def test_gguf_four_bit_codes_are_read_exactly(kind: GGMLQuantizationType, read: Read) -> None:
     w = _weights()
     raw = quantize(w, kind)
-    codes, d, m = read(raw)  # type: ignore[operator]
+    codes, d, m = read(raw)
     assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
     rebuilt = codes.float().view(96, 4, 32) * d[..., None] + m[..., None]
     assert torch.equal(rebuilt.view(96, 128), torch.from_numpy(dequantize(raw, kind)))
+    # the loader's values, to the bit, at scales from half precision's least to 10,000
+    scales = np.array([6e-8, 1e-3, 0.37, 1.0, 3.1e2, 1e4], np.float16).astype(np.float32)
+    wide = (_weights(n=6, k=128, seed=1) * scales[:, None]).astype(np.float32)
+    raw = quantize(wide, kind)
+    values = q4_weight(*read(raw), kind == GGMLQuantizationType.Q4_0)
+    assert values.dtype == np.float32
+    assert np.array_equal(values.view(np.uint32), dequantize(raw, kind).view(np.uint32))
 
 
 def test_the_int4_kernel_multiplies_by_the_files_own_weights() -> None:
