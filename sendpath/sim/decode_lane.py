@@ -185,24 +185,30 @@ class DecodeLane:
             return steps
         kv, pool = self.kv, self.kv.pool
         hits = kv.get_computed_blocks(head)[0]
-        free = pool.num_free_blocks
+        free, free_hits = pool.num_free_blocks, pool.num_free_of(hits)
         need = sched.blocks_to_start(head, len(hits), batch)
-        if need <= free - self.crossers(1) - pool.num_free_of(hits):
+        if need <= free - self.crossers(1) - free_hits:
             return 0  # most often: it starts in the next step
+        if not free_hits:
+            return steps  # no step can take one of its hits: each only has fewer free
         free_before = [0]  # free blocks among the first i hits
         for b in hits:
             free_before.append(free_before[-1] + (pool.ref_cnt(b) == 0))
-        at = {b: j for j, b in enumerate(pool.free_block_ids(self.crossers(steps)))}
+        # where each free hit stands in the order the next steps take blocks
+        index = {b: i for i, b in enumerate(hits)}
+        taken_at = {
+            index[b]: j
+            for j, b in enumerate(pool.free_block_ids(self.crossers(steps)))
+            if b in index
+        }
         # (step, hits left) each time a taken hit shortens the chain, in step order
         shorter: list[tuple[int, int]] = []
         first_taken = steps + 1
-        for i, b in enumerate(hits):
-            j = at.get(b)
-            if j is not None:
-                step = self.fitting(steps, j) + 1  # the first step taking more than j
-                if step < first_taken:
-                    shorter.append((step, i))
-                    first_taken = step
+        for i in sorted(taken_at):
+            step = self.fitting(steps, taken_at[i]) + 1  # the first step to take it
+            if step < first_taken:
+                shorter.append((step, i))
+                first_taken = step
         for step, left in shorter[::-1]:
             need = sched.blocks_to_start(head, left, batch)
             if need <= free - self.crossers(step) - free_before[left]:

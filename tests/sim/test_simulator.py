@@ -117,6 +117,19 @@ CALIBRATED = Calibrated(
 )
 
 
+def counted_schedules(sim: Simulator) -> list[int]:
+    """Every replica's ``schedule`` calls from now on (their ``num_parked_decodes``)."""
+    calls: list[int] = []
+    for rep in sim.replicas:
+
+        def counted(num_parked_decodes: int = 0, real: Any = rep.scheduler.schedule) -> Any:
+            calls.append(num_parked_decodes)
+            return real(num_parked_decodes)
+
+        rep.scheduler.schedule = counted  # type: ignore[method-assign]
+    return calls
+
+
 @pytest.mark.parametrize("cost", [COST, CALIBRATED], ids=["roofline", "calibrated"])
 def test_fleet_mode_gives_the_detailed_modes_answers_with_fewer_scheduler_calls(
     cost: CostModel,
@@ -130,20 +143,11 @@ def test_fleet_mode_gives_the_detailed_modes_answers_with_fewer_scheduler_calls(
             config = SimConfig(replicas=3, num_blocks=num_blocks, mode=mode,
                                policy="prefix_aware", scheduler=sched)  # fmt: skip
             sim = Simulator(config, cost)
-            calls = 0
-            for rep in sim.replicas:
-                real = rep.scheduler.schedule
-
-                def counted(num_parked_decodes: int = 0, real: Any = real) -> Any:
-                    nonlocal calls
-                    calls += 1
-                    return real(num_parked_decodes)
-
-                rep.scheduler.schedule = counted  # type: ignore[method-assign]
+            calls = counted_schedules(sim)
             result = sim.run(traffic)
             assert all(r.kv.pool.num_free_blocks == num_blocks for r in sim.replicas)
             by_id = {r.request_id: (r.ttft, r.latency, r.itl, r.timings) for r in result.results}
-            runs[mode] = (by_id, result.num_steps, calls, result.busy, result.kv_peak)
+            runs[mode] = (by_id, result.num_steps, len(calls), result.busy, result.kv_peak)
         detailed, fleet = runs["detailed"], runs["fleet"]
         assert len(detailed[0]) == 300
         for request_id, (ttft, latency, itl, timings) in detailed[0].items():
@@ -183,17 +187,10 @@ def test_fleet_mode_runs_a_batch_past_the_caches_size_in_bulks(workload: str) ->
     for mode in ("detailed", "fleet"):
         config = SimConfig(num_blocks=150, mode=mode, scheduler=sched)
         sim = Simulator(config, COST)
-        scheduler, calls = sim.replicas[0].scheduler, list[int]()
-        real = scheduler.schedule
-
-        def counted(num_parked_decodes: int = 0, real: Any = real, calls: Any = calls) -> Any:
-            calls.append(num_parked_decodes)
-            return real(num_parked_decodes)
-
-        scheduler.schedule = counted  # type: ignore[method-assign]
+        calls = counted_schedules(sim)
         result = sim.run(traffic)
         runs[mode] = ({r.request_id: (r.ttft, r.latency, r.itl) for r in result.results},
-                      result.num_steps, result.kv_peak, scheduler.num_preemptions,
+                      result.num_steps, result.kv_peak, sim.replicas[0].scheduler.num_preemptions,
                       len(calls))  # fmt: skip
     detailed, fleet = runs["detailed"], runs["fleet"]
     assert len(detailed[0]) == traffic.num_requests and detailed[3] > 0  # it ran out
