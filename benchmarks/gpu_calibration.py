@@ -9,7 +9,7 @@ by a deterministic coordinate search (bf16 and fp16 sources only unless
 the fitted terms, predicted with the plain roofline's shares (the terms' defaults), and the
 relative errors; the summary gives the held-out mean error by kind of figure.
 
-    python -m benchmarks.gpu_calibration                      # ~13 minutes on 2 Zen 3 cores
+    python -m benchmarks.gpu_calibration                      # ~12 minutes on 2 Zen 4 cores
     python -m benchmarks.gpu_calibration --max-requests 100   # quicker, coarser
 
 The replays run on the compiled simulator (``sendpath/sim/compiled.py``, as `sendpath sim`
@@ -86,6 +86,7 @@ def rows(found: list[Case], eff: Efficiency, held: set[str]) -> list[dict[str, A
                     "engine": f"{c.source.engine} {c.source.engine_version}",
                     "setup": f"{c.model.name} {c.source.setup.precision} on "
                     f"{c.source.setup.gpu_count} x {c.hw.name}, tp {c.source.setup.tp}",
+                    "limits": c.limits,
                     "workload": asdict(c.measurement.workload),
                     "figure": figure,
                     "published": published,
@@ -125,7 +126,13 @@ def summary(table: list[dict[str, Any]], held_out: bool, fp8: bool | None = None
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hold-every", type=int, default=3, help="hold out every Nth source")
-    parser.add_argument("--max-requests", type=int, default=300, help="a replay's most")
+    parser.add_argument(
+        "--max-requests",
+        type=int,
+        default=500,
+        help="a replay's most (default 500: TensorRT-LLM's online runs whole, with the "
+        "engines' own batch limits)",
+    )
     parser.add_argument("--sweeps", type=int, default=2, help="of the coordinate search")
     parser.add_argument("--processes", type=int, default=os.cpu_count(), help="replays at once")
     parser.add_argument(

@@ -3,7 +3,8 @@ on the ones held out (issue 43).
 
 Each published measurement (``gpu_sources.py``) is replayed by the simulator: the source's
 model and GPU, its tensor parallelism and replica count, its engine's batch limits where
-stated (else vLLM's defaults: 256 sequences, 8,192 tokens a step), its lengths, and its
+known (stated by the source, or the engine's own cited default: ``gpu_sources.py``; else
+vLLM's: 256 sequences, 8,192 tokens a step, ``ASSUMED_LIMITS``), its lengths, and its
 load (Poisson arrivals at its request rate, every request at once, or a closed loop of its
 concurrency: ten rounds where the number of prompts is not stated; offline with a stated
 concurrency and no count: one batch of that many), with no network,
@@ -30,12 +31,13 @@ from sendpath.bench.workload import LengthSpec
 from sendpath.config import SchedulerConfig
 from sendpath.sim.config import SimConfig
 from sendpath.sim.gpu_model import PRECISION_BYTES, Efficiency, GpuStep
-from sendpath.sim.gpu_sources import Measurement, Source
+from sendpath.sim.gpu_sources import LIMITS, Measurement, Source
 from sendpath.sim.hardware import Hardware, ModelSpec, hardware, model_spec
 from sendpath.sim.simulator import Simulator
 from sendpath.sim.traffic import Traffic
 
 __all__ = [
+    "ASSUMED_LIMITS",
     "GRID",
     "Case",
     "Mapper",
@@ -47,6 +49,7 @@ __all__ = [
     "predict",
 ]
 
+ASSUMED_LIMITS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192}  # where not known
 OFFLINE_RATE = 1e6  # requests/s: every request at once
 MAX_REQUESTS = 1000  # a replay's requests at most (published runs: 200-1,000)
 REPORT_KEYS = {  # a published figure -> the simulator's report key (and its scale)
@@ -98,6 +101,18 @@ class Case:
     def name(self) -> str:
         return f"{self.source.name}/{self.measurement.id}"
 
+    @property
+    def limits(self) -> dict[str, str]:
+        """Each batch limit replayed and how it is known: "128 (stated)", "2048 (engine
+        default)", or "256 (assumed)" where the source and its engine's cited defaults are
+        silent (``ASSUMED_LIMITS``)."""
+        out = {}
+        for limit in LIMITS:
+            basis = self.source.setup.limit_basis(limit)
+            value = getattr(self.config.scheduler, limit)
+            out[limit] = f"{value} ({'assumed' if basis == 'unknown' else basis})"
+        return out
+
 
 def _model(setup_model: str, params_b: float) -> ModelSpec:
     """The known architecture a source's model names (Llama 2 and 3.x, 7-8B and 70B)."""
@@ -143,8 +158,9 @@ def case(source: Source, m: Measurement, max_requests: int = MAX_REQUESTS) -> Ca
     config = SimConfig(
         replicas=setup.gpu_count // setup.tp,
         scheduler=SchedulerConfig(
-            max_num_seqs=setup.max_num_seqs or 256,
-            max_num_batched_tokens=setup.max_num_batched_tokens or 8192,
+            max_num_seqs=setup.max_num_seqs or ASSUMED_LIMITS["max_num_seqs"],
+            max_num_batched_tokens=setup.max_num_batched_tokens
+            or ASSUMED_LIMITS["max_num_batched_tokens"],
         ),
         num_blocks=min(400_000, int(free // (16 * model.kv_bytes_per_token))),
         mode="fleet",

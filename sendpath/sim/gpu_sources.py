@@ -3,15 +3,23 @@ checked against (issue 43).
 
 A source says who measured what (title, URL, publisher, kind, date, engine and version),
 on what (model and its size, precision, GPU and how many, tensor parallelism, the engine's
-batch limits where stated), and its figures: for each workload (dataset, input and output
+batch limits where known), and its figures: for each workload (dataset, input and output
 lengths, how many prompts, the request rate, the concurrency, or all at once), the
 throughputs and latencies it published, with the exact words they were read from
 (``quote``). Nothing is estimated from a chart: a figure not printed as a number is not
 kept. A file that lacks a required field is refused with a message naming the field.
 
+A batch limit is either stated by the source (its launch command or build settings) or,
+where the source runs the engine with its defaults, the engine's own default at that
+version: such a limit is named in ``engine_defaults``, and ``engine_defaults_from`` says
+where the default was read (file and lines at the version's tag, or release notes), so
+that nobody mistakes it for the source's word, and nobody has to read the figures to
+find it (which would make the held-out check blind).
+
     {"source": {"title", "url", "publisher", "kind", "date", "engine", "engine_version"},
      "setup": {"model", "params_b", "precision", "gpu", "gpu_count", "tp",
-               "max_num_seqs"?, "max_num_batched_tokens"?, "other"?},
+               "max_num_seqs"?, "max_num_batched_tokens"?,
+               "engine_defaults"?: [LIMITS named], "engine_defaults_from"?, "other"?},
      "measurements": [{"id", "workload": {"dataset", "input_len"?, "output_len"?,
                         "num_prompts"?, "request_rate"?, "concurrency"?, "offline"},
                        "figures": {FIGURES: number, ...}, "quote", "note"?}]}
@@ -26,6 +34,7 @@ from typing import Any
 
 __all__ = [
     "FIGURES",
+    "LIMITS",
     "SOURCES",
     "Measurement",
     "Setup",
@@ -53,6 +62,7 @@ FIGURES = (
 )
 KINDS = ("blog", "docs", "paper", "mlperf", "repo")
 PRECISIONS = ("bf16", "fp16", "fp8")
+LIMITS = ("max_num_seqs", "max_num_batched_tokens")
 
 
 class SourceFileError(ValueError):
@@ -72,7 +82,15 @@ class Setup:
     tp: int
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    engine_defaults: tuple[str, ...] = ()  # the LIMITS that are the engine's defaults
+    engine_defaults_from: str = ""  # where those defaults were read
     other: str = ""
+
+    def limit_basis(self, limit: str) -> str:
+        """How ``limit`` (one of LIMITS) is known: stated, the engine's default, or unknown."""
+        if getattr(self, limit) is None:
+            return "unknown"
+        return "engine default" if limit in self.engine_defaults else "stated"
 
 
 @dataclass(frozen=True)
@@ -183,6 +201,44 @@ def _workload(path: Path, data: Any, where: str) -> Workload:
     return workload
 
 
+def _setup(path: Path, data: Any) -> Setup:
+    f = _Fields(path, data, "setup")
+    limits = {k: f.number(k, optional=True, whole=True) for k in LIMITS}
+    defaults = f.data.get("engine_defaults", [])
+    if (
+        not isinstance(defaults, list)
+        or not all(isinstance(d, str) and d in LIMITS for d in defaults)
+        or len(set(defaults)) < len(defaults)
+    ):
+        listed = ", ".join(LIMITS)
+        raise SourceFileError(
+            path, f"setup.engine_defaults is {defaults!r}; list each of {listed} at most once"
+        )
+    for limit in defaults:
+        if limits[limit] is None:
+            raise SourceFileError(
+                path, f"setup.engine_defaults names {limit}, but setup.{limit} has no value"
+            )
+    cited = f.text("engine_defaults_from", optional=not defaults)
+    if cited and not defaults:
+        raise SourceFileError(
+            path, "setup.engine_defaults_from cites defaults, but setup.engine_defaults names none"
+        )
+    return Setup(
+        f.text("model"),
+        float(f.number("params_b")),
+        f.choice("precision", PRECISIONS),
+        f.text("gpu"),
+        f.number("gpu_count", whole=True),
+        f.number("tp", whole=True),
+        limits["max_num_seqs"],
+        limits["max_num_batched_tokens"],
+        tuple(defaults),
+        cited,
+        f.text("other", optional=True),
+    )
+
+
 def _measurement(path: Path, data: Any, where: str) -> Measurement:
     f = _Fields(path, data, where)
     figures = _Fields(path, data.get("figures"), f"{where}.figures")
@@ -214,7 +270,6 @@ def load_source(path: str | Path) -> Source:
         raise SourceFileError(path, f"not JSON, or unreadable ({exc})") from None
     top = _Fields(path, data, "the file")
     src = _Fields(path, top.data.get("source"), "source")
-    setup = _Fields(path, top.data.get("setup"), "setup")
     listed = top.data.get("measurements")
     if not isinstance(listed, list) or not listed:
         raise SourceFileError(path, "measurements is missing (a list of at least one)")
@@ -231,17 +286,7 @@ def load_source(path: str | Path) -> Source:
         src.text("date"),
         src.text("engine"),
         src.text("engine_version"),
-        Setup(
-            setup.text("model"),
-            float(setup.number("params_b")),
-            setup.choice("precision", PRECISIONS),
-            setup.text("gpu"),
-            setup.number("gpu_count", whole=True),
-            setup.number("tp", whole=True),
-            setup.number("max_num_seqs", optional=True, whole=True),
-            setup.number("max_num_batched_tokens", optional=True, whole=True),
-            setup.text("other", optional=True),
-        ),
+        _setup(path, top.data.get("setup")),
         measurements,
     )
 

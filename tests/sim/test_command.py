@@ -28,7 +28,7 @@ def test_a_plan_prints_the_calibration_it_rests_on(
     cal = json.loads(out.read_text())["simulated"]["calibration"]
     assert cal["summary"] == rest and cal["extrapolated"] == [] and cal["precision"] == "bf16"
     assert cal["fitted_on"] == list(coverage().fitted_on)
-    assert cal["held_out_error"]["throughput"]["mean_error"] == 0.0849  # gpu_calibration.json
+    assert cal["held_out_error"]["throughput"]["mean_error"] == 0.0942  # gpu_calibration.json
 
 
 def test_an_fp8_plan_shows_fp8s_own_held_out_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -57,6 +57,28 @@ def test_a_measurement_replays_as_its_source_ran_it() -> None:
     assert case(source(m, setup=replace(lmdeploy, tp=4)), m).model.name == "Llama-3.1-70B"
 
 
+def test_a_replay_takes_the_known_batch_limits_and_says_how_each_is_known() -> None:
+    m = measurement("r4", 4.0, {"tpot_p50_ms": 10.0})
+    assert case(source(m), m).limits == {
+        "max_num_seqs": "256 (assumed)",
+        "max_num_batched_tokens": "8192 (assumed)",
+    }
+    known = replace(
+        SETUP,
+        max_num_seqs=2048,
+        max_num_batched_tokens=4096,
+        engine_defaults=("max_num_seqs",),
+        engine_defaults_from="release notes",
+    )
+    c = case(source(m, setup=known), m)
+    assert c.config.scheduler.max_num_seqs == 2048
+    assert c.config.scheduler.max_num_batched_tokens == 4096
+    assert c.limits == {
+        "max_num_seqs": "2048 (engine default)",
+        "max_num_batched_tokens": "4096 (stated)",
+    }
+
+
 @pytest.mark.parametrize(
     ("setup", "workload", "reason"),
     [

@@ -138,3 +138,53 @@ def test_a_precision_or_kind_not_known_lists_the_known_ones(tmp_path: Path) -> N
     (tmp_path / "broken.json").write_text("{")
     with pytest.raises(SourceFileError, match="not JSON"):
         load_source(tmp_path / "broken.json")
+
+
+def test_a_limit_is_stated_or_the_engines_cited_default_or_unknown(tmp_path: Path) -> None:
+    data = copy.deepcopy(GOOD)
+    data["setup"].update(
+        max_num_seqs=256,
+        max_num_batched_tokens=4096,
+        engine_defaults=["max_num_batched_tokens"],
+        engine_defaults_from="vllm/config.py L973-981 at v0.6.0",
+    )
+    setup = load_source(write(tmp_path, data)).setup
+    assert setup.limit_basis("max_num_seqs") == "stated"
+    assert setup.limit_basis("max_num_batched_tokens") == "engine default"
+    assert setup.engine_defaults_from == "vllm/config.py L973-981 at v0.6.0"
+    assert load_source(write(tmp_path, GOOD)).setup.limit_basis("max_num_seqs") == "unknown"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"max_num_seqs": 256, "engine_defaults": ["max_num_seqs"]},
+            r"setup\.engine_defaults_from is missing",
+        ),
+        (
+            {"engine_defaults": ["max_num_seqs"], "engine_defaults_from": "arg_utils.py"},
+            r"setup\.engine_defaults names max_num_seqs, but setup\.max_num_seqs has no value",
+        ),
+        (
+            {"max_num_seqs": 256, "engine_defaults": ["max_seqs"], "engine_defaults_from": "x"},
+            r"setup\.engine_defaults is \['max_seqs'\]; list each of max_num_seqs, "
+            r"max_num_batched_tokens at most once",
+        ),
+        (
+            {"max_num_seqs": 256, "engine_defaults": "max_num_seqs", "engine_defaults_from": "x"},
+            r"setup\.engine_defaults is 'max_num_seqs'",
+        ),
+        (
+            {"max_num_seqs": 256, "engine_defaults_from": "arg_utils.py L90"},
+            r"setup\.engine_defaults_from cites defaults, but setup\.engine_defaults names none",
+        ),
+    ],
+)
+def test_an_engine_default_without_its_value_or_citation_is_refused(
+    tmp_path: Path, change: dict[str, Any], message: str
+) -> None:
+    data = copy.deepcopy(GOOD)
+    data["setup"].update(change)
+    with pytest.raises(SourceFileError, match=message):
+        load_source(write(tmp_path, data))
