@@ -10,11 +10,13 @@ throughputs and latencies it published, with the exact words they were read from
 kept. A file that lacks a required field is refused with a message naming the field.
 
 A batch limit is either stated by the source (its launch command or build settings) or,
-where the source runs the engine with its defaults, the engine's own default at that
-version: such a limit is named in ``engine_defaults``, and ``engine_defaults_from`` says
-where the default was read (file and lines at the version's tag, or release notes), so
-that nobody mistakes it for the source's word, and nobody has to read the figures to
-find it (which would make the held-out check blind).
+where the source sets none (it runs the engine with its defaults, or does not say how it
+built it), the engine's own default at that version: such a limit is named in
+``engine_defaults``, and ``engine_defaults_from`` says where the default was read (file
+and lines at the version's tag or the commit read, or release notes) and what the source
+leaves unsaid, so that nobody mistakes it for the source's word, and nobody has to read
+the figures to find it (which would make the held-out check blind). ``setup`` takes no
+other fields than these: a misspelt ``engine_defaults`` would leave its limits stated.
 
     {"source": {"title", "url", "publisher", "kind", "date", "engine", "engine_version"},
      "setup": {"model", "params_b", "precision", "gpu", "gpu_count", "tp",
@@ -63,6 +65,8 @@ FIGURES = (
 KINDS = ("blog", "docs", "paper", "mlperf", "repo")
 PRECISIONS = ("bf16", "fp16", "fp8")
 LIMITS = ("max_num_seqs", "max_num_batched_tokens")
+SETUP_FIELDS = ("model", "params_b", "precision", "gpu", "gpu_count", "tp", *LIMITS,
+                "engine_defaults", "engine_defaults_from", "other")  # fmt: skip
 
 
 class SourceFileError(ValueError):
@@ -88,6 +92,8 @@ class Setup:
 
     def limit_basis(self, limit: str) -> str:
         """How ``limit`` (one of LIMITS) is known: stated, the engine's default, or unknown."""
+        if limit not in LIMITS:
+            raise ValueError(f"{limit!r} is not a batch limit; the limits are {', '.join(LIMITS)}")
         if getattr(self, limit) is None:
             return "unknown"
         return "engine default" if limit in self.engine_defaults else "stated"
@@ -203,26 +209,47 @@ def _workload(path: Path, data: Any, where: str) -> Workload:
 
 def _setup(path: Path, data: Any) -> Setup:
     f = _Fields(path, data, "setup")
-    limits = {k: f.number(k, optional=True, whole=True) for k in LIMITS}
-    defaults = f.data.get("engine_defaults", [])
-    if (
-        not isinstance(defaults, list)
-        or not all(isinstance(d, str) and d in LIMITS for d in defaults)
-        or len(set(defaults)) < len(defaults)
-    ):
-        listed = ", ".join(LIMITS)
+    unknown = sorted(set(f.data) - set(SETUP_FIELDS))
+    if unknown:  # a misspelt engine_defaults would leave its limits read as stated
         raise SourceFileError(
-            path, f"setup.engine_defaults is {defaults!r}; list each of {listed} at most once"
+            path, f"setup has {', '.join(unknown)}; its fields are {', '.join(SETUP_FIELDS)}"
+        )
+    limits = {k: f.number(k, optional=True, whole=True) for k in LIMITS}
+    defaults = f.data.get("engine_defaults")
+    defaults = [] if defaults is None else defaults  # null, as for every optional field
+    listed = ", ".join(LIMITS)
+    if not isinstance(defaults, list) or not all(isinstance(d, str) for d in defaults):
+        raise SourceFileError(
+            path,
+            f"setup.engine_defaults is {defaults!r}; it must be a JSON list naming "
+            f"some of {listed}",
         )
     for limit in defaults:
+        if limit not in LIMITS or defaults.count(limit) > 1:
+            raise SourceFileError(
+                path,
+                f"setup.engine_defaults names {limit!r} "
+                f"{'twice' if limit in LIMITS else 'which is no limit'}; name each of "
+                f"{listed} at most once",
+            )
         if limits[limit] is None:
             raise SourceFileError(
-                path, f"setup.engine_defaults names {limit}, but setup.{limit} has no value"
+                path,
+                f"setup.engine_defaults names {limit}, but setup.{limit} has no value: "
+                f"give it the engine's default, or drop {limit} from engine_defaults",
             )
-    cited = f.text("engine_defaults_from", optional=not defaults)
+    if defaults and not str(f.data.get("engine_defaults_from") or "").strip():
+        raise SourceFileError(
+            path,
+            "setup.engine_defaults_from is missing: say where the defaults that "
+            "setup.engine_defaults names were read (file and lines, or release notes)",
+        )
+    cited = f.text("engine_defaults_from", optional=True)
     if cited and not defaults:
         raise SourceFileError(
-            path, "setup.engine_defaults_from cites defaults, but setup.engine_defaults names none"
+            path,
+            "setup.engine_defaults_from cites defaults, but setup.engine_defaults "
+            "names none: name the limits it covers there, or remove it",
         )
     return Setup(
         f.text("model"),

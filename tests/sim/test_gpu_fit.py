@@ -4,7 +4,9 @@ is deterministic."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +21,7 @@ from sendpath.sim.gpu_fit import (
     predict,
 )
 from sendpath.sim.gpu_model import Efficiency
-from sendpath.sim.gpu_sources import FIGURES, Measurement, Setup, Source, Workload
+from sendpath.sim.gpu_sources import FIGURES, Measurement, Setup, Source, Workload, load_sources
 
 SETUP = Setup("Llama-3.1-8B-Instruct", 8.03, "bf16", "H100-SXM-80GB", 1, 1)
 
@@ -130,3 +132,15 @@ def test_every_published_figure_has_a_prediction() -> None:
     got = predict(case(source(m), m, 40), Efficiency())
     assert set(got) == set(FIGURES) and all(v > 0 for v in got.values())  # each reported
     assert got["itl_mean_ms"] == pytest.approx(got["tpot_mean_ms"], rel=1e-9)
+
+
+def test_the_shipped_calibration_replayed_each_source_with_its_files_limits() -> None:
+    """benchmarks/results/gpu_calibration.json was made from the sources as they are: a
+    source's limits edited since would make its published table stale."""
+    results = Path(__file__).parents[2] / "benchmarks" / "results" / "gpu_calibration.json"
+    rows = json.loads(results.read_text())["rows"]
+    limits = {c.name: c.limits for c in cases(load_sources())[0]}
+    assert rows and {r["case"] for r in rows} == set(limits)
+    assert all(r["limits"] == limits[r["case"]] for r in rows)
+    tp8 = next(r for r in rows if "h100x8-128-4096" in r["case"])
+    assert tp8["limits"]["max_num_seqs"] == "8192 (engine default)"

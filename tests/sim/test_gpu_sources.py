@@ -153,6 +153,25 @@ def test_a_limit_is_stated_or_the_engines_cited_default_or_unknown(tmp_path: Pat
     assert setup.limit_basis("max_num_batched_tokens") == "engine default"
     assert setup.engine_defaults_from == "vllm/config.py L973-981 at v0.6.0"
     assert load_source(write(tmp_path, GOOD)).setup.limit_basis("max_num_seqs") == "unknown"
+    with pytest.raises(ValueError, match="'model' is not a batch limit"):
+        setup.limit_basis("model")
+    data["setup"].update(engine_defaults=None, engine_defaults_from=None)  # JSON null: none
+    assert load_source(write(tmp_path, data)).setup.engine_defaults == ()
+
+
+def test_the_shipped_sources_carry_their_engines_limits() -> None:
+    """The limits the calibration replays, as their files cite them (benchmarks/README.md)."""
+    found = {s.name: s.setup for s in load_sources()}
+    tp8 = found["trtllm-docs-v0.14.0-llama31-70b-fp16-h100-tp8"]
+    assert (tp8.max_num_seqs, tp8.max_num_batched_tokens) == (8192, 16384)
+    assert "tp8_pp1" in tp8.engine_defaults_from
+    tp4 = found["trtllm-docs-v0.14.0-llama31-70b-fp16-h100-tp4"]
+    assert (tp4.max_num_seqs, tp4.max_num_batched_tokens) == (2048, 1024)
+    lmdeploy = found["lmdeploy-docs-2023-12-06-llama2-7b-fp16-a100"]
+    assert lmdeploy.limit_basis("max_num_seqs") == "stated"
+    for setup in found.values():
+        assert all(setup.limit_basis(k) == "engine default" for k in setup.engine_defaults)
+        assert bool(setup.engine_defaults) == bool(setup.engine_defaults_from)
 
 
 @pytest.mark.parametrize(
@@ -160,24 +179,46 @@ def test_a_limit_is_stated_or_the_engines_cited_default_or_unknown(tmp_path: Pat
     [
         (
             {"max_num_seqs": 256, "engine_defaults": ["max_num_seqs"]},
+            r"setup\.engine_defaults_from is missing: say where",
+        ),
+        (
+            {"max_num_seqs": 256, "engine_defaults": ["max_num_seqs"], "engine_defaults_from": " "},
             r"setup\.engine_defaults_from is missing",
         ),
         (
             {"engine_defaults": ["max_num_seqs"], "engine_defaults_from": "arg_utils.py"},
-            r"setup\.engine_defaults names max_num_seqs, but setup\.max_num_seqs has no value",
+            r"setup\.engine_defaults names max_num_seqs, but setup\.max_num_seqs has no value: "
+            r"give it the engine's default",
         ),
         (
             {"max_num_seqs": 256, "engine_defaults": ["max_seqs"], "engine_defaults_from": "x"},
-            r"setup\.engine_defaults is \['max_seqs'\]; list each of max_num_seqs, "
-            r"max_num_batched_tokens at most once",
+            r"setup\.engine_defaults names 'max_seqs' which is no limit; name each of "
+            r"max_num_seqs, max_num_batched_tokens at most once",
+        ),
+        (
+            {
+                "max_num_seqs": 256,
+                "engine_defaults": ["max_num_seqs", "max_num_seqs"],
+                "engine_defaults_from": "x",
+            },
+            r"setup\.engine_defaults names 'max_num_seqs' twice",
         ),
         (
             {"max_num_seqs": 256, "engine_defaults": "max_num_seqs", "engine_defaults_from": "x"},
-            r"setup\.engine_defaults is 'max_num_seqs'",
+            r"setup\.engine_defaults is 'max_num_seqs'; it must be a JSON list naming some of",
+        ),
+        (
+            {"max_num_seqs": 256, "engine_defaults": [True], "engine_defaults_from": "x"},
+            r"setup\.engine_defaults is \[True\]; it must be a JSON list",
         ),
         (
             {"max_num_seqs": 256, "engine_defaults_from": "arg_utils.py L90"},
-            r"setup\.engine_defaults_from cites defaults, but setup\.engine_defaults names none",
+            r"setup\.engine_defaults_from cites defaults, but setup\.engine_defaults names none: "
+            r"name the limits",
+        ),
+        (
+            {"max_num_seqs": 256, "engine_default": ["max_num_seqs"]},
+            r"setup has engine_default; its fields are model, params_b",
         ),
     ],
 )
